@@ -1,0 +1,48 @@
+# Two commands do all set-up: `make demo` and `make test`.
+#
+# PyTorch: TORCH_SPEC is installed before the project, so the project's own `torch>=2.4`
+# requirement is already satisfied and pip never reaches for a multi-GB CUDA build on a
+# CPU-only machine. On a GPU machine choose a CUDA build explicitly, e.g.
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cu126
+# and on a CPU machine whose pip has no local CPU wheel:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+# Debian packages the sandbox (emulated cluster) and its tests need.
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps
+
+.PHONY: setup demo test system-deps clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/vpscluster train
+
+# Installs the Debian packages the integration tests use when running as root and any is
+# missing; without root the sandbox tests skip and say why.
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "not root: sandbox tests will skip (missing:$$missing)"; fi; \
+	fi
+
+test: setup system-deps
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

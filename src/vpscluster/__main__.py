@@ -1,0 +1,3 @@
+from vpscluster.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""The `vpscluster` command: a thin layer that parses, calls the library and renders.
+
+Each subcommand lives in its own module here with two functions:
+
+    add_arguments(parser: argparse.ArgumentParser) -> None
+    run(args: argparse.Namespace) -> int        # the exit status
+
+Modules import nothing heavy at top level (torch, asyncssh, dask are imported inside `run`),
+so `vpscluster --help` stays instant. A `UserError` raised anywhere below becomes one line on
+stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from vpscluster import __version__
+from vpscluster.errors import UserError
+
+# name -> (module, one-line help). Order is the order shown in --help.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("vpscluster.cli.train", "train the built-in GPT model on the local cluster or a cluster file"),
+    "run": ("vpscluster.cli.run", "run any torchrun-compatible script on every node of a cluster"),
+    "exec": ("vpscluster.cli.exec_", "run a shell command on every node in parallel"),
+    "probe": ("vpscluster.cli.probe", "measure every node and every link; report problems"),
+    "plan": ("vpscluster.cli.plan", "predict memory, step time, egress and time to train; pick a strategy"),
+    "sandbox": ("vpscluster.cli.sandbox", "an emulated WAN cluster on this machine (root): up, down, status"),
+    "bench": ("vpscluster.cli.bench", "run a benchmark scenario and write its table"),
+}
+
+
+def build_parser(available_only: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vpscluster",
+        description="Turn a handful of rented machines into a cluster that trains language models together.",
+    )
+    parser.add_argument("--version", action="version", version=f"vpscluster {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if available_only and e.name == module_name:
+                continue  # a command not built yet is simply not offered
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except UserError as e:
+        print(f"vpscluster {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"vpscluster {args.command}: interrupted", file=sys.stderr)
+        return 130

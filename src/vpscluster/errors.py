@@ -1,0 +1,18 @@
+"""Errors a user can act on.
+
+A `UserError` is printed by the CLI as one line on stderr (no traceback) and gives a
+non-zero exit status. Its message names the problem *and* the fix, e.g.
+"cluster.yaml: nodes[2].port: 70000 is not a port (1-65535)".
+"""
+
+
+class UserError(Exception):
+    """A problem with the user's input or environment, reported as one line."""
+
+    exit_code = 2
+
+
+class RemoteError(UserError):
+    """A node could not be reached or a command on it failed in a way the user must fix."""
+
+    exit_code = 1

@@ -1,0 +1,26 @@
+"""Sync strategies by name. Each lives in its own module and is imported only when chosen."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from vpscluster.errors import UserError
+
+if TYPE_CHECKING:
+    from vpscluster.train.strategies.base import Strategy
+
+# name -> "module:Class"
+STRATEGIES: dict[str, str] = {
+    "ddp": "vpscluster.train.strategies.ddp:DDPStrategy",
+    "diloco": "vpscluster.train.strategies.diloco:DiLoCoStrategy",
+}
+
+
+def get_strategy_class(name: str) -> type["Strategy"]:
+    try:
+        target = STRATEGIES[name]
+    except KeyError:
+        raise UserError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None
+    module_name, cls_name = target.split(":")
+    return getattr(importlib.import_module(module_name), cls_name)

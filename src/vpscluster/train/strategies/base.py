@@ -1,0 +1,147 @@
+"""The strategy interface: how ranks keep their models in agreement.
+
+The training loop never branches on the strategy. It calls, per step:
+
+    with strategy.no_sync(accumulating):   # micro-batches that should not communicate yet
+        loss = model(x, y); loss.backward()
+    strategy.step(optimizer, step)         # optimizer step plus whatever sync the strategy does
+    seconds, nbytes = strategy.comm.take() # communication spent since the last take()
+
+and `strategy.setup(model)` once, before the optimizer is built from the module it returns.
+Each strategy is one file under `train/strategies/`:
+
+- `ddp`: DistributedDataParallel; gradients all-reduced every step, optionally compressed
+  through a DDP communication hook (bf16, PowerSGD).
+- `diloco`: local inner steps, an outer step on averaged pseudo-gradients every H steps.
+- a vertical (feature-wise) split would return a model whose layers are sharded by feature
+  across ranks (`setup`), read the same batch on every rank (`data_shard`), and report the
+  activations it exchanges through the same `comm` counters.
+
+Communication is *measured*: a strategy times the collectives it issues (wall time spent waiting
+for them on this rank) and counts the bytes this rank puts on the wire for each one, using the
+collective's algorithm (ring all-reduce sends 2(n-1)/n of the buffer per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from vpscluster.train.config import StrategyConfig
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = "gloo"
+    device: Any = "cpu"  # torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass
+class CommStats:
+    """Seconds and bytes this rank spent communicating; thread-safe (hooks run on DDP's threads)."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    total_seconds: float = 0.0
+    total_bytes_sent: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.seconds += seconds
+            self.bytes_sent += int(nbytes)
+            self.total_seconds += seconds
+            self.total_bytes_sent += int(nbytes)
+
+    @contextlib.contextmanager
+    def timed(self, nbytes: int) -> Iterator[None]:
+        """Time a blocking collective and count `nbytes` sent by this rank."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(time.perf_counter() - t0, nbytes)
+
+    def take(self) -> tuple[float, int]:
+        """Return (seconds, bytes) since the last take and reset the per-step counters."""
+        with self._lock:
+            out = (self.seconds, self.bytes_sent)
+            self.seconds, self.bytes_sent = 0.0, 0
+            return out
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of an `nbytes` buffer (reduce-scatter + all-gather)."""
+    if world_size <= 1:
+        return 0
+    return int(2 * (world_size - 1) * nbytes / world_size)
+
+
+class Strategy(ABC):
+    """One way of synchronising ranks. Subclasses register a `name` in `strategies/__init__.py`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.comm = CommStats()
+
+    @abstractmethod
+    def setup(self, model: "nn.Module") -> "nn.Module":
+        """Wrap `model` (already on ctx.device, identical on every rank); return the module to train."""
+
+    def no_sync(self, accumulating: bool) -> contextlib.AbstractContextManager:
+        """Context for a backward pass that must not communicate yet (gradient accumulation)."""
+        return contextlib.nullcontext()
+
+    def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
+        """Apply this step's update (and any synchronisation). `step` counts from 1."""
+        optimizer.step()
+
+    def data_shard(self) -> tuple[int, int]:
+        """(shard index, number of shards) this rank reads: data-parallel by default."""
+        return self.ctx.rank, self.ctx.world_size
+
+    def unwrap(self) -> "nn.Module":
+        """The plain model whose weights are checkpointed, hashed and evaluated."""
+        raise NotImplementedError(f"{type(self).__name__}.unwrap")
+
+    def eval_module(self) -> "nn.Module":
+        """The module validation runs on (DiLoCo may prefer its global weights)."""
+        return self.unwrap()
+
+    def tokens_processed(self, tokens: int) -> None:
+        """The loop reports the tokens this rank trained on this step (DiLoCo weights by them)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state a checkpoint must keep (DiLoCo: global weights, outer momentum)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"strategy {self.name!r} has no state to load, got keys {sorted(state)}")
+
+    def describe(self) -> dict[str, Any]:
+        """Settings that matter for the report (e.g. compression, H)."""
+        return {"name": self.name}
+
+    def close(self) -> None:
+        """Release hooks and threads."""

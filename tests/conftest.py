@@ -1,0 +1,39 @@
+"""Shared test helpers. Distributed tests use 2-4 gloo processes on loopback with free ports.
+
+Sandbox (emulated cluster) fixtures live in `sandbox_fixtures.py`; they need root and network
+namespaces and skip with the reason when those are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["sandbox_fixtures"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run `vpscluster ARGS...` as a user would, in a child process."""
+    return subprocess.run(
+        [sys.executable, "-m", "vpscluster", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli
