@@ -94,6 +94,10 @@ class Executor(ABC):
     async def put(self, local_path: str, remote_path: str, timeout_s: float = 300.0) -> None:
         """Copy a file or a directory tree to the node (created parents; remote ~ expanded)."""
 
+    @abstractmethod
+    async def get(self, remote_path: str, local_path: str, timeout_s: float = 300.0) -> None:
+        """Copy a file or a directory tree from the node to this machine."""
+
     async def close(self) -> None:
         """Close connections."""
 
