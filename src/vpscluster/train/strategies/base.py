@@ -7,6 +7,8 @@ The training loop never branches on the strategy. It calls, per step:
     strategy.step(optimizer, step)         # optimizer step plus whatever sync the strategy does
     seconds, nbytes = strategy.comm.take() # communication spent since the last take()
 
+and `strategy.finalize(last_step)` once at the end, before the final validation and checkpoint.
+
 and `strategy.setup(model)` once, before the optimizer is built from the module it returns.
 Each strategy is one file under `train/strategies/`:
 
@@ -115,6 +117,9 @@ class Strategy(ABC):
     def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
         """Apply this step's update (and any synchronisation). `step` counts from 1."""
         optimizer.step()
+
+    def finalize(self, step: int) -> None:
+        """Called once after the last step, on every rank (DiLoCo: a last outer sync mid-round)."""
 
     def data_shard(self) -> tuple[int, int]:
         """(shard index, number of shards) this rank reads: data-parallel by default."""
