@@ -49,6 +49,9 @@ class DistContext:
     local_rank: int = 0
     backend: str = "gloo"
     device: Any = "cpu"  # torch.device
+    # The process group for training collectives: created after start-up with the short
+    # `timeouts.train_collective_s`, so a dead peer is noticed fast. None = the default group.
+    group: Any = None
 
     @property
     def is_distributed(self) -> bool:
