@@ -1,0 +1,68 @@
+"""All-reduce sweep: one process per node, the real torch.distributed backend, env:// rendezvous.
+
+Self-contained (sent as source; needs torch). Rank 0 prints one JSON object with, per message
+size, the mean seconds per all-reduce (the slowest rank's time, as nccl-tests reports it).
+The first all-reduce of every size is checked: each rank contributes rank+1, so every element
+must come back as n(n+1)/2 — a sweep that returns wrong sums is an error, not a number.
+
+Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and GLOO_SOCKET_IFNAME where known).
+Usage: python allreduce_script.py '{"sizes": [4096, ...], "min_time_s": 0.3, "max_iters": 50,
+                                     "timeout_s": 60, "backend": "gloo"}'
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+
+def main(argv):
+    opts = json.loads(argv[1])
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    backend = opts.get("backend", "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method="env://",
+                            timeout=datetime.timedelta(seconds=float(opts.get("timeout_s", 60))))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    results = []
+    try:
+        for size in opts["sizes"]:
+            numel = max(1, int(size) // 4)
+            t = torch.full((numel,), float(rank + 1), dtype=torch.float32, device=device)
+            start = time.perf_counter()
+            dist.all_reduce(t)  # warm-up and correctness check at once
+            sync()
+            once = time.perf_counter() - start
+            expected = world * (world + 1) / 2
+            ok = bool(torch.all(t == expected).item())
+            # The warm-up time tells how many calls fit in min_time_s; rank 0 decides so all agree.
+            iters = torch.tensor([min(int(opts.get("max_iters", 50)),
+                                      max(1, math.ceil(float(opts.get("min_time_s", 0.3)) / max(once, 1e-6))))],
+                                 dtype=torch.int64, device=device)
+            dist.broadcast(iters, 0)
+            n = int(iters.item())
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(t)
+            sync()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            results.append({"size_bytes": numel * 4, "iters": n, "time_s": float(elapsed.item()) / n, "correct": ok})
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"backend": backend, "world_size": world, "results": results}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,137 @@
+"""`run_probe`: the whole probe as named stages — facts, links, collectives, problems, save.
+
+    probe = run_probe(cluster, quick=True)      # dict, the `probe --json` document
+    blocking_problems(probe)                    # errors that should stop a launch
+    load_probe(cluster, max_age_s=3600)         # the last saved probe, or None
+
+Stages run one after the other (so one test never disturbs another) and each is bounded in
+time. A node that cannot be reached is reported, and the rest of the cluster is still probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from vpscluster.probe.collectives import SweepSettings, run_sweep
+from vpscluster.probe.facts import FactsSettings, gather_facts
+from vpscluster.probe.links import LinkSettings, measure_links
+from vpscluster.probe.problems import Thresholds, blocking_problems, find_problems  # noqa: F401 (re-exported)
+
+# progress(task, completed, total): task is "nodes", "links" or "collectives".
+Progress = Callable[[str, int, int], None]
+
+# The keys every node record has, reachable or not (the DESIGN contract).
+NODE_KEYS = ("name", "reachable", "cpu_count", "memory_bytes", "gpus", "disk_read_mb_s", "python", "torch", "cuda", "flops")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    facts: FactsSettings = field(default_factory=FactsSettings)
+    links: LinkSettings = field(default_factory=LinkSettings)
+    sweep: SweepSettings | None = field(default_factory=SweepSettings)  # None: no all-reduce sweep
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    @classmethod
+    def make(cls, quick: bool = False, streams: int = 1, thresholds: Thresholds | None = None,
+             sweep: bool | None = None) -> "ProbeSettings":
+        t = thresholds or Thresholds()
+        if quick:
+            s = cls(FactsSettings(compute_seconds=0.3, disk_bytes=16 << 20, disk_budget_s=1.0),
+                    LinkSettings(duration_s=1.0, warmup_s=0.3, streams=streams, rtt_samples=10), None, t)
+        else:
+            s = cls(FactsSettings(), LinkSettings(streams=streams), SweepSettings(), t)
+        if sweep is True and s.sweep is None:
+            s = ProbeSettings(s.facts, s.links, SweepSettings(), t)
+        elif sweep is False:
+            s = ProbeSettings(s.facts, s.links, None, t)
+        return s
+
+
+def run_probe(cluster, quick: bool = False, *, streams: int = 1, thresholds: Thresholds | None = None,
+              sweep: bool | None = None, progress: Progress | None = None, save: bool = True) -> dict:
+    """Probe every node and link of `cluster`; returns the probe document (and saves it)."""
+    settings = ProbeSettings.make(quick=quick, streams=streams, thresholds=thresholds, sweep=sweep)
+    return asyncio.run(run_probe_async(cluster, settings, quick=quick, progress=progress, save=save))
+
+
+async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False, progress: Progress | None = None,
+                          save: bool = True, executors: dict | None = None) -> dict:
+    if executors is None:
+        from vpscluster.cluster.inventory import open_executors
+
+        async with open_executors(cluster) as opened:
+            return await run_probe_async(cluster, settings, quick, progress, save,
+                                         {ex.node.name: ex for ex in opened})
+    from vpscluster.probe.store import fingerprint, save_probe
+
+    report = progress or (lambda task, done, total: None)
+    started = time.time()
+    # The head first: it hosts the all-reduce rendezvous and is the reference clock.
+    nodes = sorted(cluster.nodes, key=lambda n: n.name != cluster.head)
+
+    done = 0
+    report("nodes", 0, len(nodes))
+
+    def on_node(_record):
+        nonlocal done
+        done += 1
+        report("nodes", done, len(nodes))
+
+    records = await gather_facts(nodes, executors, settings.facts, on_node)
+    facts = {r["name"]: r for r in records}
+    up = [n for n in nodes if facts[n.name]["reachable"]]
+
+    steps = 2 * (len(up) - 1 + len(up) % 2) if len(up) > 1 else 0
+    report("links", 0, steps)
+    links = await measure_links(up, executors, settings.links, lambda i, total: report("links", i, total))
+    _clock_offsets(cluster.head, facts, links)
+
+    collectives = []
+    with_torch = [n for n in up if facts[n.name].get("torch") and
+                  (facts[n.name].get("gloo_available") or facts[n.name].get("nccl_available"))]
+    if settings.sweep is not None and len(up) > 1 and len(with_torch) == len(up):
+        report("collectives", 0, 1)
+        collectives.append(await run_sweep(up, executors, facts, settings.sweep))
+        report("collectives", 1, 1)
+
+    probe = {
+        "version": 1,
+        "probed_at": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "probed_at_unix": started,
+        "duration_s": None,
+        "quick": quick,
+        "cluster": {"source": cluster.source, "head": cluster.head, "fingerprint": fingerprint(cluster),
+                    "nodes": [n.name for n in cluster.nodes]},
+        "settings": {"links": asdict(settings.links), "sweep": asdict(settings.sweep) if settings.sweep else None,
+                     "thresholds": asdict(settings.thresholds)},
+        "nodes": [_node_record(facts[n.name]) for n in cluster.nodes],
+        "links": links,
+        "collectives": collectives,
+    }
+    probe["problems"] = find_problems(probe, settings.thresholds)
+    probe["duration_s"] = round(time.time() - started, 2)
+    if save:
+        probe["saved_to"] = str(save_probe(cluster, probe))
+    return probe
+
+
+def _node_record(facts: dict) -> dict:
+    record = {k: facts.get(k) for k in NODE_KEYS}
+    record["gpus"] = record["gpus"] or []
+    record.update({k: v for k, v in facts.items() if k not in record})
+    return record
+
+
+def _clock_offsets(head: str, facts: dict[str, dict], links: list[dict]) -> None:
+    """Each node's clock minus the head's, from the head's ping exchanges (NTP-style midpoint)."""
+    if head in facts and facts[head].get("reachable"):
+        facts[head]["clock_offset_s"] = 0.0
+        facts[head]["clock_uncertainty_s"] = 0.0
+    for link in links:
+        if link["src"] == head and link.get("clock_offset_s") is not None:
+            facts[link["dst"]]["clock_offset_s"] = link["clock_offset_s"]
+            facts[link["dst"]]["clock_uncertainty_s"] = link.get("clock_uncertainty_s")

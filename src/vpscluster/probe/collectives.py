@@ -1,0 +1,102 @@
+"""The collective sweep: all-reduce over message sizes across all nodes, and its α–β fit.
+
+Bandwidths follow the nccl-tests conventions (NVIDIA, "nccl-tests/doc/PERFORMANCE.md"):
+algbw = size / time, and for all-reduce busbw = algbw × 2(n−1)/n, the rate each link really
+carries in a ring, comparable with the link matrix. The time of one all-reduce is fitted to the
+Hockney (α–β) model t(m) = α + m/β (Hockney 1994, "The communication challenge for MPP"), by
+least squares on relative error so small messages (which set α) count as much as large ones
+(which set β).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from vpscluster.probe.remote import parse_json_output, script_command
+
+DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KB .. 16 MB
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    min_time_s: float = 0.3  # per size
+    max_iters: int = 50
+    init_timeout_s: float = 60.0
+    timeout_s: float = 180.0  # the whole sweep
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float | None]:
+    """(α seconds, β bytes/s) minimising Σ ((α + m/β − t) / t)²; α ≥ 0; β None if not positive."""
+    if not sizes_bytes:
+        raise ValueError("no points to fit")
+    w = [1.0 / t**2 for t in times_s]
+    sw = sum(w)
+    sm = sum(wi * m for wi, m in zip(w, sizes_bytes))
+    smm = sum(wi * m * m for wi, m in zip(w, sizes_bytes))
+    st = sum(wi * t for wi, t in zip(w, times_s))
+    smt = sum(wi * m * t for wi, m, t in zip(w, sizes_bytes, times_s))
+    det = sw * smm - sm * sm
+    alpha, gamma = None, None
+    if len(sizes_bytes) >= 2 and det > 0:
+        alpha = (st * smm - sm * smt) / det
+        gamma = (sw * smt - sm * st) / det
+    if alpha is None or alpha < 0:  # latency cannot be negative: fit the slope alone
+        alpha = 0.0
+        gamma = smt / smm if smm > 0 else 0.0
+    return alpha, (1.0 / gamma if gamma and gamma > 0 else None)
+
+
+def summarize(raw: dict, nodes: list[str]) -> dict:
+    """The collectives record from rank 0's output: algbw, busbw per size and the α–β fit."""
+    n = int(raw["world_size"])
+    rows = []
+    for r in raw["results"]:
+        algbw = r["size_bytes"] / r["time_s"]
+        rows.append({"size_bytes": r["size_bytes"], "time_s": r["time_s"], "iters": r["iters"],
+                     "algbw_bytes_per_s": algbw, "busbw_bytes_per_s": algbw * 2 * (n - 1) / n,
+                     "busbw_mbit": algbw * 2 * (n - 1) / n * 8 / 1e6, "correct": r["correct"]})
+    alpha, beta = fit_alpha_beta([r["size_bytes"] for r in rows], [r["time_s"] for r in rows])
+    out = {"op": "all_reduce", "backend": raw["backend"], "world_size": n, "nodes": nodes, "results": rows,
+           "alpha_s": alpha, "beta_bytes_per_s": beta,
+           "bus_beta_bytes_per_s": beta * 2 * (n - 1) / n if beta else None}
+    wrong = [r["size_bytes"] for r in rows if not r["correct"]]
+    if wrong:
+        out["error"] = f"all-reduce returned wrong sums for sizes {wrong}"
+    return out
+
+
+async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], settings: SweepSettings) -> dict:
+    """All-reduce sweep with one process per node (nodes[0] hosts the rendezvous)."""
+    head = nodes[0]
+    names = [n.name for n in nodes]
+    backend = "nccl" if all(facts[n.name].get("cuda_available") and facts[n.name].get("nccl_available")
+                            for n in nodes) else "gloo"
+    port_cmd = [head.python, "-c", "import socket;s=socket.socket();s.bind(('',0));print(s.getsockname()[1])"]
+    got = await executors[head.name].run(port_cmd, timeout_s=30)
+    if not got.ok or not got.stdout.strip().isdigit():
+        return {"op": "all_reduce", "nodes": names, "error": f"no free port on {head.name}: {got.error or got.stderr.strip()}"}
+    port = got.stdout.strip()
+    opts = {"sizes": list(settings.sizes), "min_time_s": settings.min_time_s, "max_iters": settings.max_iters,
+            "timeout_s": settings.init_timeout_s, "backend": backend}
+    import asyncio
+    import json
+
+    async def one(rank: int, node):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": "0",
+               "MASTER_ADDR": head.host, "MASTER_PORT": port}
+        iface = facts[node.name].get("interface")
+        if iface and (iface != "lo" or head.host.startswith("127.")):
+            # gloo would otherwise pick the interface of the hostname, which may not route between nodes.
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
+        return await executors[node.name].run(script_command(node.python, "allreduce_script", json.dumps(opts)),
+                                              timeout_s=settings.timeout_s, env=env)
+
+    results = await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
+    raw = parse_json_output(results[0].stdout) if results[0].stdout else None
+    if raw is None or not all(r.ok for r in results):
+        bad = next((r for r in results if not r.ok), results[0])
+        why = bad.error or ("timed out" if bad.timed_out else (bad.stderr.strip().splitlines() or ["no output"])[-1])
+        return {"op": "all_reduce", "backend": backend, "nodes": names, "error": f"{bad.node}: {why}"}
+    return summarize(raw, names)

@@ -1,0 +1,313 @@
+"""Node facts: a self-contained script run with each node's own Python; prints one JSON object.
+
+It is sent to the node as source (see `vpscluster.probe.remote`), so it may import only the
+standard library, plus torch when the node has it. Every measurement is bounded in time:
+
+- CPU share actually available: cgroup v1 (`cpu.cfs_quota_us / cpu.cfs_period_us`, walking up
+  the hierarchy, the tightest wins) or v2 (`cpu.max`), and `sched_getaffinity`.
+- Sequential read speed of the work directory: write a bounded file, fsync, drop it from the
+  page cache with posix_fadvise(DONTNEED), read it back, delete it.
+- Compute: matmul FLOP/s in the training dtype (fp32 on CPU, bf16 on GPUs that support it),
+  repeated for at least `compute_seconds` so that a CPU quota (enforced per 100 ms period) is
+  really felt.
+
+Usage: python facts_script.py '{"address": "10.0.0.2", "workdir": "~/vpscluster", ...}'
+"""
+
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+
+def _read(path, default=None):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def _int(text):
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def os_facts():
+    pretty = None
+    for line in (_read("/etc/os-release", "") or "").splitlines():
+        if line.startswith("PRETTY_NAME="):
+            pretty = line.split("=", 1)[1].strip().strip('"')
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
+    return {
+        "hostname": socket.gethostname(),
+        "os": pretty or platform.platform(),
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+        "glibc": libc.split()[-1] if libc else None,
+    }
+
+
+def _cgroup_v1_mount(controller):
+    """Mount point and root of the v1 hierarchy that carries `controller`."""
+    for line in (_read("/proc/self/mountinfo", "") or "").splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(rfields) >= 3 and rfields[0] == "cgroup" and controller in rfields[2].split(","):
+            return fields[4], fields[3]
+    return None, None
+
+
+def cpu_quota_cores():
+    """The CPU quota of this process's cgroup in cores (None when unlimited or unknown)."""
+    best = None
+    for line in (_read("/proc/self/cgroup", "") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if "cpu" in controllers.split(","):  # cgroup v1
+            mount, root = _cgroup_v1_mount("cpu")
+            if not mount:
+                continue
+            rel = path[len(root):] if root != "/" and path.startswith(root) else path
+            cur = mount + rel.rstrip("/")
+            # A quota anywhere up the hierarchy limits us; the tightest one wins.
+            while cur.startswith(mount):
+                quota = _int(_read(cur + "/cpu.cfs_quota_us"))
+                period = _int(_read(cur + "/cpu.cfs_period_us"))
+                if quota and quota > 0 and period:
+                    best = min(best or 1e9, quota / period)
+                if cur == mount:
+                    break
+                cur = os.path.dirname(cur)
+        elif controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2
+            cur = "/sys/fs/cgroup" + path.rstrip("/")
+            while cur.startswith("/sys/fs/cgroup"):
+                text = _read(cur + "/cpu.max")
+                if text:
+                    quota, _, period = text.partition(" ")
+                    if quota != "max" and _int(period):
+                        best = min(best or 1e9, int(quota) / int(period))
+                if cur == "/sys/fs/cgroup":
+                    break
+                cur = os.path.dirname(cur)
+    return best
+
+
+def cpu_facts():
+    model = None
+    for line in (_read("/proc/cpuinfo", "") or "").splitlines():
+        if line.lower().startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    count = os.cpu_count() or 1
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else count
+    quota = cpu_quota_cores()
+    share = min(float(affinity), quota) if quota else float(affinity)
+    return {"cpu_model": model or platform.processor() or None, "cpu_count": count,
+            "cpu_affinity": affinity, "cpu_quota_cores": quota, "cpu_share": round(share, 3)}
+
+
+def memory_facts():
+    info = {}
+    for line in (_read("/proc/meminfo", "") or "").splitlines():
+        key, _, rest = line.partition(":")
+        value = _int(rest.strip().split(" ")[0])
+        if value is not None:
+            info[key] = value * 1024
+    total = info.get("MemTotal")
+    # A cgroup memory limit below the machine's RAM is what this node really has.
+    limit = None
+    for line in (_read("/proc/self/cgroup", "") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "memory" in parts[1].split(","):
+            mount, root = _cgroup_v1_mount("memory")
+            if mount:
+                rel = parts[2][len(root):] if root != "/" and parts[2].startswith(root) else parts[2]
+                limit = _int(_read(mount + rel.rstrip("/") + "/memory.limit_in_bytes"))
+        elif len(parts) == 3 and parts[1] == "":
+            text = _read("/sys/fs/cgroup" + parts[2].rstrip("/") + "/memory.max")
+            limit = limit or (_int(text) if text and text != "max" else None)
+    if limit and total and limit < total:
+        total = limit
+    return {"memory_bytes": total, "memory_available_bytes": info.get("MemAvailable")}
+
+
+def tcp_facts():
+    def triple(path):
+        text = _read(path)
+        return [int(x) for x in text.split()] if text else None
+
+    return {
+        "rmem_max": _int(_read("/proc/sys/net/core/rmem_max")),
+        "wmem_max": _int(_read("/proc/sys/net/core/wmem_max")),
+        "tcp_rmem": triple("/proc/sys/net/ipv4/tcp_rmem"),
+        "tcp_wmem": triple("/proc/sys/net/ipv4/tcp_wmem"),
+        "congestion_control": _read("/proc/sys/net/ipv4/tcp_congestion_control"),
+        "available_congestion_control": (_read("/proc/sys/net/ipv4/tcp_available_congestion_control") or "").split() or None,
+    }
+
+
+def interface_for(address):
+    """The network interface that carries `address` (what GLOO_SOCKET_IFNAME must name)."""
+    if not address:
+        return None
+    try:
+        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    try:
+        target = socket.gethostbyname(address)
+    except OSError:
+        target = address
+    for line in out.splitlines():
+        m = re.match(r"\d+:\s+(\S+)\s+inet6?\s+([^/\s]+)", line)
+        if m and m.group(2) in (address, target):
+            return m.group(1).split("@")[0]
+    return None
+
+
+def gpu_facts():
+    gpus, driver = [], None
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=15).stdout
+            for line in out.strip().splitlines():
+                name, mem_mib, driver = [x.strip() for x in line.split(",")][:3]
+                gpus.append({"name": name, "memory_bytes": int(float(mem_mib)) * 2**20, "driver": driver})
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    return gpus
+
+
+def disk_facts(workdir, size_bytes, budget_s):
+    path = os.path.abspath(os.path.expanduser(workdir))
+    out = {"workdir": path, "disk_free_bytes": None, "disk_read_mb_s": None, "disk_error": None}
+    try:
+        os.makedirs(path, exist_ok=True)
+        out["disk_free_bytes"] = shutil.disk_usage(path).free
+    except OSError as e:
+        out["disk_error"] = f"cannot use work directory {path}: {e.strerror}"
+        return out
+    name = os.path.join(path, f".vpscluster-probe-{os.getpid()}.tmp")
+    block = os.urandom(1 << 20)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            written, start = 0, time.monotonic()
+            while written < size_bytes and time.monotonic() - start < budget_s:
+                written += os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            # The page cache would otherwise serve the read from memory.
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            got, start = 0, time.perf_counter()
+            while time.perf_counter() - start < budget_s:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                got += len(chunk)
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+        out["disk_read_mb_s"] = round(got / 1e6 / max(seconds, 1e-6), 1)
+    except OSError as e:
+        out["disk_error"] = f"read test in {path} failed: {e.strerror}"
+    finally:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    return out
+
+
+def torch_facts(compute_seconds):
+    out = {"torch": None, "cuda": None, "cuda_available": False, "nccl": None, "gloo_available": False,
+           "nccl_available": False, "flops": None, "flops_dtype": None, "flops_device": None, "torch_error": None}
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:  # ImportError, or a broken install
+        out["torch_error"] = f"{type(e).__name__}: {e}"
+        return out, []
+    out["torch"] = torch.__version__.split("+")[0]
+    out["torch_build"] = torch.__version__
+    out["cuda"] = torch.version.cuda
+    out["gloo_available"] = bool(dist.is_available() and dist.is_gloo_available())
+    out["nccl_available"] = bool(dist.is_available() and dist.is_nccl_available())
+    gpus = []
+    if torch.cuda.is_available():
+        out["cuda_available"] = True
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            pass
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"name": p.name, "memory_bytes": int(p.total_memory)})
+    out.update(_matmul_flops(torch, compute_seconds))
+    return out, gpus
+
+
+def _matmul_flops(torch, seconds):
+    if torch.cuda.is_available():
+        device = "cuda"
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        n = 4096
+    else:
+        device, dtype, n = "cpu", torch.float32, 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.matmul(a, b)
+    sync()
+    done, start = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        done += 1
+        if done % 4 == 0 or device == "cpu":
+            sync()
+            if time.perf_counter() - start >= seconds:
+                break
+    elapsed = time.perf_counter() - start
+    return {"flops": 2.0 * n ** 3 * done / elapsed, "flops_dtype": str(dtype).replace("torch.", ""),
+            "flops_device": device, "torch_threads": torch.get_num_threads()}
+
+
+def main(argv):
+    opts = json.loads(argv[1]) if len(argv) > 1 else {}
+    started = time.time()
+    facts = {"python": platform.python_version(), "python_executable": sys.executable}
+    facts.update(os_facts())
+    facts.update(cpu_facts())
+    facts.update(memory_facts())
+    facts["tcp"] = tcp_facts()
+    facts["interface"] = interface_for(opts.get("address"))
+    facts.update(disk_facts(opts.get("workdir", "~/vpscluster"), int(opts.get("disk_bytes", 64 << 20)),
+                            float(opts.get("disk_budget_s", 3.0))))
+    tfacts, torch_gpus = torch_facts(float(opts.get("compute_seconds", 1.0)))
+    facts.update(tfacts)
+    gpus = gpu_facts()
+    facts["gpus"] = gpus or torch_gpus
+    facts["driver"] = gpus[0]["driver"] if gpus else None
+    facts["probe_seconds"] = round(time.time() - started, 3)
+    sys.stdout.write(json.dumps(facts) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
