@@ -1,0 +1,126 @@
+"""`vpscluster sandbox up|down|status`: an emulated WAN cluster on this machine (root).
+
+    up      one network namespace per node on a bridge, tc-shaped links, cgroup CPU quotas,
+            an sshd per node and a cluster.yaml to pass to every other command
+    down    remove a sandbox (or --all of them): namespaces, links, cgroups, processes, files
+    status  what exists and whether every node's sshd is alive
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vpscluster.cli.output import add_json_flag, console, emit_json
+
+DEFAULT_NAME = "default"  # same as vpscluster.cluster.sandbox.DEFAULT_NAME, kept here so --help stays light
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    sub.required = True
+
+    p = sub.add_parser("up", help="build a sandbox and write its cluster file",
+                       description="Build an emulated cluster: namespaces, shaped links, CPU quotas, an sshd per node.")
+    p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name, so several can live side by side (default {DEFAULT_NAME})")
+    p.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    p.add_argument("--bandwidth", default="1gbit",
+                   help="link rate of every node, or one per node: 100mbit or 50mbit,200mbit,1gbit (default 1gbit)")
+    p.add_argument("--cpu", default=None,
+                   help="CPU share per node as a fraction of one core, or one per node: 0.45 or 1,0.5 (default unlimited)")
+    p.add_argument("--latency", type=float, default=None, metavar="MS",
+                   help="added round-trip time between nodes in ms (needs the kernel's netem)")
+    add_json_flag(p)
+
+    p = sub.add_parser("down", help="remove a sandbox and everything it made",
+                       description="Remove a sandbox: processes, namespaces, links, cgroups and its state directory.")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
+    target.add_argument("--all", action="store_true", help="remove every vpscluster sandbox on this machine")
+    add_json_flag(p)
+
+    p = sub.add_parser("status", help="show sandboxes, their nodes and whether each sshd is alive",
+                       description="Show what sandboxes exist, their nodes, rates, CPU shares and sshd state.")
+    p.add_argument("--name", default=None, help="only this sandbox (default: all)")
+    add_json_flag(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"up": _up, "down": _down, "status": _status}[args.action](args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from vpscluster.cluster import sandbox
+
+    con = console(args.json)
+    with con.status(f"sandbox {args.name}: starting", spinner="dots") as spinner:
+        info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, latency_ms=args.latency,
+                          progress=lambda msg: spinner.update(f"sandbox {args.name}: {msg}"))
+    if args.json:
+        emit_json(info.to_dict())
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"sandbox {info.name}  ({info.subnet}, this machine is {info.gateway})")
+    for col in ("node", "address", "namespace", "bandwidth", "cpu"):
+        table.add_column(col)
+    for n in info.nodes:
+        table.add_row(n.name, n.address, n.namespace, _rate(n.bandwidth_mbit), _cpu(n.cpu))
+    con.print(table)
+    con.print(f"cluster file: {info.cluster_file}")
+    con.print(f"try: vpscluster exec --cluster {info.cluster_file} -- hostname")
+    con.print(f"remove: vpscluster sandbox down --name {info.name}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from vpscluster.cluster import sandbox
+
+    removed = sandbox.down_all() if args.all else ([args.name] if sandbox.down(args.name) else [])
+    if args.json:
+        emit_json({"removed": removed})
+    else:
+        con = console()
+        if removed:
+            con.print(f"removed sandbox{'es' if len(removed) > 1 else ''}: {', '.join(removed)}")
+        else:
+            con.print("nothing to remove" if args.all else f"no sandbox named {args.name!r}; nothing to remove")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from vpscluster.cluster import sandbox
+
+    records = sandbox.status(args.name)
+    if args.json:
+        emit_json({"sandboxes": records})
+        return 0
+    con = console()
+    if not records:
+        con.print(f"no sandbox named {args.name!r}" if args.name else "no sandboxes")
+        return 0
+    from rich.table import Table
+
+    for rec in records:
+        table = Table(title=f"sandbox {rec['name']}: {rec['state']}" + (f"  ({rec['subnet']})" if rec.get("subnet") else ""))
+        for col in ("node", "address", "namespace", "bandwidth", "cpu", "sshd"):
+            table.add_column(col)
+        for n in rec["nodes"]:
+            sshd = f"alive (pid {n['sshd_pid']})" if n["sshd_alive"] else "[red]dead[/red]"
+            ns = n["namespace"] if n["namespace_exists"] else f"[red]{n['namespace']} (missing)[/red]"
+            table.add_row(n["name"], n["address"], ns, _rate(n["bandwidth_mbit"]), _cpu(n["cpu"]), sshd)
+        con.print(table)
+        if rec.get("cluster_file"):
+            con.print(f"cluster file: {rec['cluster_file']}")
+        elif rec["state"] == "partial":
+            con.print(f"half-built; remove it with: vpscluster sandbox down --name {rec['name']}")
+    return 0
+
+
+def _rate(mbit: float) -> str:
+    from vpscluster.units import format_rate_mbit
+
+    return format_rate_mbit(mbit)
+
+
+def _cpu(share: float | None) -> str:
+    return "unlimited" if share is None else f"{share:g} core"

@@ -1,0 +1,296 @@
+"""The sandbox: an emulated WAN cluster on one Linux machine (root), built from kernel parts.
+
+    up(name, nodes, bandwidth, cpu, latency_ms) -> SandboxInfo   network namespaces on a bridge,
+        tc-shaped links, cgroup CPU quotas, an sshd per node, a cluster.yaml to use it with
+    down(name) / down_all()                                     remove all of it (idempotent)
+    status(name=None)                                           what exists, and whether sshd lives
+
+Every node is a network namespace on this machine with its own sshd; the filesystem is shared,
+but commands reach the nodes through SSH exactly as on rented VPS nodes. The pieces live in
+netns.py (plumbing), shaping.py (tc), cgroup.py (CPU), sshd.py (servers, keys) and state.py
+(names and records). An `up` that fails half-way removes what it built before it re-raises.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from vpscluster.cluster.sandbox import cgroup, netns, shaping, sshd, state
+from vpscluster.cluster.sandbox.clusterfile import write_cluster_file
+from vpscluster.cluster.sandbox.state import SandboxInfo, SandboxNode
+from vpscluster.cluster.sandbox.system import require_sandbox_support, run_tool
+from vpscluster.errors import UserError
+from vpscluster.units import parse_list, parse_rate_mbit
+
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "set_link", "DEFAULT_NAME"]
+
+DEFAULT_NAME = "default"
+CHECK_TIMEOUT_S = 10.0
+Progress = Callable[[str], None]
+
+
+def _parse_cpu(text: str, what: str) -> float | None:
+    if str(text).strip().lower() in ("none", "unlimited", "-"):
+        return None
+    try:
+        share = float(text)
+    except ValueError:
+        raise UserError(f"{what}: {text!r} is not a CPU share; write a fraction of one core, e.g. 0.45 or 1.5") from None
+    ncpu = os.cpu_count() or 1
+    if not 0.01 <= share <= ncpu:
+        raise UserError(f"{what}: {share:g} is outside 0.01-{ncpu} (a fraction of one core, at most this machine's {ncpu} cores)")
+    return share
+
+
+def _per_node(value, parse, what: str, count: int) -> list:
+    if value is None:
+        return [None] * count
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    return parse_list(str(value), parse, what, count)
+
+
+def up(
+    name: str = DEFAULT_NAME,
+    nodes: int = 3,
+    bandwidth: str | float | Sequence = "1gbit",
+    cpu: str | float | Sequence | None = None,
+    latency_ms: float | None = None,
+    progress: Progress | None = None,
+) -> SandboxInfo:
+    """Build sandbox `name`; raise UserError (and leave nothing behind) when it cannot."""
+    say = progress or (lambda _msg: None)
+    state.check_name(name)
+    if not isinstance(nodes, int) or not 1 <= nodes <= state.MAX_NODES:
+        raise UserError(f"sandbox: --nodes {nodes} is outside 1-{state.MAX_NODES}")
+    rates = _per_node(bandwidth, parse_rate_mbit, "--bandwidth", nodes)
+    shares = _per_node(cpu, _parse_cpu, "--cpu", nodes)
+    if latency_ms is not None and latency_ms < 0:
+        raise UserError(f"--latency: {latency_ms:g} must be >= 0 ms")
+    require_sandbox_support()
+    if latency_ms and not shaping.netem_available():
+        raise UserError("--latency needs the kernel's netem qdisc (sch_netem), which this kernel does not have; "
+                        "run without --latency, or on a kernel with netem (modprobe sch_netem)")
+    if not cgroup.available():
+        raise UserError(f"sandbox: no cgroup-v1 cpu controller at {cgroup.CPU_ROOT}; mount it (mount -t cgroup -o cpu cpu {cgroup.CPU_ROOT})")
+
+    with state.sandbox_lock():
+        _refuse_existing(name)
+        octet = state.choose_subnet_octet(name)
+        root = state.state_dir(name)
+        root.mkdir(parents=True, mode=0o700)
+        prefix = f"{state.SUBNET_PREFIX}.{octet}"
+        info = SandboxInfo(
+            name=name, cluster_file=str(root / "cluster.yaml"), nodes=[], subnet=f"{prefix}.0/24",
+            bridge=state.bridge_name(name), gateway=f"{prefix}.1", state_dir=str(root), latency_ms=latency_ms,
+            identity_file=str(root / "id_ed25519"), known_hosts=str(root / "known_hosts"),
+        )
+        for i in range(nodes):
+            node = state.node_name(i + 1)
+            info.nodes.append(SandboxNode(
+                name=node, address=f"{prefix}.{i + 2}", namespace=state.netns_name(name, node),
+                bandwidth_mbit=rates[i], cpu=shares[i], veth=state.veth_name(name, i + 1),
+                workdir=str(root / "nodes" / node / "work"), cgroup=str(cgroup.node_cgroup(name, node)),
+            ))
+        state.save_info(info)  # first, so a concurrent `up` sees the subnet and `down` the record
+        try:
+            _build(info, say)
+        except BaseException:
+            say("failed; removing what was built")
+            _teardown(name)
+            raise
+    return info
+
+
+def _refuse_existing(name: str) -> None:
+    leftovers = (state.state_dir(name).exists() or netns.list_namespaces(f"{state.NETNS_PREFIX}{name}.")
+                 or cgroup.sandbox_cgroup(name).exists())
+    if leftovers:
+        raise UserError(f"sandbox {name!r} already exists; remove it first with `vpscluster sandbox down --name {name}`")
+    if netns.list_links(state.bridge_name(name)):
+        raise UserError(f"sandbox: bridge {state.bridge_name(name)} already exists (another sandbox's name hashes alike); choose another --name")
+
+
+def _build(info: SandboxInfo, say: Progress) -> None:
+    root = Path(info.state_dir)
+    say("keys")
+    client_pub = sshd.generate_key(Path(info.identity_file), f"vpscluster-sandbox-{info.name}")
+    authorized_keys = root / "authorized_keys"
+    authorized_keys.write_text(client_pub + "\n")
+    authorized_keys.chmod(0o600)
+
+    say(f"bridge {info.bridge} {info.subnet}")
+    netns.create_bridge(info.bridge, f"{info.gateway}/24")
+    hosts = {n.name: n.address for n in info.nodes}
+    known_hosts = []
+    for n in info.nodes:
+        say(f"{n.name}: namespace, {n.bandwidth_mbit:g} Mbit/s, cpu {n.cpu if n.cpu is not None else 'unlimited'}")
+        node_dir = root / "nodes" / n.name
+        Path(n.workdir).mkdir(parents=True, exist_ok=True)
+        cg = cgroup.create(info.name, n.name, n.cpu)
+        netns.create_node(n.namespace, n.veth, info.bridge, f"{n.address}/24")
+        half_delay = info.latency_ms / 2 if info.latency_ms else None  # latency is the added round trip
+        shaping.shape("eth0", n.bandwidth_mbit, namespace=n.namespace, delay_ms=half_delay)  # node egress
+        shaping.shape(n.veth, n.bandwidth_mbit, delay_ms=half_delay)  # node ingress
+        sshd.write_etc_hosts(n.namespace, n.name, {n.name: n.address, **hosts})
+        host_key = node_dir / "ssh_host_ed25519_key"
+        host_pub = sshd.generate_key(host_key, f"{n.name}.{info.name}")
+        known_hosts.append(f"{n.address} {' '.join(host_pub.split()[:2])}")
+        config = sshd.write_config(node_dir, n.address, host_key, authorized_keys)
+        sshd.start(n.namespace, n.name, config, node_dir / "sshd.log", cg)
+    Path(info.known_hosts).write_text("\n".join(known_hosts) + "\n")
+    write_cluster_file(info)
+    say("checking ssh to every node and node-to-node links")
+    for n in info.nodes:
+        sshd.wait_listening(n.address)
+    _check_ssh(info)
+    _check_node_to_node(info)
+    state.save_info(info)
+
+
+def _check_ssh(info: SandboxInfo) -> None:
+    """A real ssh login to every node with the generated key and known_hosts (strict checking)."""
+    procs = {n.name: subprocess.Popen(ssh_command(info, n, "true"), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in info.nodes}
+    _collect(procs, "ssh login from this machine")
+
+
+def ssh_command(info: SandboxInfo, node: SandboxNode, command: str) -> list[str]:
+    """`ssh` argv that logs in to a sandbox node the way the cluster file describes (for tests and debugging)."""
+    return ["ssh", "-F", "/dev/null", "-i", info.identity_file, "-o", "IdentitiesOnly=yes",
+            "-o", f"UserKnownHostsFile={info.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+            "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(CHECK_TIMEOUT_S)}", f"root@{node.address}", command]
+
+
+def _check_node_to_node(info: SandboxInfo) -> None:
+    """Each node opens TCP to the next one's sshd: bridged traffic is not dropped by a firewall."""
+    if len(info.nodes) < 2:
+        return
+    procs = {}
+    for i, n in enumerate(info.nodes):
+        peer = info.nodes[(i + 1) % len(info.nodes)]
+        code = f"import socket; socket.create_connection(({peer.address!r}, 22), {CHECK_TIMEOUT_S / 2}).close()"
+        procs[f"{n.name} -> {peer.name}"] = subprocess.Popen(
+            ["ip", "netns", "exec", n.namespace, sys.executable, "-S", "-c", code],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _collect(procs, "node-to-node TCP (if bridged traffic is filtered: sysctl net.bridge.bridge-nf-call-iptables=0 "
+                    f"or allow forwarding on {info.bridge})")
+
+
+def _collect(procs: dict[str, subprocess.Popen], what: str) -> None:
+    failures = []
+    for label, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=CHECK_TIMEOUT_S + 5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            failures.append(f"{label}: no answer within {CHECK_TIMEOUT_S + 5:.0f} s")
+            continue
+        if p.returncode != 0:
+            lines = err.strip().splitlines()
+            failures.append(f"{label}: {lines[-1] if lines else f'exit status {p.returncode}'}")
+    if failures:
+        raise UserError(f"sandbox: {what} failed: {'; '.join(failures)}")
+
+
+def down(name: str = DEFAULT_NAME) -> bool:
+    """Remove sandbox `name` entirely; False when there was nothing to remove. Safe to repeat."""
+    state.check_name(name)
+    require_sandbox_support()
+    with state.sandbox_lock():
+        return _teardown(name)
+
+
+def _teardown(name: str) -> bool:
+    found = False
+    for ns in netns.list_namespaces(f"{state.NETNS_PREFIX}{name}."):
+        netns.delete_namespace(ns)  # kills its processes (sshd and all it started) first
+        sshd.remove_etc_hosts(ns)
+        found = True
+    for d in Path("/etc/netns").glob(f"{state.NETNS_PREFIX}{name}.*"):
+        shutil.rmtree(d, ignore_errors=True)
+        found = True
+    cg = cgroup.sandbox_cgroup(name)
+    if cg.exists():
+        cgroup.remove_tree(cg)  # kills what escaped the namespace but not the cgroup
+        found = True
+    for link in netns.list_links(state.bridge_name(name)) + netns.list_links(f"{state.VETH_PREFIX}{state.tag(name)}n"):
+        netns.delete_link(link)
+        found = True
+    root = state.state_dir(name)
+    if root.exists():
+        shutil.rmtree(root)
+        found = True
+    return found
+
+
+def down_all() -> list[str]:
+    """Remove every vpscluster sandbox on this machine, recorded or half-built; their names."""
+    import re
+
+    require_sandbox_support()
+    with state.sandbox_lock():
+        names = set(state.known_names())
+        for ns in netns.list_namespaces(state.NETNS_PREFIX):
+            names.add(ns[len(state.NETNS_PREFIX):].split(".", 1)[0])
+        parent = cgroup.CPU_ROOT / "vpscluster"
+        if parent.is_dir():
+            names.update(p.name for p in parent.iterdir() if p.is_dir())
+        removed = sorted(n for n in names if _teardown(n))
+        # Links whose sandbox name is lost (state dir gone): recognisable by their shape alone.
+        for link in netns.list_links(state.VETH_PREFIX):
+            if re.fullmatch(r"vps(br[0-9a-f]{6}|[0-9a-f]{6}n\d+)", link):
+                netns.delete_link(link)
+        if parent.is_dir():
+            cgroup.remove_tree(parent)
+    return removed
+
+
+def status(name: str | None = None) -> list[dict]:
+    """One record per sandbox (all when `name` is None): its nodes and whether each is alive."""
+    names = [state.check_name(name)] if name else state.known_names()
+    out = []
+    for sb in names:
+        info = state.load_info(sb)
+        if info is None:
+            if state.state_dir(sb).exists() or netns.list_namespaces(f"{state.NETNS_PREFIX}{sb}."):
+                out.append({"name": sb, "state": "partial", "cluster_file": None, "nodes": []})
+            continue
+        nodes = []
+        for n in info.nodes:
+            node_dir = Path(info.state_dir) / "nodes" / n.name
+            try:
+                pid = int((node_dir / "sshd.pid").read_text().strip())
+            except (FileNotFoundError, ValueError):
+                pid = None
+            has_ns = bool(netns.list_namespaces(n.namespace)) and n.namespace in netns.list_namespaces(n.namespace)
+            nodes.append({"name": n.name, "address": n.address, "namespace": n.namespace,
+                          "bandwidth_mbit": n.bandwidth_mbit, "cpu": n.cpu, "namespace_exists": has_ns,
+                          "sshd_pid": pid, "sshd_alive": sshd.alive(pid)})
+        healthy = all(x["namespace_exists"] and x["sshd_alive"] for x in nodes)
+        out.append({"name": sb, "state": "up" if healthy else "degraded", "cluster_file": info.cluster_file,
+                    "subnet": info.subnet, "latency_ms": info.latency_ms, "nodes": nodes})
+    return out
+
+
+def set_link(name: str, node: str, up: bool) -> None:
+    """Take a sandbox node's link down or up (fault injection for tests and benchmarks)."""
+    info = state.load_info(name)
+    if info is None:
+        raise UserError(f"sandbox {name!r} does not exist; bring it up with `vpscluster sandbox up --name {name}`")
+    try:
+        netns.set_link(info.node(node).namespace, up)
+    except KeyError:
+        raise UserError(f"sandbox {name!r} has no node {node!r}; nodes: {', '.join(n.name for n in info.nodes)}") from None
+
+
+def info(name: str = DEFAULT_NAME) -> SandboxInfo | None:
+    """The record of a sandbox that is up (None when there is none)."""
+    return state.load_info(state.check_name(name))

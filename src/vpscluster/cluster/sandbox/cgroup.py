@@ -1,0 +1,83 @@
+"""Per-node CPU share with a cgroup-v1 CFS quota.
+
+A node with `cpu=0.45` may use 45 ms of CPU per 100 ms period, whatever it runs: its sshd lives
+in /sys/fs/cgroup/cpu/vpscluster/<sandbox>/<node>, and everything sshd spawns inherits the cgroup.
+A node without a share still gets a cgroup (quota -1, unlimited), so `down` can find and kill
+every process the node ever started, even those that left its network namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from vpscluster.errors import UserError
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+
+
+def available() -> bool:
+    return (CPU_ROOT / "cpu.cfs_quota_us").exists()
+
+
+def sandbox_cgroup(sandbox: str) -> Path:
+    return CPU_ROOT / "vpscluster" / sandbox
+
+
+def node_cgroup(sandbox: str, node: str) -> Path:
+    return sandbox_cgroup(sandbox) / node
+
+
+def create(sandbox: str, node: str, cpu: float | None) -> Path:
+    if not available():
+        raise UserError(f"sandbox: no cgroup-v1 cpu controller at {CPU_ROOT}; CPU shares need it (mount -t cgroup -o cpu cpu {CPU_ROOT})")
+    path = node_cgroup(sandbox, node)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+    (path / "cpu.cfs_quota_us").write_text(str(-1 if cpu is None else max(1000, int(round(cpu * PERIOD_US)))))
+    return path
+
+
+def quota(path: Path) -> float | None:
+    """The share of one core a cgroup may use, None when unlimited."""
+    q = int((path / "cpu.cfs_quota_us").read_text())
+    return None if q < 0 else q / int((path / "cpu.cfs_period_us").read_text())
+
+
+def tasks(path: Path) -> list[int]:
+    try:
+        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(path: Path, timeout_s: float = 5.0) -> None:
+    """Kill every task in `path` and below, then remove the cgroups (leaves first)."""
+    from vpscluster.cluster.sandbox.netns import kill_pids
+
+    if not path.exists():
+        return
+    dirs = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [path]
+    deadline = time.monotonic() + timeout_s
+    for d in dirs:
+        while True:
+            pids = tasks(d)
+            if pids:
+                kill_pids(pids, timeout_s=1.0)
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:  # EBUSY while a killed task is still exiting
+                if time.monotonic() > deadline:
+                    raise UserError(f"sandbox: cannot remove cgroup {d}: {e.strerror}; tasks left: {tasks(d)}") from None
+                time.sleep(0.05)
+    parent = path.parent
+    if parent.name == "vpscluster":
+        try:
+            os.rmdir(parent)  # the shared parent goes when the last sandbox does
+        except OSError:
+            pass
