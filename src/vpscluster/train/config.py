@@ -23,6 +23,9 @@ class StrategyConfig:
     # ddp: gradient compression through a DDP communication hook.
     compress: Literal["none", "bf16", "powersgd"] = "none"
     powersgd_rank: int = 4
+    # PowerSGD (Vogels et al., 2019) runs plain all-reduce for its first steps: DDP rebuilds its
+    # buckets after step 1 and a short uncompressed warm-up protects accuracy. Must be >= 2.
+    powersgd_start_step: int = 10
     bucket_mb: float = 25.0
     # diloco (Douillard et al., 2023): H inner steps, then an outer Nesterov-SGD step on the
     # token-weighted average pseudo-gradient.
@@ -37,6 +40,8 @@ class StrategyConfig:
     def validate(self) -> None:
         if self.powersgd_rank < 1:
             raise UserError(f"strategy.powersgd_rank must be at least 1, got {self.powersgd_rank}")
+        if self.powersgd_start_step < 2:
+            raise UserError(f"strategy.powersgd_start_step must be at least 2, got {self.powersgd_start_step}")
         if self.bucket_mb <= 0:
             raise UserError(f"strategy.bucket_mb must be positive, got {self.bucket_mb}")
         if self.sync_every < 1:
@@ -80,6 +85,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     max_steps: int = 400
+    # The cosine schedule's horizon. 0 = max_steps of the first run: the CLI fixes it in the
+    # stored config, so `--resume --max-steps N` extends a run without changing its schedule.
+    lr_decay_steps: int = 0
     time_budget_s: float | None = None
     eval_every: int = 50
     eval_batches: int = 8
@@ -112,6 +120,8 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lr_decay_steps < 0:
+            raise UserError(f"lr_decay_steps must not be negative, got {self.lr_decay_steps}")
         if self.warmup_steps < 0:
             raise UserError(f"warmup_steps must not be negative, got {self.warmup_steps}")
         if self.nodes < 1:
@@ -142,6 +152,9 @@ class TrainConfig:
                 f"checkpoint_every ({self.checkpoint_every}) must be a multiple of sync_every "
                 f"({s.sync_every}) so checkpoints fall on outer steps"
             )
+
+    def decay_steps(self) -> int:
+        return self.lr_decay_steps or self.max_steps
 
     def micro_batch(self) -> int:
         from vpscluster.train.presets import get_preset

@@ -1,0 +1,179 @@
+"""`vpscluster train`: train the built-in GPT on the local cluster or on a cluster file.
+
+Configuration has one source of truth, built in this order: TrainConfig defaults <
+`--config FILE.yaml` < the flags the user actually gave (every flag defaults to None, meaning
+"not given"). `--resume RUN_DIR` reloads RUN_DIR/config.yaml and accepts only --max-steps and
+--time-budget on top. The resolved configuration is written to the run directory, which the
+workers read.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from vpscluster.cli.output import add_json_flag
+
+# flag dest -> dotted TrainConfig key
+FLAG_KEYS: dict[str, str] = {
+    "cluster": "cluster",
+    "nodes": "nodes",
+    "preset": "preset",
+    "strategy": "strategy.name",
+    "max_steps": "max_steps",
+    "time_budget": "time_budget_s",
+    "run_dir": "run_dir",
+    "data": "data",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "seed": "seed",
+    "eval_every": "eval_every",
+    "checkpoint_every": "checkpoint_every",
+    "nproc_per_node": "nproc_per_node",
+    "threads_per_rank": "threads_per_rank",
+    "compress": "strategy.compress",
+    "powersgd_rank": "strategy.powersgd_rank",
+    "sync_every": "strategy.sync_every",
+    "outer_lr": "strategy.outer_lr",
+    "outer_momentum": "strategy.outer_momentum",
+    "wire_dtype": "strategy.wire_dtype",
+    "fragments": "strategy.fragments",
+}
+RESUME_FLAGS = ("max_steps", "time_budget")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("where to train")
+    g = where.add_mutually_exclusive_group()
+    g.add_argument("--cluster", metavar="FILE", help="cluster.yaml: train across its nodes over SSH (default: this machine)")
+    g.add_argument("--nodes", type=int, metavar="N", help="number of local worker processes when there is no cluster file (default 2)")
+    where.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per cluster node (default: one per GPU, else one)")
+    where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the node's CPUs / its ranks)")
+
+    what = parser.add_argument_group("what to train")
+    what.add_argument("--preset", metavar="NAME", help="model shape: tiny (~1M, default), small (~10M); bigger ones are for `plan`")
+    what.add_argument("--data", metavar="PATH", help="a text file or a folder of text files (default: the bundled King James Bible)")
+    what.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps to train (default 400)")
+    what.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly, with a checkpoint, after this much training time")
+    what.add_argument("--batch-size", type=int, metavar="N", help="sequences per rank per step (default: the preset's)")
+    what.add_argument("--lr", type=float, help="peak learning rate (default 3e-3; warm-up then cosine decay)")
+    what.add_argument("--seed", type=int, help="seed for weights and data order (default 1337)")
+    what.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps (default 50)")
+    what.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (default 100; always one at the end)")
+
+    strat = parser.add_argument_group("how ranks synchronise")
+    strat.add_argument("--strategy", choices=["ddp", "diloco", "auto"], help="ddp (default): all-reduce every step; diloco: sync every H steps; auto: let the planner choose")
+    strat.add_argument("--compress", choices=["none", "bf16", "powersgd"], help="ddp gradient compression on the wire (default none)")
+    strat.add_argument("--powersgd-rank", type=int, metavar="R", help="rank of PowerSGD's low-rank factors (default 4)")
+    strat.add_argument("--sync-every", type=int, metavar="H", help="diloco: inner steps between outer syncs (default 100)")
+    strat.add_argument("--outer-lr", type=float, help="diloco: outer Nesterov learning rate (default 0.7)")
+    strat.add_argument("--outer-momentum", type=float, help="diloco: outer Nesterov momentum (default 0.9)")
+    strat.add_argument("--wire-dtype", choices=["fp32", "bf16", "int8"], help="diloco: dtype of the pseudo-gradient on the wire (default fp32)")
+    strat.add_argument("--fragments", type=int, metavar="N", help="streaming diloco: fragments synced at staggered steps (default 1)")
+
+    run = parser.add_argument_group("run directory and configuration")
+    run.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<UTC time>-<random>)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid checkpoint (only --max-steps/--time-budget may change)")
+    run.add_argument("--config", metavar="FILE.yaml", help="TrainConfig keys in YAML; flags override them")
+    run.add_argument("--force", action="store_true", default=None, help="cluster: start even when the pre-flight checks report problems")
+    run.add_argument("--accept-new-host-keys", action="store_true", default=None, help="cluster: trust SSH host keys seen for the first time")
+    add_json_flag(parser)
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    return {dest: getattr(args, dest) for dest in FLAG_KEYS if getattr(args, dest, None) is not None}
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dest, value in flat.items():
+        *parents, leaf = FLAG_KEYS[dest].split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def resolve_config(args: argparse.Namespace):
+    """The TrainConfig for a new run: defaults < --config YAML < given flags."""
+    from vpscluster.config import build, load_yaml, merge
+    from vpscluster.train.config import TrainConfig
+
+    mapping: dict[str, Any] = {}
+    if args.config:
+        mapping = load_yaml(args.config, "--config")
+        build(TrainConfig, mapping, args.config)  # errors name the file and the key
+    return build(TrainConfig, merge(mapping, _nest(_given(args))), "train")
+
+
+def resolve_resume(args: argparse.Namespace):
+    from vpscluster.config import build, merge, to_dict
+    from vpscluster.errors import UserError
+    from vpscluster.train.config import TrainConfig
+    from vpscluster.train.rundir import read_config
+
+    extra = sorted(d for d in _given(args) if d not in RESUME_FLAGS) + (["config"] if args.config else [])
+    if extra:
+        flags = ", ".join("--" + d.replace("_", "-") for d in extra)
+        raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps and --time-budget may change)")
+    cfg = read_config(args.resume)
+    overrides = _nest({d: v for d, v in _given(args).items() if d in RESUME_FLAGS})
+    return build(TrainConfig, merge(to_dict(cfg), overrides), "train")
+
+
+def _import_optional(module: str, feature: str):
+    import importlib
+
+    from vpscluster.errors import UserError
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise UserError(f"{feature} is not available in this version ({module} is missing)") from None
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    from vpscluster.cli.output import console, emit_json
+    from vpscluster.train import rundir
+    from vpscluster.train.progress import ProgressView
+
+    out = console(args.json)
+    resuming = args.resume is not None
+    cfg = resolve_resume(args) if resuming else resolve_config(args)
+    if cfg.strategy.name == "auto":
+        auto = _import_optional("vpscluster.plan.auto", "--strategy auto")
+        cluster = None
+        if cfg.cluster:
+            cluster = _import_optional("vpscluster.cluster.inventory", "--cluster").load_cluster(cfg.cluster)
+        cfg.strategy, reason = auto.choose_for_training(cfg, cluster, None)
+        cfg.validate()
+        out.print(f"strategy auto -> [bold]{cfg.strategy.name}[/]: {reason}")
+    if resuming:
+        run_dir = Path(args.resume)
+    else:
+        # Fix the LR schedule's horizon now, so a later --resume --max-steps does not change it.
+        cfg.lr_decay_steps = cfg.lr_decay_steps or cfg.max_steps
+        run_dir = rundir.create(cfg.run_dir)
+        cfg.run_dir = str(run_dir)
+    rundir.write_config(cfg, run_dir)
+
+    if cfg.cluster:
+        launch = _import_optional("vpscluster.launch.train", "training on a cluster file (--cluster)")
+        report = launch.launch_training(cfg, run_dir, args)
+    else:
+        from vpscluster.train.data import load_dataset
+        from vpscluster.train.local import launch_local
+        from vpscluster.train.presets import get_preset
+
+        load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)  # bad data fails here, in one line
+        with ProgressView(json_mode=args.json, console=out) as view:
+            report = launch_local(cfg, run_dir, resume=resuming, view=view)
+    if args.json:
+        emit_json(report)
+    else:
+        ProgressView(console=out).summary(report)
+    return 0

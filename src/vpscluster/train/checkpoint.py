@@ -1,0 +1,201 @@
+"""Checkpoints: per-rank shards written atomically, a manifest, and a resume all ranks agree on.
+
+Layout (under the run directory's `checkpoints/`, on each node's own disk):
+
+    step-00000200/
+      rank-00000.pt      one shard per rank: model, optimizer, strategy state (DiLoCo's is
+      rank-00001.pt      rank-local), data-sampler position, RNG states, running totals
+      manifest.json      {"step", "world_size", "sha256": {rank: hex}} — written after every
+                         rank's shard is on disk (the shas are gathered, which is the barrier)
+
+Writing: the shard is serialised in memory, hashed (sha256), written to a temporary file,
+fsync'ed, renamed over the final name, and the directory fsync'ed — a crash leaves either the
+old state or the complete new file, never a torn one under the final name. Only the last
+`keep` complete checkpoints are kept.
+
+Resuming: every rank lists the step directories it can see, and checks for each one that the
+manifest exists and is readable, names the same world size, and that its own shard's sha256
+matches. The ranks gather their lists and take the newest step valid on ALL ranks. A torn or
+corrupt checkpoint costs one warning line and the previous good one is used; the unusable
+directories newer than the chosen step are renamed aside (`*.abandoned-<time>`), never deleted,
+so the resumed run does not overwrite evidence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def shard_path(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _list_steps(root: Path) -> list[int]:
+    steps = []
+    if Path(root).is_dir():
+        for d in Path(root).iterdir():
+            name = d.name
+            if d.is_dir() and name.startswith("step-") and name[5:].isdigit():
+                steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+@dataclass
+class Collectives:
+    """The two collectives checkpointing needs; identity functions at world size 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    all_gather_object: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])
+
+
+def save(root: Path, step: int, payload: dict[str, Any], coll: Collectives, keep: int) -> Path:
+    """Write this rank's shard for `step`, then (local rank 0) the manifest; prune old ones."""
+    import torch
+
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "step": step, "rank": coll.rank, "world_size": coll.world_size, **payload}, buf)
+    data = buf.getvalue()
+    write_atomic(shard_path(root, step, coll.rank), data)
+    digests = coll.all_gather_object(hashlib.sha256(data).hexdigest())  # also the barrier
+    if coll.local_rank == 0:
+        manifest = {"step": step, "world_size": coll.world_size, "sha256": {str(r): h for r, h in enumerate(digests)}}
+        write_atomic(d / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _prune(root, keep)
+    return d
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = [s for s in _list_steps(root) if (step_dir(root, s) / MANIFEST).exists()]
+    for s in complete[:-keep]:
+        shutil.rmtree(step_dir(root, s), ignore_errors=True)
+
+
+def verify_shard(root: Path, step: int, rank: int, world_size: int) -> str | None:
+    """None if this rank's shard of `step` is complete and intact, else why not."""
+    d = step_dir(root, step)
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "incomplete (no manifest)"
+    except (OSError, ValueError):
+        return "manifest unreadable"
+    if manifest.get("world_size") != world_size:
+        return f"taken with {manifest.get('world_size')} ranks, this run has {world_size}"
+    want = manifest.get("sha256", {}).get(str(rank))
+    try:
+        got = hashlib.sha256(shard_path(root, step, rank).read_bytes()).hexdigest()
+    except OSError:
+        return f"rank {rank} shard missing"
+    if got != want:
+        return f"rank {rank} shard checksum mismatch"
+    return None
+
+
+@dataclass
+class ResumePoint:
+    step: int | None  # None: nothing usable, start from scratch
+    payload: dict[str, Any] | None
+    skipped: list[dict[str, Any]]  # [{"step", "reason"}] newer checkpoints that were unusable
+
+
+def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | None = None) -> ResumePoint:
+    """The newest checkpoint valid on every rank, loaded for this rank (collective: call on all)."""
+    import torch
+
+    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    mine: dict[int, str | None] = {s: verify_shard(root, s, coll.rank, coll.world_size) for s in _list_steps(root)}
+    everyone = coll.all_gather_object(mine)
+    candidates = set().union(*(set(m) for m in everyone))
+    valid = [s for s in candidates if all(m.get(s, "missing on a node") is None for m in everyone)]
+    chosen = max(valid) if valid else None
+    skipped = []
+    for s in sorted(candidates, reverse=True):
+        if chosen is not None and s <= chosen:
+            break
+        reasons = sorted({f"{m.get(s, 'missing on a node')}" for m in everyone if m.get(s, "x") is not None})
+        skipped.append({"step": s, "reason": "; ".join(reasons)})
+    if coll.rank == 0:
+        for item in skipped:
+            target = f"resuming from step {chosen}" if chosen is not None else "starting from step 0"
+            warn(f"warning: checkpoint step {item['step']} is unusable ({item['reason']}); {target}; kept aside, not deleted")
+    if coll.local_rank == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        for item in skipped:
+            try:
+                step_dir(root, item["step"]).rename(Path(str(step_dir(root, item["step"])) + f".abandoned-{stamp}"))
+            except OSError:
+                pass  # another node sharing this disk moved it already, or it only exists elsewhere
+    coll.all_gather_object(None)  # nobody writes a new step-N before the old one is moved aside
+    if chosen is None:
+        return ResumePoint(None, None, skipped)
+    data = shard_path(root, chosen, coll.rank).read_bytes()
+    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return ResumePoint(chosen, payload, skipped)
+
+
+def state_hash(obj: Any) -> str:
+    """sha256 over a (nested) state dict: tensors by dtype, shape and bytes; keys in sorted order."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+            flat = x.detach().cpu().contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                feed(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for v in x:
+                feed(v)
+            h.update(b"]")
+        else:
+            h.update(repr(x).encode())
+
+    feed(obj)
+    return h.hexdigest()

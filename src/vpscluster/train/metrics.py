@@ -1,0 +1,83 @@
+"""Per-step metrics: `metrics.jsonl` lines on rank 0, running totals on every rank.
+
+`MetricsLog` appends one JSON line per step (step, loss, step_seconds, compute_seconds,
+comm_seconds, tokens, bytes_sent, lr) and one per evaluation (step, val_loss). Other ranks get a
+`NullMetricsLog`, so the loop never asks which rank it is. `Totals` are the cumulative figures
+every rank keeps (and checkpoints) for the report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Totals:
+    """Cumulative counters of one rank, carried across resumes through checkpoints."""
+
+    steps: int = 0
+    tokens: int = 0
+    wall_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    bytes_sent: int = 0
+
+    def add_step(self, tokens: int, step_s: float, comm_s: float, nbytes: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.compute_seconds += max(0.0, step_s - comm_s)
+        self.comm_seconds += comm_s
+        self.bytes_sent += nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Totals":
+        return cls(**d)
+
+
+class MetricsLog:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._f = self.path.open("a", buffering=1)  # line-buffered: a crash loses at most a line
+
+    def log(self, **fields: Any) -> None:
+        self._f.write(json.dumps(fields, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class NullMetricsLog:
+    def log(self, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def metrics_log(rank: int, path: Path) -> MetricsLog | NullMetricsLog:
+    return MetricsLog(path) if rank == 0 else NullMetricsLog()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop lines past `step` (a resume restarts from a checkpoint; later lines would repeat)."""
+    p = Path(path)
+    if not p.exists():
+        return
+    kept = [l for l in p.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text("".join(l + "\n" for l in kept))
+    tmp.replace(p)

@@ -1,0 +1,134 @@
+"""What a person sees while training: a rich progress bar fed by worker events, then a summary.
+
+`ProgressView` consumes the events rank 0 prints (see events.py), in any order a launcher
+delivers them (local pipes or SSH), and renders: a bar with step / max steps, loss, tokens/s
+and the share of time spent communicating; eval and checkpoint notes above the bar; at the end
+a summary table of the report. In --json mode it draws on stderr so stdout stays one document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ProgressView:
+    def __init__(self, json_mode: bool = False, console=None) -> None:
+        from vpscluster.cli.output import console as make_console
+
+        self.console = console or make_console(json_mode)
+        self._progress = None
+        self._task = None
+        self._val: float | None = None
+        self.report: dict[str, Any] | None = None
+        self.errors: list[str] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> "ProgressView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    # ---- events ---------------------------------------------------------------------------
+    def handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(event)
+
+    def log_line(self, line: str) -> None:
+        """An ordinary worker output line (warnings, errors): shown above the bar."""
+        self.console.print(line, markup=False, highlight=False, style="dim")
+
+    def _on_start(self, ev: dict[str, Any]) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        s = ev.get("strategy", {})
+        details = ", ".join(f"{k}={v}" for k, v in s.items() if k not in ("name", "collective_busy_seconds"))
+        self.console.print(
+            f"training [bold]{ev.get('preset')}[/] ({ev.get('num_params', 0) / 1e6:.2f}M parameters) on "
+            f"{ev.get('world_size')} rank(s), strategy [bold]{s.get('name')}[/]{' (' + details + ')' if details else ''}, "
+            f"{ev.get('backend')}, {ev.get('threads_per_rank')} thread(s)/rank -> {ev.get('run_dir')}"
+        )
+        self.close()
+        self._progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "train", total=ev.get("max_steps"), completed=ev.get("start_step", 0), stats="starting"
+        )
+
+    def _on_step(self, ev: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        val = f"  val {self._val:.3f}" if self._val is not None else ""
+        stats = (
+            f"loss {ev['loss']:.3f}{val}  {ev.get('tokens_per_s', 0):,.0f} tok/s  "
+            f"comm {100 * ev.get('comm_share', 0):.0f}%"
+        )
+        self._progress.update(self._task, completed=ev["step"], stats=stats)
+
+    def _on_eval(self, ev: dict[str, Any]) -> None:
+        self._val = ev["val_loss"]
+        self.console.print(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
+
+    def _on_checkpoint(self, ev: dict[str, Any]) -> None:
+        self.console.print(f"step {ev['step']}: checkpoint {ev['path']}", style="dim")
+
+    def _on_resume(self, ev: dict[str, Any]) -> None:
+        if ev.get("step"):
+            self.console.print(f"resuming from the checkpoint of step {ev['step']}")
+        else:
+            self.console.print("no usable checkpoint: starting from step 0", style="yellow")
+
+    def _on_error(self, ev: dict[str, Any]) -> None:
+        self.errors.append(f"rank {ev.get('rank')}: {ev.get('message')}")
+        self.console.print(f"rank {ev.get('rank')}: {ev.get('message')}", style="red", markup=False)
+
+    def _on_end(self, ev: dict[str, Any]) -> None:
+        self.report = ev.get("report")
+        self.close()
+
+    # ---- summary --------------------------------------------------------------------------
+    def summary(self, report: dict[str, Any]) -> None:
+        from rich.table import Table
+
+        table = Table(title="training run", show_header=False, title_justify="left")
+        table.add_column("", style="bold")
+        table.add_column("")
+        init = report.get("initial_val_loss")
+        rows = [
+            ("strategy", f"{report['strategy']} on {report['world_size']} rank(s)"),
+            ("steps", f"{report['steps']} (stopped by {report.get('stopped_by', 'max_steps')})"),
+            ("tokens", f"{report['tokens']:,}"),
+            ("wall time", f"{report['wall_seconds']:.1f} s"),
+            ("throughput", f"{report['tokens_per_s']:,.0f} tokens/s"),
+            ("compute / comm", f"{report['compute_seconds']:.1f} s / {report['comm_seconds']:.1f} s (mean per rank)"),
+            ("compute utilization", f"{100 * report['compute_utilization']:.1f}%"),
+            ("train loss", _fmt(report.get("final_train_loss"))),
+            ("validation loss", (f"{init:.3f} -> " if init is not None else "") + _fmt(report.get("final_val_loss"))),
+            ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in report["bytes_sent"])),
+            ("run directory", str(report.get("run_dir", ""))),
+        ]
+        for k, v in rows:
+            table.add_row(k, v)
+        self.console.print(table)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

@@ -1,0 +1,83 @@
+"""The run directory: where one training run keeps everything.
+
+    runs/<run-id>/            (or --run-dir DIR; run id = UTC timestamp + short random suffix)
+      config.yaml             the resolved TrainConfig (defaults < --config < flags)
+      metrics.jsonl           a line per step and per evaluation (rank 0)
+      checkpoints/            step-NNNNNNNN/ with one shard per rank and a manifest
+      logs/                   each rank's output (rank-N.log), the launcher's (launcher.log)
+      report.json             the run report (contract keys, see trainer.build_report)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from vpscluster.errors import UserError
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+REPORT = "report.json"
+CHECKPOINTS = "checkpoints"
+LOGS = "logs"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def create(run_dir: str | Path | None, base: str | Path = "runs") -> Path:
+    """Make a fresh run directory (and its logs/ and checkpoints/)."""
+    d = Path(run_dir) if run_dir else Path(base) / new_run_id()
+    if (d / CONFIG).exists():
+        raise UserError(f"--run-dir {d} already holds a run; continue it with --resume {d} or pick a new folder")
+    try:
+        for sub in (LOGS, CHECKPOINTS):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {d}: cannot create it ({e.strerror})") from None
+    return d
+
+
+def write_config(cfg: Any, run_dir: str | Path) -> Path:
+    import yaml
+
+    from vpscluster.config import to_dict
+
+    p = Path(run_dir) / CONFIG
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(p)
+    return p
+
+
+def read_config(run_dir: str | Path):
+    from vpscluster.config import build, load_yaml
+    from vpscluster.train.config import TrainConfig
+
+    p = Path(run_dir) / CONFIG
+    if not p.exists():
+        raise UserError(f"{run_dir}: not a run directory (no {CONFIG}); give the folder a run was started in")
+    return build(TrainConfig, load_yaml(p, "run config"), str(p))
+
+
+def write_json_atomic(path: Path, doc: Any) -> None:
+    tmp = Path(str(path) + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def read_report(run_dir: str | Path) -> dict[str, Any]:
+    p = Path(run_dir) / REPORT
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{p}: no readable report ({e}); see {Path(run_dir) / LOGS}") from None

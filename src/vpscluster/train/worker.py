@@ -1,0 +1,84 @@
+"""The per-rank entry point that `torch.distributed.run` starts on every node.
+
+    python -m vpscluster.train.worker --run-dir DIR [--backend auto|gloo|nccl] [--resume]
+
+Reads the resolved configuration from DIR/config.yaml (paths in it are valid on this node),
+the rank and rendezvous from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT), trains, and exits 0. Each rank's output is also written to
+DIR/logs/rank-N.log. Rank 0 prints `VPSC_EVENT {...}` lines on stdout (see events.py) and
+writes DIR/metrics.jsonl and DIR/report.json. On failure the error goes to stderr (one line for
+a `UserError`, a traceback in the rank's log otherwise), rank 0 emits an `error` event, and the
+exit status is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import TextIO
+
+
+class _Tee:
+    """Writes to the original stream and to the rank's log file."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vpscluster.train.worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", required=True, help="the run directory holding config.yaml")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto", help="auto: nccl when CUDA is available, else gloo")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in RUN_DIR/checkpoints")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = (run_dir / "logs" / f"rank-{rank}.log").open("a", buffering=1)
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+
+    from vpscluster.errors import UserError
+    from vpscluster.train import events
+    from vpscluster.train.rundir import read_config
+
+    ev = events.event_writer(rank)
+    try:
+        from vpscluster.train.trainer import run
+
+        cfg = read_config(run_dir)
+        run(cfg, run_dir, resume=args.resume, backend=args.backend)
+        return 0
+    except UserError as e:
+        print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        ev.emit("error", rank=rank, message=str(e))
+        return 2
+    except Exception as e:  # the traceback goes to this rank's log; the event carries one line
+        traceback.print_exc()
+        ev.emit("error", rank=rank, message=f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
