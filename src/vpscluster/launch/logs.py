@@ -1,0 +1,131 @@
+"""Every node's output, live, with a `node/rank` prefix; kept per node; errors and events picked out.
+
+torchrun tees each worker's output to its own console with a `[rankN]:` prefix (our
+`LOG_LINE_PREFIX_TEMPLATE`); lines without one come from the elastic agent itself. The router
+writes every line to RUN_DIR/logs/<node>.log, shows it to the user as `node/rank: text`, hands
+rank 0's `VPSC_EVENT` lines to a callback (the progress view) instead, and remembers the first
+error each node printed — the last line of its first Python traceback, or failing that its
+last line on stderr — so a failed launch can say which node failed and why in one line.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+_TRACEBACK = "Traceback (most recent call last):"
+# Exceptions that only say "a worker failed" (the agent's summary): the worker's own error is better.
+_WRAPPER_ERRORS = ("ChildFailedError", "torch.distributed.elastic", "SignalException")
+
+
+def split_rank(line: str) -> tuple[int | None, str]:
+    """`[rank3]:text` -> (3, "text"); an agent line -> (None, line)."""
+    m = _RANK_PREFIX.match(line)
+    if not m:
+        return None, line
+    text = line[m.end():]
+    return int(m.group(1)), text[1:] if text.startswith(" ") else text
+
+
+@dataclass
+class _Source:
+    """Traceback state of one (node, rank) output."""
+
+    in_traceback: bool = False
+    error: str | None = None
+    last_stderr: str | None = None
+
+
+@dataclass
+class NodeOutput:
+    name: str
+    path: Path
+    sources: dict[Any, _Source] = field(default_factory=dict)
+    lines: int = 0
+
+
+class LogRouter:
+    """Callable per node as an executor's `on_line(stream, line)` (see `for_node`)."""
+
+    def __init__(
+        self,
+        logs_dir: str | Path,
+        node_names: list[str],
+        show: Callable[[str], None] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        from vpscluster.train.events import parse_event
+
+        self._parse_event = parse_event
+        self.logs_dir = Path(logs_dir)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.show = show
+        self.on_event = on_event
+        self.nodes = {n: NodeOutput(n, self.logs_dir / f"{n}.log") for n in node_names}
+        self._files = {n: o.path.open("a", buffering=1) for n, o in self.nodes.items()}
+        self._lock = threading.Lock()
+        self.rank0_node: str | None = None  # which node runs global rank 0 (the report's writer)
+        self.events: list[dict[str, Any]] = []
+
+    def for_node(self, node: str) -> Callable[[str, str], None]:
+        return lambda stream, line: self.line(node, stream, line)
+
+    def note(self, node: str, text: str) -> None:
+        """A launcher remark about a node: logged and shown like its lines."""
+        self.line(node, "launcher", text)
+
+    def line(self, node: str, stream: str, line: str) -> None:
+        line = line.rstrip("\r\n")
+        rank, text = split_rank(line)
+        out = self.nodes[node]
+        with self._lock:
+            out.lines += 1
+            who = f"{node}/{rank}" if rank is not None else (f"{node}/launcher" if stream == "launcher" else node)
+            self._files[node].write(f"{time.strftime('%H:%M:%S')} {who} {stream}: {text}\n")
+            self._track_error(out.sources.setdefault(rank, _Source()), stream, text)
+            if rank == 0:
+                self.rank0_node = node
+                event = self._parse_event(text)
+                if event is not None:
+                    self.events.append(event)
+                    if self.on_event:
+                        self.on_event(event)
+                    return
+        if self.show:
+            self.show(f"{who}: {text}")
+
+    @staticmethod
+    def _track_error(src: _Source, stream: str, text: str) -> None:
+        if stream == "stderr" and text.strip():
+            src.last_stderr = text.strip()
+        if text.startswith(_TRACEBACK):
+            src.in_traceback = True
+        elif src.in_traceback and text and not text[0].isspace():
+            # The first unindented line after the frames is "SomeError: message".
+            src.in_traceback = False
+            if src.error is None and not text.startswith(("During handling", "The above exception")):
+                src.error = text.strip()
+
+    def first_error(self, node: str) -> str | None:
+        """The node's first error: a worker's traceback, else the agent's, else its last stderr line."""
+        sources = self.nodes[node].sources
+        ranks = sorted(k for k in sources if k is not None)
+        worker_errors = [sources[r].error for r in ranks if sources[r].error]
+        if worker_errors:
+            return worker_errors[0]
+        agent = sources.get(None)
+        if agent and agent.error and not any(w in agent.error for w in _WRAPPER_ERRORS):
+            return agent.error
+        for key in ranks + [None]:
+            if key in sources and sources[key].last_stderr:
+                return sources[key].last_stderr
+        return agent.error if agent and agent.error else None
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()

@@ -1,0 +1,342 @@
+"""A launch as named stages: preflight → sync → prepare → start → stream → collect → teardown.
+
+`vpscluster run` and `vpscluster train --cluster` describe what to run as a `Job`; this module
+does the rest the same way for both. `--dry-run` is the build part alone (no stage touches a
+node), so it prints exactly the commands a launch would run. Whatever ends the run — success, a
+node failing, Ctrl-C or SIGTERM to the launcher — teardown runs and checks every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from vpscluster.errors import RemoteError, UserError
+from vpscluster.launch.commands import (
+    DEFAULT_RDZV_PORT, LaunchOptions, NodeCommand, NodeTarget, Program, build_node_commands, render_dry_run,
+)
+from vpscluster.launch.preflight import NodeState
+
+
+@dataclass
+class SyncItem:
+    """A file or folder of the launcher that every node needs, and where it goes under the workdir."""
+
+    key: str  # "code", "data", ...
+    local_path: str
+    remote_rel: str  # relative to the node's workdir
+
+
+@dataclass
+class Job:
+    cluster: Any  # vpscluster.cluster.node.Cluster
+    program: Program
+    run_dir: Path  # on the launching machine: logs/<node>.log and the fetched files land here
+    run_id: str
+    syncs: list[SyncItem] = field(default_factory=list)
+    cwd_key: str | None = None  # the sync item each node runs in; None: the node's workdir
+    nproc_per_node: int = 0  # 0: one per GPU, else one
+    join_timeout_s: float = 600.0
+    store_timeout_s: float = 300.0
+    fetch: list[str] = field(default_factory=list)  # files of the node run dir, from rank 0's node
+    # Extra environment for a node, from its state and where its synced items are.
+    env_for: Callable[[NodeState, dict[str, str]], dict[str, str]] | None = None
+    # Called before start with (executor, state, synced paths, node run dir).
+    prepare: Callable[[Any, NodeState, dict[str, str], str], Awaitable[None]] | None = None
+    force: bool = False
+    rdzv_id: str | None = None
+    rdzv_port: int | None = None
+    on_event: Callable[[dict], None] | None = None
+    say: Callable[[str], None] = print  # launcher remarks and node lines for people
+
+    def node_run_dir(self, workdir: str) -> str:
+        return posixpath.join(workdir, "runs", self.run_id)
+
+
+@dataclass
+class NodeOutcome:
+    name: str
+    exit_status: int | None = None
+    first_error: str | None = None
+    log: str | None = None
+    sync: list[dict] = field(default_factory=list)
+    left_running: list[int] = field(default_factory=list)
+    teardown_error: str | None = None
+
+
+@dataclass
+class LaunchResult:
+    ok: bool
+    exit_status: int
+    run_dir: str
+    rdzv_id: str
+    nodes: list[NodeOutcome]
+    error: str | None = None
+    interrupted: bool = False
+    rank0_node: str | None = None
+    wall_seconds: float = 0.0
+    fetched: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+
+# --- build (pure; also the dry run) ----------------------------------------------------------
+
+
+def node_targets(job: Job, states: dict[str, NodeState], synced: dict[str, dict[str, str]],
+                 nproc: dict[str, int]) -> list[NodeTarget]:
+    targets = []
+    for node in job.cluster.nodes:
+        st = states[node.name]
+        where = synced.get(node.name, {})
+        cwd = where[job.cwd_key] if job.cwd_key else st.workdir
+        env = job.env_for(st, where) if job.env_for else {}
+        targets.append(NodeTarget(
+            name=node.name, address=node.host, python=node.python, cwd=cwd, nproc=nproc[node.name],
+            interface=st.interface, env=tuple(env.items()),
+        ))
+    return targets
+
+
+def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int) -> list[NodeCommand]:
+    nproc = {n: job.nproc_per_node or max(1, states[n].gpus) for n in states}
+    options = LaunchOptions(rdzv_id=rdzv_id, rdzv_port=rdzv_port, join_timeout_s=job.join_timeout_s,
+                            store_timeout_s=job.store_timeout_s)
+    commands = build_node_commands(node_targets(job, states, synced, nproc), job.cluster.head, job.program, options)
+    for c in commands:
+        # torchrun's own per-rank log files go into the node's run dir, never to /tmp.
+        c.argv[c.argv.index("--tee") + 2:c.argv.index("--tee") + 2] = [
+            "--log-dir", posixpath.join(job.node_run_dir(states[c.node].workdir), "torchelastic")]
+    return commands
+
+
+def dry_run(job: Job) -> dict[str, Any]:
+    """The per-node commands and environment, touching no node."""
+    from vpscluster.probe.store import load_probe
+
+    probe = load_probe(job.cluster, None)
+    facts = {n["name"]: n for n in (probe or {}).get("nodes", [])}
+    states, synced, notes = {}, {}, []
+    for node in job.cluster.nodes:
+        f = facts.get(node.name, {})
+        gpus = f.get("gpus") or []
+        states[node.name] = NodeState(node.name, node.host, node.workdir, interface=f.get("interface"),
+                                      gpus=len(gpus) if isinstance(gpus, list) else int(gpus))
+        synced[node.name] = {s.key: posixpath.join(node.workdir, s.remote_rel) for s in job.syncs}
+    if any(s.interface is None for s in states.values()):
+        notes.append("GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: found on each node at launch (`ip -o addr`); "
+                     "run `vpscluster probe` to see them here")
+    if job.syncs:
+        notes.append("synced files go under each node's workdir; a node that already holds them at the "
+                     "launcher's path (shared file system) uses that path instead")
+    if job.rdzv_port is None:
+        notes.append(f"rendezvous port: a free port on the head at launch ({DEFAULT_RDZV_PORT} shown)")
+    commands = build_commands(job, states, synced, job.rdzv_id or "<fresh id per launch>",
+                              job.rdzv_port or DEFAULT_RDZV_PORT)
+    return render_dry_run(commands, notes)
+
+
+# --- the stages --------------------------------------------------------------------------------
+
+
+def launch(job: Job) -> LaunchResult:
+    """Run the job on the cluster; never leaves a process behind."""
+    return asyncio.run(_launch(job))
+
+
+async def _launch(job: Job) -> LaunchResult:
+    from vpscluster.cluster.inventory import open_executors
+
+    started = time.monotonic()
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    try:
+        async with open_executors(job.cluster) as executors:
+            result = await _stages(job, executors, interrupted)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    result.wall_seconds = round(time.monotonic() - started, 2)
+    return result
+
+
+async def _interruptible(aw, interrupted: asyncio.Event):
+    """Await `aw` unless the user interrupts first (then KeyboardInterrupt)."""
+    task = asyncio.ensure_future(aw)
+    stop = asyncio.ensure_future(interrupted.wait())
+    done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        stop.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise KeyboardInterrupt
+
+
+async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResult:
+    from vpscluster.launch import preflight as pf
+    from vpscluster.launch.logs import LogRouter
+    from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch.teardown import teardown
+
+    timeout_s = job.cluster.connect_timeout_s + job.cluster.command_timeout_s
+    by_name = {ex.node.name: ex for ex in executors}
+    rdzv_id = job.rdzv_id or uuid.uuid4().hex
+    outcomes = {ex.node.name: NodeOutcome(ex.node.name) for ex in executors}
+
+    # preflight: reachable, workdir, probe, interfaces, port.
+    job.say(f"pre-flight on {len(executors)} nodes")
+    facts = await _interruptible(pf.probe_facts(job.cluster, executors, job.force, job.say), interrupted) \
+        if not _all_local(job) else {}
+    states = await _interruptible(pf.preflight(job.cluster, executors, facts, timeout_s), interrupted)
+    head = by_name[job.cluster.head]
+    port = job.rdzv_port or await pf.free_port(head, head.node.host, timeout_s)
+
+    # sync: code and data, by content hash.
+    synced: dict[str, dict[str, str]] = {n: {} for n in states}
+    for item in job.syncs:
+        root, manifest = local_side(item)
+        results = await _interruptible(asyncio.gather(*(
+            sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
+                     timeout_s=max(timeout_s, 300.0), manifest=manifest)
+            for ex in executors)), interrupted)
+        for r in results:
+            synced[r.node][item.key] = _remote_of(item, r)
+            outcomes[r.node].sync.append(r.to_dict())
+        copied = [f"{r.node}: {r.changed} files" for r in results if not r.shared and r.changed]
+        job.say(f"sync {item.key}: " + (", ".join(copied) if copied else "already in place on every node"))
+
+    # prepare: each node's run dir (and what the job puts there).
+    async def prepare(ex):
+        st = states[ex.node.name]
+        run_dir = job.node_run_dir(st.workdir)
+        r = await ex.run(["mkdir", "-p", posixpath.join(run_dir, "torchelastic")], timeout_s=timeout_s)
+        if not r.ok:
+            raise RemoteError(f"node {ex.node.name}: cannot create {run_dir}: {pf._why(r)}")
+        if job.prepare:
+            await job.prepare(ex, st, synced[ex.node.name], run_dir)
+
+    await _interruptible(asyncio.gather(*(prepare(ex) for ex in executors)), interrupted)
+    commands = build_commands(job, states, synced, rdzv_id, port)
+
+    # start + stream.
+    router = LogRouter(job.run_dir / "logs", list(states), show=job.say, on_event=job.on_event)
+    handles = []
+    error = None
+    failed = None
+    was_interrupted = False
+    try:
+        for c in commands:
+            router.note(c.node, "$ " + c.shell())
+        handles = [await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)) for c in commands]
+        failed, was_interrupted = await _watch(handles, interrupted)
+    except KeyboardInterrupt:
+        was_interrupted = True
+    finally:
+        if was_interrupted:
+            job.say("interrupted: stopping every process on every node")
+        reaped = await asyncio.shield(teardown(executors, handles, rdzv_id))
+        router.close()
+    for h in handles:
+        outcomes[h.node].exit_status = h.returncode
+    for name, o in outcomes.items():
+        o.first_error = router.first_error(name)
+        o.log = str(router.nodes[name].path)
+    for r in reaped:
+        outcomes[r.node].left_running = r.left
+        outcomes[r.node].teardown_error = r.error
+    unclean = [r for r in reaped if not r.clean]
+
+    # collect: the report and metrics from the node that ran rank 0.
+    fetched = []
+    rank0 = router.rank0_node or job.cluster.head
+    if job.fetch and not was_interrupted:
+        fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, timeout_s)
+
+    if was_interrupted:
+        error, status = "interrupted", 130
+    elif failed is not None:
+        o = outcomes[failed]
+        error = f"node {failed} failed (exit status {o.exit_status})" + (f": {o.first_error}" if o.first_error else "")
+        status = 1
+    else:
+        status = 0
+    if unclean:
+        why = "; ".join(f"{r.node}: {r.error or f'pids {r.left} still running'}" for r in unclean)
+        error = (error + "; " if error else "") + f"teardown could not verify every node ({why})"
+        status = status or 1
+    return LaunchResult(ok=status == 0, exit_status=status, run_dir=str(job.run_dir), rdzv_id=rdzv_id,
+                        nodes=list(outcomes.values()), error=error, interrupted=was_interrupted,
+                        rank0_node=router.rank0_node, fetched=fetched)
+
+
+async def _watch(handles, interrupted: asyncio.Event) -> tuple[str | None, bool]:
+    """Wait for every node to finish; return at the first failure or interrupt: (failed node, interrupted)."""
+    waits = {asyncio.ensure_future(h.wait()): h for h in handles}
+    stop = asyncio.ensure_future(interrupted.wait())
+    pending = set(waits)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending | {stop}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(stop)
+            if stop in done:
+                return None, True
+            for t in done:
+                if t.result() != 0:
+                    return waits[t].node, False
+        return None, False
+    finally:
+        stop.cancel()
+        for t in pending:
+            t.cancel()
+
+
+def local_side(item: SyncItem) -> tuple[str, dict[str, str]]:
+    """(local root, manifest): a single file is its folder with a one-file manifest."""
+    from vpscluster.launch.sync import file_hash, local_manifest
+
+    path = os.path.abspath(item.local_path)
+    if os.path.isdir(path):
+        return path, local_manifest(path)
+    if not os.path.isfile(path):
+        raise UserError(f"{item.local_path}: no such file or folder to send to the nodes")
+    return os.path.dirname(path), {os.path.basename(path): file_hash(path)}
+
+
+def _remote_of(item: SyncItem, result) -> str:
+    if os.path.isdir(item.local_path):
+        return result.remote_path
+    return posixpath.join(result.remote_path, os.path.basename(item.local_path))
+
+
+def _all_local(job: Job) -> bool:
+    return all(n.local for n in job.cluster.nodes)
+
+
+async def _fetch(ex, job: Job, workdir: str, timeout_s: float) -> list[str]:
+    fetched = []
+    node_dir = job.node_run_dir(workdir)
+    for name in job.fetch:
+        remote = posixpath.join(node_dir, name)
+        local = job.run_dir / name
+        if ex.node.local and os.path.realpath(remote) == os.path.realpath(local):
+            fetched.append(str(local))
+            continue
+        try:
+            await ex.get(remote, str(local), timeout_s=timeout_s)
+            fetched.append(str(local))
+        except Exception as e:  # a missing report is reported by the caller, with the node's error
+            job.say(f"{ex.node.name}: could not fetch {remote}: {e}")
+    return fetched

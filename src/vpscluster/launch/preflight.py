@@ -1,0 +1,122 @@
+"""Pre-flight: before anything starts, every node must be reachable, usable and alike.
+
+Cheap checks that fail in seconds, naming the node, instead of a rendezvous time-out ten
+minutes later: SSH reaches every node and its work directory exists (resolved to an absolute
+path there, so nothing later depends on `~` or on the launcher's paths); a fresh probe (a quick
+one is run when none is fresh) shows no blocking problem (PyTorch missing, versions differing);
+the interface carrying each node's address; a free rendezvous port on the head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from vpscluster.errors import RemoteError, UserError
+from vpscluster.launch.commands import shell_path
+from vpscluster.launch.netif import find_interface
+
+PROBE_MAX_AGE_S = 3600.0
+
+_FREE_PORT = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET)\n"
+    "s.bind(('', 0)); print(s.getsockname()[1])\n"
+)
+
+
+@dataclass
+class NodeState:
+    """What pre-flight learned about one node."""
+
+    name: str
+    address: str
+    workdir: str  # absolute, on the node
+    interface: str | None = None
+    gpus: int = 0
+    cuda: bool = False
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def _why(result) -> str:
+    if result.error:
+        return result.error
+    if result.timed_out:
+        return f"timed out after {result.duration_s:.0f} s"
+    lines = (result.stderr or result.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {result.exit_status}"
+
+
+async def resolve_workdirs(executors, timeout_s: float) -> dict[str, str]:
+    """Create each node's workdir and return its absolute path; one error naming every bad node."""
+
+    async def one(ex):
+        cmd = f"mkdir -p {shell_path(ex.node.workdir)} && cd {shell_path(ex.node.workdir)} && pwd -P"
+        try:
+            return ex, await asyncio.wait_for(ex.run(cmd, timeout_s=timeout_s), timeout_s + 5)
+        except asyncio.TimeoutError:
+            return ex, None
+
+    results = await asyncio.gather(*(one(ex) for ex in executors))
+    bad = []
+    out = {}
+    for ex, r in results:
+        if r is None or not r.ok or not r.stdout.strip():
+            why = "no answer within %.0f s" % timeout_s if r is None else _why(r)
+            bad.append(f"node {ex.node.name} ({ex.node.host}): {why}")
+        else:
+            out[ex.node.name] = r.stdout.strip().splitlines()[-1]
+    if bad:
+        raise RemoteError("cannot reach or use " + "; ".join(bad) + " — fix it or remove the node from the cluster file")
+    return out
+
+
+async def probe_facts(cluster, executors, force: bool, say=None) -> dict[str, dict]:
+    """Per-node facts from a fresh probe (a quick probe when none is fresh); refuses on blocking problems."""
+    from vpscluster.probe.api import ProbeSettings, blocking_problems, run_probe_async
+    from vpscluster.probe.store import load_probe
+
+    probe = load_probe(cluster, PROBE_MAX_AGE_S)
+    if probe is None:
+        if say is not None:
+            say("no fresh probe of this cluster: running a quick one (saved for the next hour)")
+        probe = await run_probe_async(cluster, ProbeSettings.make(quick=True), quick=True,
+                                      executors={ex.node.name: ex for ex in executors})
+    problems = blocking_problems(probe)
+    if problems and not force:
+        first = problems[0]
+        nodes = ", ".join(first.get("nodes") or []) or "cluster"
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        fix = first.get("fix") or "fix it"
+        raise UserError(f"pre-flight: {nodes}: {first.get('message')}{more}; {fix}, or pass --force to start anyway")
+    return {n["name"]: n for n in probe.get("nodes", [])}
+
+
+async def free_port(executor, address: str, timeout_s: float) -> int:
+    r = await executor.run([executor.node.python, "-c", _FREE_PORT, address], timeout_s=timeout_s)
+    if not r.ok:
+        raise RemoteError(f"node {executor.node.name}: could not find a free rendezvous port: {_why(r)}")
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+async def preflight(cluster, executors, facts: dict[str, dict], timeout_s: float) -> dict[str, NodeState]:
+    """Workdirs, interfaces and accelerators of every node (facts from the probe where it has them)."""
+    workdirs = await resolve_workdirs(executors, timeout_s)
+    head = cluster.head_node
+
+    async def one(ex) -> NodeState:
+        node = ex.node
+        f = facts.get(node.name, {})
+        gpus = f.get("gpus") or []
+        state = NodeState(
+            node.name, node.host, workdirs[node.name], interface=f.get("interface"),
+            gpus=len(gpus) if isinstance(gpus, list) else int(gpus or 0),
+            cuda=bool(f.get("cuda_available")), facts=f,
+        )
+        if not state.interface:
+            state.interface = (await find_interface(ex, node.host, head.host, timeout_s)).name
+        return state
+
+    states = await asyncio.gather(*(one(ex) for ex in executors))
+    return {s.name: s for s in states}

@@ -1,0 +1,178 @@
+"""Code and data to the nodes: copy only what differs, by content hash, through the executor.
+
+rsync decides by size and modification time; a fresh `git clone` or a `pip install` on the
+launching machine changes every time stamp and nothing else, so we compare SHA-256 hashes
+instead. The node hashes its copy with a short Python program run by its own interpreter (no
+extra tools needed on the node); the changed files travel as one tar archive (one round trip on
+a high-latency link, whatever the number of files) and are unpacked in place.
+
+Where the node already sees the same content at the same absolute path (the launching machine
+itself, a shared file system, the sandbox), nothing is copied and that path is used as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import tarfile
+import tempfile
+from dataclasses import dataclass
+
+from vpscluster.errors import RemoteError, UserError
+
+# Never shipped: build output, caches, environments, version control, previous runs.
+EXCLUDED_DIRS = {".git", ".hg", "__pycache__", ".venv", "venv", "node_modules", ".pytest_cache",
+                 ".mypy_cache", ".ruff_cache", "runs", ".tox", "build", "dist"}
+EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".egg-info")
+MAX_FILES = 20_000
+MAX_BYTES = 8 * 2**30
+
+# Run on the node by its interpreter: argv[1] = JSON list of roots; stdin = JSON list of paths.
+# Prints {root: {path: sha256}} for the files that exist there.
+_REMOTE_HASH = r"""
+import hashlib, json, os, sys
+roots = json.loads(sys.argv[1]); paths = json.load(sys.stdin); out = {}
+for root in roots:
+    root = os.path.expanduser(root); found = {}
+    for rel in paths:
+        p = os.path.join(root, rel)
+        if os.path.isfile(p):
+            h = hashlib.sha256()
+            with open(p, 'rb') as f:
+                for chunk in iter(lambda: f.read(1 << 20), b''):
+                    h.update(chunk)
+            found[rel] = h.hexdigest()
+    out[root] = found
+json.dump(out, sys.stdout)
+"""
+
+_REMOTE_UNPACK = r"""
+import os, sys, tarfile
+archive, dest = os.path.expanduser(sys.argv[1]), os.path.expanduser(sys.argv[2])
+os.makedirs(dest, exist_ok=True)
+with tarfile.open(archive) as t:
+    kw = {'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}
+    t.extractall(dest, **kw)
+os.remove(archive)
+"""
+
+
+@dataclass
+class SyncResult:
+    node: str
+    local_path: str
+    remote_path: str  # where the content is on the node (== local_path when shared)
+    files: int
+    changed: int
+    bytes_sent: int
+    shared: bool
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def local_manifest(root: str) -> dict[str, str]:
+    """{relative posix path: sha256} for every file under `root` that is shipped."""
+    if not os.path.isdir(root):
+        raise UserError(f"{root}: not a directory to sync")
+    out: dict[str, str] = {}
+    total_bytes = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and not d.endswith(EXCLUDED_SUFFIXES))
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if name.endswith(EXCLUDED_SUFFIXES) or not os.path.isfile(path):
+                continue
+            total_bytes += os.path.getsize(path)
+            out[os.path.relpath(path, root).replace(os.sep, "/")] = file_hash(path)
+            if len(out) > MAX_FILES or total_bytes > MAX_BYTES:
+                raise UserError(
+                    f"{root} holds more than {MAX_FILES} files or {MAX_BYTES / 2**30:.0f} GiB; "
+                    "pass --sync DIR with just the code the run needs"
+                )
+    return out
+
+
+def changed_files(local: dict[str, str], remote: dict[str, str]) -> list[str]:
+    return sorted(p for p, h in local.items() if remote.get(p) != h)
+
+
+async def remote_hashes(executor, roots: list[str], paths: list[str], timeout_s: float) -> dict[str, dict[str, str]]:
+    node = executor.node
+    result = await executor.run(
+        [node.python, "-c", _REMOTE_HASH, json.dumps(roots)], timeout_s=timeout_s, input=json.dumps(paths)
+    )
+    if not result.ok:
+        raise RemoteError(f"node {node.name}: could not hash files for sync: {_why(result)}")
+    try:
+        return json.loads(result.stdout)
+    except ValueError:
+        raise RemoteError(f"node {node.name}: sync hash program printed no JSON: {result.stdout[-200:]!r}") from None
+
+
+async def sync_dir(
+    executor, local_root: str, remote_root: str, timeout_s: float = 600.0,
+    manifest: dict[str, str] | None = None, detect_shared: bool = True,
+) -> SyncResult:
+    """Make `remote_root` on the node hold `local_root`'s files (extra remote files are kept)."""
+    node = executor.node
+    local_root = os.path.abspath(local_root)
+    manifest = local_manifest(local_root) if manifest is None else manifest
+    paths = sorted(manifest)
+    if getattr(node, "local", False) and detect_shared:
+        return SyncResult(node.name, local_root, local_root, len(paths), 0, 0, shared=True)
+    roots = [local_root, remote_root] if detect_shared else [remote_root]
+    found = await remote_hashes(executor, roots, paths, timeout_s)
+    if detect_shared and not changed_files(manifest, found.get(local_root, {})):
+        return SyncResult(node.name, local_root, local_root, len(paths), 0, 0, shared=True)
+    todo = changed_files(manifest, found.get(_expand_key(found, remote_root), {}))
+    sent = 0
+    if todo:
+        sent = await _ship(executor, local_root, todo, remote_root, timeout_s)
+    return SyncResult(node.name, local_root, remote_root, len(paths), len(todo), sent, shared=False)
+
+
+def _expand_key(found: dict, root: str) -> str:
+    # The node expands "~"; its answer is keyed by the expanded path.
+    if root in found:
+        return root
+    return next((k for k in found if k.endswith(root.lstrip("~"))), root)
+
+
+async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: str, timeout_s: float) -> int:
+    node = executor.node
+    with tempfile.TemporaryDirectory(prefix="vpsc-sync-") as tmp:
+        archive = os.path.join(tmp, "files.tar.gz")
+        with tarfile.open(archive, "w:gz") as t:
+            for rel in rel_paths:
+                t.add(os.path.join(local_root, rel), arcname=rel, recursive=False)
+        size = os.path.getsize(archive)
+        remote_archive = posixpath.join(posixpath.dirname(remote_root.rstrip("/")) or ".",
+                                        f".vpsc-sync-{os.getpid()}-{posixpath.basename(remote_root.rstrip('/'))}.tar.gz")
+        try:
+            await executor.put(archive, remote_archive, timeout_s=timeout_s)
+        except Exception as e:  # the executor names the transport failure
+            raise RemoteError(f"node {node.name}: copying {len(rel_paths)} files failed: {e}") from None
+    result = await executor.run([node.python, "-c", _REMOTE_UNPACK, remote_archive, remote_root], timeout_s=timeout_s)
+    if not result.ok:
+        raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {_why(result)}")
+    return size
+
+
+def _why(result) -> str:
+    if result.error:
+        return result.error
+    if result.timed_out:
+        return "timed out"
+    lines = (result.stderr or result.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {result.exit_status}"

@@ -1,0 +1,94 @@
+"""Stop everything a launch started, on every node, and check that nothing is left.
+
+Killing torchrun's process group is not enough: the elastic agent starts each worker in a new
+session (`start_new_session=True`), so a worker outlives an agent killed before it could pass
+the signal on — the classic orphaned training process holding a GPU after Ctrl-C. Every process
+a launch starts carries `VPSC_LAUNCH_ID=<rendezvous id>` in its environment (workers inherit
+it), so the node finds them all in /proc whatever the process tree: SIGTERM, a grace period,
+SIGKILL for the rest, and a final look that must come back empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from vpscluster.launch.commands import LAUNCH_ID_ENV
+
+# argv: launch id, grace seconds before SIGKILL, seconds to wait for the killed to go.
+# Prints the pids still alive at the end (must be []).
+_REAP = r"""
+import json, os, signal, sys, time
+tag = ("%s=" + sys.argv[1]).encode()
+me = os.getpid()
+def tagged():
+    out = []
+    for d in os.listdir('/proc'):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open('/proc/%%s/environ' %% d, 'rb') as f:
+                env = f.read().split(b'\0')
+            with open('/proc/%%s/stat' %% d) as f:
+                state = f.read().rsplit(')', 1)[1].split()[0]
+        except OSError:
+            continue
+        if tag in env and state != 'Z':
+            out.append(int(d))
+    return out
+def signal_all(sig):
+    for p in tagged():
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+def wait_gone(seconds):
+    end = time.time() + seconds
+    while time.time() < end and tagged():
+        time.sleep(0.2)
+found = tagged()
+if found:
+    signal_all(signal.SIGTERM)
+    wait_gone(float(sys.argv[2]))
+    signal_all(signal.SIGKILL)
+    wait_gone(float(sys.argv[3]))
+print(json.dumps({"found": found, "left": tagged()}))
+""" % LAUNCH_ID_ENV
+
+
+@dataclass
+class ReapResult:
+    node: str
+    found: list[int]  # tagged processes still running when teardown began
+    left: list[int]  # still running at the end (must be empty)
+    error: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.error is None and not self.left
+
+
+async def reap_node(executor, launch_id: str, grace_s: float = 6.0, kill_wait_s: float = 3.0,
+                    timeout_s: float = 30.0) -> ReapResult:
+    node = executor.node
+    result = await executor.run(
+        [node.python, "-c", _REAP, launch_id, str(grace_s), str(kill_wait_s)], timeout_s=timeout_s
+    )
+    if not result.ok:
+        why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["?"])[-1])
+        return ReapResult(node.name, [], [], error=why)
+    try:
+        doc = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return ReapResult(node.name, [], [], error=f"unreadable answer {result.stdout[-200:]!r}")
+    return ReapResult(node.name, doc["found"], doc["left"])
+
+
+async def teardown(executors, handles, launch_id: str, grace_s: float = 6.0) -> list[ReapResult]:
+    """Stop the started processes and verify, on every node in parallel."""
+    results = await asyncio.gather(*(reap_node(ex, launch_id, grace_s=grace_s) for ex in executors))
+    # The agents are gone now; this closes the channels (and kills the group if a node's /proc
+    # was unreadable to us).
+    await asyncio.gather(*(h.stop(grace_s=1.0) for h in handles if h is not None), return_exceptions=True)
+    return list(results)
