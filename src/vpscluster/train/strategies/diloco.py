@@ -1,0 +1,246 @@
+"""DiLoCo: H local steps per rank, then one outer step on the averaged pseudo-gradient.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023,
+arXiv:2311.08105; streaming variant: Douillard et al., "Streaming DiLoCo with overlapping
+communication", 2025, arXiv:2501.18512; int8 pseudo-gradients as in INTELLECT-1 (2024,
+arXiv:2412.01152).
+
+Every rank trains its own copy with its own inner optimizer (the loop's AdamW; its state never
+leaves the rank). Every H steps:
+
+    Δ_r   = θ_global − θ_r                     (the pseudo-gradient of rank r)
+    Δ     = Σ_r (tokens_r / Σ tokens) · Δ_r    (token-weighted: a rank that saw more data counts more)
+    m     = μ·m + Δ;  θ_global −= lr·(Δ + μ·m) (SGD with Nesterov momentum, as torch.optim.SGD)
+    θ_r   = θ_global on every rank
+
+θ_global and m live in fp32 on the CPU (one flat tensor per fragment). Δ crosses the wire in
+fp32, bf16 or int8 (`wire.py`), always summed in fp32.
+
+Streaming: with F fragments (contiguous runs of parameters of about equal size, in model order,
+so roughly layer blocks), fragment f is synced at the steps s with s ≡ (f+1)·H/F (mod H): each
+fragment still syncs once every H steps, but the traffic is spread over the round instead of
+one burst. F = 1 is plain DiLoCo (sync at s ≡ 0 mod H).
+
+Resume: the state holds θ_global, m, and per fragment the steps and tokens since its last sync,
+so a run resumed mid-round continues exactly. `finalize` syncs every fragment with pending
+steps so all ranks end on identical weights; because that changes the weights, the state saved
+after it is the snapshot from just *before* it (plus this rank's local weights), so resuming a
+finished run continues as if it had never stopped.
+
+The loop contract: `tokens_processed(n)` is called for each step before `step(optimizer, step)`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vpscluster.errors import UserError
+from vpscluster.train.strategies.base import DistContext, Strategy, ring_allreduce_bytes
+from vpscluster.train.strategies.wire import all_reduce_sum, get_codec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from vpscluster.train.config import StrategyConfig
+
+STATE_FORMAT = 1
+
+
+def split_fragments(sizes: list[int], n_fragments: int) -> list[list[int]]:
+    """Cut parameter indices (in model order) into `n_fragments` contiguous, non-empty runs of
+    about equal total size. Pure arithmetic so it can be tested without torch."""
+    if n_fragments > len(sizes):
+        raise UserError(
+            f"strategy.fragments ({n_fragments}) exceeds the model's {len(sizes)} parameter tensors; "
+            "choose fewer fragments"
+        )
+    total = sum(sizes)
+    out: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        filled += size
+        remaining_params = len(sizes) - i - 1
+        remaining_fragments = n_fragments - len(out) - 1
+        # Close a fragment once it reaches its share of the total, but always leave at least one
+        # parameter for each fragment still to come.
+        if remaining_fragments > 0 and (
+            filled >= total * (len(out) + 1) / n_fragments or remaining_params == remaining_fragments
+        ):
+            out.append(current)
+            current = []
+    out.append(current)
+    return out
+
+
+def sync_offset(fragment: int, n_fragments: int, sync_every: int) -> int:
+    """Fragment f syncs at steps s with s % H == this offset (0 for the last fragment)."""
+    return ((fragment + 1) * sync_every // n_fragments) % sync_every
+
+
+class DiLoCoStrategy(Strategy):
+    name = "diloco"
+
+    def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
+        super().__init__(config, ctx)
+        self.codec = get_codec(config.wire_dtype)
+        self.model: "nn.Module | None" = None
+        self.fragment_params: list[list["torch.Tensor"]] = []
+        self.global_flat: list["torch.Tensor"] = []  # fp32, CPU
+        self.momentum: list["torch.Tensor"] = []  # fp32, CPU
+        self.steps_since_sync: list[int] = []
+        self.tokens_since_sync: list[float] = []
+        self.outer_steps = 0  # fragment syncs done on this rank (all fragments together)
+        self._pre_finalize_state: dict[str, Any] | None = None
+        # gloo moves CPU tensors, NCCL device tensors.
+        self.comm_device = ctx.device if ctx.backend == "nccl" else "cpu"
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def setup(self, model: "nn.Module") -> "nn.Module":
+        import torch
+        import torch.distributed as dist
+
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = split_fragments([p.numel() for p in params], self.config.fragments)
+        self.fragment_params = [[params[i] for i in g] for g in groups]
+        for f in range(len(groups)):
+            flat = self._local_flat(f)
+            if self.ctx.is_distributed:
+                # All ranks start from rank 0's weights, whatever their seeds did.
+                buf = flat.to(self.comm_device)
+                sent = flat.numel() * 4 * (self.ctx.world_size - 1) if self.ctx.rank == 0 else 0
+                with self.comm.timed(sent):
+                    dist.broadcast(buf, src=0)
+                flat = buf.cpu()
+                self._write_local(f, flat)
+            self.global_flat.append(flat.clone())
+            self.momentum.append(torch.zeros_like(flat))
+        self.steps_since_sync = [0] * len(groups)
+        self.tokens_since_sync = [0.0] * len(groups)
+        return model
+
+    def _local_flat(self, f: int) -> "torch.Tensor":
+        import torch
+
+        return torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in self.fragment_params[f]])
+
+    def _write_local(self, f: int, flat: "torch.Tensor") -> None:
+        import torch
+
+        offset = 0
+        with torch.no_grad():
+            for p in self.fragment_params[f]:
+                n = p.numel()
+                p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
+                offset += n
+
+    # -- the loop's calls -----------------------------------------------------------------------
+
+    def tokens_processed(self, tokens: int) -> None:
+        for f in range(len(self.tokens_since_sync)):
+            self.tokens_since_sync[f] += tokens
+
+    def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
+        optimizer.step()
+        H, F = self.config.sync_every, len(self.fragment_params)
+        for f in range(F):
+            self.steps_since_sync[f] += 1
+            if step % H == sync_offset(f, F, H):
+                self._sync(f)
+
+    def finalize(self, step: int) -> None:
+        pending = [f for f, n in enumerate(self.steps_since_sync) if n > 0]
+        if not pending:
+            return
+        self._pre_finalize_state = self._state(include_local=True)
+        for f in pending:
+            self._sync(f)
+
+    # -- the outer step -------------------------------------------------------------------------
+
+    def _sync(self, f: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        local = self._local_flat(f)
+        delta = self.global_flat[f] - local
+        if self.ctx.is_distributed:
+            tokens = torch.tensor([self.tokens_since_sync[f]], dtype=torch.float64, device=self.comm_device)
+            with self.comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
+                dist.all_reduce(tokens)
+            total = float(tokens.item())
+            # No token counts reported at all: weigh ranks equally.
+            weight = self.tokens_since_sync[f] / total if total > 0 else 1.0 / self.ctx.world_size
+            delta = all_reduce_sum(delta * weight, self.codec, self.comm, self.ctx.world_size, self.comm_device)
+        mu, lr = self.config.outer_momentum, self.config.outer_lr
+        m = self.momentum[f]
+        m.mul_(mu).add_(delta)
+        update = delta.add(m, alpha=mu) if mu > 0 else delta  # Nesterov, as torch.optim.SGD
+        self.global_flat[f].sub_(update, alpha=lr)
+        self._write_local(f, self.global_flat[f])
+        self.steps_since_sync[f] = 0
+        self.tokens_since_sync[f] = 0.0
+        self.outer_steps += 1
+
+    # -- what the loop reads --------------------------------------------------------------------
+
+    def unwrap(self) -> "nn.Module":
+        if self.model is None:
+            raise RuntimeError("DiLoCoStrategy.unwrap before setup")
+        return self.model
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "sync_every": self.config.sync_every,
+            "outer_lr": self.config.outer_lr,
+            "outer_momentum": self.config.outer_momentum,
+            "wire_dtype": self.codec.name,
+            "fragments": self.config.fragments,
+            "outer_syncs": self.outer_steps,
+        }
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _state(self, include_local: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "fragment_numels": [int(g.numel()) for g in self.global_flat],
+            "global": [g.clone() for g in self.global_flat],
+            "momentum": [m.clone() for m in self.momentum],
+            "steps_since_sync": list(self.steps_since_sync),
+            "tokens_since_sync": list(self.tokens_since_sync),
+            "outer_steps": self.outer_steps,
+        }
+        if include_local:
+            state["local"] = [self._local_flat(f) for f in range(len(self.fragment_params))]
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pre_finalize_state is not None:
+            return self._pre_finalize_state
+        return self._state(include_local=False)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore after `setup`. When the state carries local weights (saved by `finalize`),
+        they replace the model's, so call this after the model's own weights are loaded."""
+        if state.get("format") != STATE_FORMAT:
+            raise UserError(f"checkpoint: DiLoCo state format {state.get('format')!r} is not {STATE_FORMAT}; "
+                            "it was written by another vpscluster version, start a new run")
+        numels = [int(g.numel()) for g in self.global_flat]
+        if list(state["fragment_numels"]) != numels:
+            raise UserError(
+                f"checkpoint: DiLoCo fragments {state['fragment_numels']} do not match this model's {numels}; "
+                "resume with the same preset and --fragments as the checkpointed run"
+            )
+        self.global_flat = [g.to("cpu", copy=True) for g in state["global"]]
+        self.momentum = [m.to("cpu", copy=True) for m in state["momentum"]]
+        self.steps_since_sync = [int(n) for n in state["steps_since_sync"]]
+        self.tokens_since_sync = [float(n) for n in state["tokens_since_sync"]]
+        self.outer_steps = int(state["outer_steps"])
+        for f, flat in enumerate(state.get("local") or []):
+            self._write_local(f, flat)

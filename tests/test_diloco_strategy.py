@@ -1,0 +1,319 @@
+"""DiLoCo on 2 real gloo ranks (loopback): the outer step's arithmetic, agreement, weighting, resume.
+
+Each test spawns the ranks, runs a small MLP through the strategy exactly as the training loop
+does (tokens_processed, step, finalize), and compares weights across ranks and against the
+arithmetic written out by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import multiprocessing as mp
+import traceback
+from datetime import timedelta
+
+import pytest
+
+from conftest import free_port
+
+from vpscluster.train.strategies.diloco import split_fragments, sync_offset
+
+TIMEOUT_S = 60
+
+
+def _entry(fn, rank, world, port, args, queue):
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=TIMEOUT_S),
+        )
+        queue.put((rank, "ok", _portable(fn(rank, world, *args))))
+    except BaseException:  # the parent reports it with the rank
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _portable(value):
+    """Tensors as numpy arrays: a torch tensor in a Queue is shared memory that dies with the rank."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().numpy().copy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    return value
+
+
+def run_ranks(fn, world: int = 2, *args):
+    """Run fn(rank, world, *args) in `world` gloo processes; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=TIMEOUT_S * 2)
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+# -- helpers that run inside the ranks ---------------------------------------------------------
+
+
+def make_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def make_strategy(rank, world, **overrides):
+    from vpscluster.train.config import StrategyConfig
+    from vpscluster.train.strategies.base import DistContext
+    from vpscluster.train.strategies.diloco import DiLoCoStrategy
+
+    cfg = StrategyConfig(name="diloco", **overrides)
+    cfg.validate()
+    return DiLoCoStrategy(cfg, DistContext(rank=rank, world_size=world))
+
+
+def batch(rank, step):
+    """Different, deterministic data per rank and step."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def train_step(model, optimizer, strategy, rank, step, tokens=8):
+    import torch.nn.functional as F
+
+    x, y = batch(rank, step)
+    optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    strategy.tokens_processed(tokens)
+    strategy.step(optimizer, step)
+
+
+def flat(model):
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def digest(t):
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+# -- pure arithmetic ---------------------------------------------------------------------------
+
+
+def test_fragments_are_contiguous_balanced_and_nonempty():
+    groups = split_fragments([100, 10, 100, 10, 100, 10], 3)
+    assert groups == [[0, 1], [2, 3], [4, 5]]
+    assert split_fragments([5, 1, 1], 3) == [[0], [1], [2]]
+    assert [i for g in split_fragments([7] * 10, 4) for i in g] == list(range(10))
+    with pytest.raises(Exception, match="fragments"):
+        split_fragments([1, 2], 3)
+
+
+def test_streaming_offsets_spread_over_the_round():
+    assert [sync_offset(f, 4, 8) for f in range(4)] == [2, 4, 6, 0]
+    assert [sync_offset(f, 1, 5) for f in range(1)] == [0]
+
+
+# -- H = 1, outer lr 1, no momentum: the outer step is plain averaging --------------------------
+
+
+def _h1_average(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    model = make_model()
+    strategy = make_strategy(rank, world, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    model = strategy.setup(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    # A twin that takes the same inner steps without any sync: its weights after each step are
+    # what this rank contributes; the strategy must end on the mean of the twins.
+    errors = []
+    for step in range(1, 4):
+        twin = copy.deepcopy(model)
+        twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.05)
+        twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict shares tensors
+        x, y = batch(rank, step)
+        twin_opt.zero_grad()
+        torch.nn.functional.mse_loss(twin(x), y).backward()
+        twin_opt.step()
+        train_step(model, opt, strategy, rank, step)
+        local = flat(twin)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        expected = torch.stack(gathered).mean(0)
+        errors.append(float((flat(model) - expected).abs().max()))
+        assert not torch.equal(gathered[0], gathered[1])  # the ranks really trained differently
+    return errors, digest(flat(model))
+
+
+def test_h1_lr1_no_momentum_equals_weight_average():
+    results = run_ranks(_h1_average, 2)
+    for errors, _ in results:
+        assert max(errors) < 1e-6, errors
+    assert results[0][1] == results[1][1]
+
+
+# -- agreement after every outer step, for every wire dtype and streaming -----------------------
+
+
+def _agreement(rank, world, wire_dtype, fragments):
+    import torch
+
+    model = make_model()
+    H = 4
+    strategy = make_strategy(rank, world, sync_every=H, wire_dtype=wire_dtype, fragments=fragments)
+    model = strategy.setup(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    log = []  # (step, synced fragment indices, per-fragment digests of model and global copy)
+    for step in range(1, 3 * H + 1):
+        train_step(model, opt, strategy, rank, step)
+        synced = [f for f in range(fragments) if step % H == sync_offset(f, fragments, H)]
+        local = [digest(torch.cat([p.detach().reshape(-1) for p in ps])) for ps in strategy.fragment_params]
+        log.append((step, synced, local, [digest(g) for g in strategy.global_flat]))
+    comm_seconds, comm_bytes = strategy.comm.take()
+    return log, strategy.outer_steps, comm_bytes
+
+
+AGREEMENT_CASES = [("fp32", 1), ("int8", 1), ("bf16", 2), ("int8", 3)]
+
+
+def _agreement_cases(rank, world):
+    return [_agreement(rank, world, *case) for case in AGREEMENT_CASES]
+
+
+@pytest.fixture(scope="module")
+def agreement_runs():
+    rank0, rank1 = run_ranks(_agreement_cases, 2)
+    return dict(zip(AGREEMENT_CASES, zip(rank0, rank1)))
+
+
+@pytest.mark.parametrize("wire_dtype,fragments", AGREEMENT_CASES)
+def test_all_ranks_hold_identical_weights_after_every_outer_step(agreement_runs, wire_dtype, fragments):
+    (log0, outer0, bytes0), (log1, outer1, bytes1) = agreement_runs[(wire_dtype, fragments)]
+    assert outer0 == outer1 == 3 * fragments
+    assert bytes0 > 0 and bytes1 > 0
+    diverged = 0
+    for (step, synced, local0, global0), (_, _, local1, global1) in zip(log0, log1):
+        assert global0 == global1, f"global copies differ at step {step}"
+        for f in range(fragments):
+            if f in synced:
+                assert local0[f] == local1[f] == global0[f], f"fragment {f} differs after its sync at step {step}"
+            else:
+                diverged += local0[f] != local1[f]
+    assert diverged > 0  # between syncs the ranks train apart, so the check above can fail
+
+
+# -- token weighting ---------------------------------------------------------------------------
+
+
+class SetWeights:
+    """An 'optimizer' whose step sets the model to given weights (known local results)."""
+
+    def __init__(self, model, target):
+        self.model, self.target = model, target
+
+    def step(self):
+        import torch
+
+        with torch.no_grad():
+            offset = 0
+            for p in self.model.parameters():
+                p.copy_(self.target[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def _weighted(rank, world, tokens_per_step):
+    import torch
+
+    model = make_model()
+    strategy = make_strategy(rank, world, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    model = strategy.setup(model)
+    start = flat(model).clone()
+    target = start + (rank + 1) * 0.5 + torch.linspace(-1, 1, start.numel()) * rank
+    opt = SetWeights(model, target)
+    for step in (1, 2):
+        strategy.tokens_processed(tokens_per_step[rank])
+        strategy.step(opt, step)
+    return start, target, flat(model).clone()
+
+
+def test_pseudo_gradients_are_weighted_by_tokens():
+    import torch
+
+    (start, t0, out0), (_, t1, out1) = (map(torch.from_numpy, r) for r in run_ranks(_weighted, 2, [300, 100]))
+
+    expected = 0.75 * t0 + 0.25 * t1  # 300 and 100 tokens: weights 3/4 and 1/4, not 1/2
+    torch.testing.assert_close(out0, expected, rtol=0, atol=1e-6)
+    assert torch.equal(out0, out1)
+    assert (out0 - (t0 + t1) / 2).abs().max() > 0.1
+
+
+# -- resume in the middle of a round ------------------------------------------------------------
+
+
+def _run_with_resume(rank, world, stop_at, total, fragments):
+    import torch
+
+    H = 4
+
+    def build():
+        model = make_model()
+        strategy = make_strategy(rank, world, sync_every=H, fragments=fragments, wire_dtype="int8")
+        model = strategy.setup(model)
+        return model, strategy, torch.optim.AdamW(model.parameters(), lr=0.02)
+
+    model, strategy, opt = build()
+    for step in range(1, stop_at + 1):
+        train_step(model, opt, strategy, rank, step)
+    synced_at_stop = None
+    if stop_at < total:
+        strategy.finalize(stop_at)  # the run "ends" mid-round, then a checkpoint is written
+        ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "strategy": strategy.state_dict()})
+        synced_at_stop = digest(flat(model))
+        model, strategy, opt = build()  # a new process, in effect
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        strategy.load_state_dict(ckpt["strategy"])
+        for step in range(stop_at + 1, total + 1):
+            train_step(model, opt, strategy, rank, step)
+    strategy.finalize(total)
+    return digest(flat(model)), [digest(g) for g in strategy.global_flat], synced_at_stop
+
+
+def _straight_and_resumed(rank, world, fragments):
+    return _run_with_resume(rank, world, 12, 12, fragments), _run_with_resume(rank, world, 6, 12, fragments)
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_resume_mid_round_equals_uninterrupted_run(fragments):
+    (straight0, resumed0), (straight1, resumed1) = run_ranks(_straight_and_resumed, 2, fragments)
+    assert straight0[:2] == straight1[:2]  # ranks agree
+    assert resumed0[:2] == straight0[:2]  # and stopping at step 6 and resuming changed nothing
+    assert resumed0[2] == resumed1[2]  # finalize at step 6 left identical weights everywhere
+    assert resumed0[2] != straight0[0]
