@@ -36,9 +36,15 @@ class CommandResult:
 
 
 class ProcessHandle(ABC):
-    """A process started in its own process group (session) on a node."""
+    """A process started in its own process group (session) on a node.
+
+    `output_tail` keeps the last lines it printed (stdout and stderr, interleaved), so a caller
+    can show why it died without holding a whole training log in memory.
+    """
 
     node: str
+    pgid: int | None = None  # its process group on the node, once known
+    output_tail: "OutputTail"
 
     @abstractmethod
     async def wait(self, timeout_s: float | None = None) -> int | None:
@@ -100,6 +106,81 @@ class Executor(ABC):
 
     async def close(self) -> None:
         """Close connections."""
+
+
+def to_shell(command: str | Sequence[str]) -> str:
+    """A shell command line: a string is used as written, an argv list is quoted word by word."""
+    if isinstance(command, str):
+        return command
+    import shlex
+
+    return shlex.join([str(c) for c in command])
+
+
+class LineSplitter:
+    """Bytes in, complete text lines out (no newline); the last partial line on `flush()`.
+
+    Reads arrive in arbitrary chunks; lines may be far longer than asyncio's readline limit.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        self._buf += data
+        if b"\n" not in data:
+            return []
+        *lines, self._buf = self._buf.split(b"\n")
+        return [_decode(line) for line in lines]
+
+    def flush(self) -> list[str]:
+        rest, self._buf = self._buf, b""
+        return [_decode(rest)] if rest else []
+
+
+def _decode(line: bytes) -> str:
+    return line.decode("utf-8", errors="replace").rstrip("\r")
+
+
+class OutputTail:
+    """The last `max_lines` lines (as "stream: line"), bounded in memory."""
+
+    def __init__(self, max_lines: int = 200) -> None:
+        import collections
+
+        self.lines: "collections.deque[str]" = collections.deque(maxlen=max_lines)
+
+    def add(self, stream: str, line: str) -> None:
+        self.lines.append(line if stream == "stdout" else f"[{stream}] {line}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class CappedText:
+    """Captured output, exactly as written (UTF-8 decoded incrementally), up to `max_chars`;
+    beyond that only the newest `max_chars` are kept."""
+
+    def __init__(self, max_chars: int = 4 << 20) -> None:
+        import codecs
+
+        self.max_chars = max_chars
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._parts: list[str] = []
+        self._size = 0
+        self.truncated = False
+
+    def add(self, data: bytes) -> None:
+        text = self._decoder.decode(data, final=not data)
+        self._parts.append(text)
+        self._size += len(text)
+        if self._size > 2 * self.max_chars:  # amortised trimming
+            text = "".join(self._parts)[-self.max_chars:]
+            self._parts, self._size, self.truncated = [text], len(text), True
+
+    def text(self) -> str:
+        text = "".join(self._parts)
+        return text[-self.max_chars:] if len(text) > self.max_chars else text
 
 
 async def fan_out(

@@ -1,0 +1,393 @@
+"""SSHExecutor: the executor interface over SSH (asyncssh), one reused connection per node.
+
+Host keys are checked against the cluster's known_hosts (see `known_hosts.py`). The user's
+~/.ssh/config is not read: the cluster file is the one source of truth for how to reach a node.
+
+Every command runs on the node inside a small POSIX-sh wrapper (`_WRAPPER`) that
+- starts it under `setsid`, in its own session and process group, and prints that group's id
+  first on stderr (a marker line this module strips), so `stop()` and time-outs can end the
+  whole group with `kill -TERM -PGID` (then KILL) through a separate channel;
+- keeps a watchdog on the channel's stdin: when the channel or the connection goes away (we
+  never send EOF), the group is killed, so a dropped connection leaves no orphans;
+- ends whatever the command left running in its group once it exits, as the local executor does.
+The command's own stdin is /dev/null, unless `run(input=...)` passes data.
+
+Errors never carry key material: messages name files, hosts and reasons only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import shlex
+import time
+import uuid
+from typing import Mapping
+
+from vpscluster.cluster.executor import (
+    CappedText, CommandResult, Executor, LineCallback, LineSplitter, OutputTail, ProcessHandle, to_shell,
+)
+from vpscluster.cluster.known_hosts import HostKeyCheck
+from vpscluster.cluster.node import Cluster, Node
+from vpscluster.errors import RemoteError
+
+_MARKER = b"__VPSC_PGID__ "
+_WRAPPER = r"""exec 3<&0
+setsid /bin/sh -c 'echo "__VPSC_PGID__ $$" >&2; exec /bin/sh -c "$1"' vpscluster "$1" </dev/null 3<&- &
+pid=$!
+( cat <&3 >/dev/null; kill -TERM -$pid && sleep 5 && kill -KILL -$pid ) >/dev/null 2>&1 &
+exec 3<&-
+wait $pid 2>/dev/null
+st=$?
+if kill -TERM -$pid 2>/dev/null; then
+  i=0; while [ $i -lt 20 ] && kill -0 -$pid 2>/dev/null; do sleep 0.1; i=$((i+1)); done
+  kill -KILL -$pid 2>/dev/null
+fi
+exit $st
+"""
+_INLINE_INPUT_MAX_BYTES = 48 * 1024  # one shell argument may hold 128 KiB; bigger input goes by SFTP
+_READ_CHUNK = 65536
+_KEEPALIVE_S = 15.0
+_KEEPALIVE_COUNT = 4
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def kill_group_command(pgid: int, grace_s: float) -> str:
+    """Shell that TERMs group `pgid`, waits up to `grace_s` for it to go, then KILLs it."""
+    ticks = max(1, int(grace_s * 10))
+    return (f"kill -TERM -{pgid} 2>/dev/null || exit 0; i=0; "
+            f"while [ $i -lt {ticks} ] && kill -0 -{pgid} 2>/dev/null; do sleep 0.1; i=$((i+1)); done; "
+            f"kill -KILL -{pgid} 2>/dev/null; exit 0")
+
+
+def remote_cd(cwd: str) -> str:
+    """`cd` to `cwd` on the node, `~` meaning the remote home."""
+    if cwd == "~":
+        return 'cd "$HOME"'
+    if cwd.startswith("~/"):
+        return f'cd "$HOME"/{shlex.quote(cwd[2:])}'
+    return f"cd {shlex.quote(cwd)}"
+
+
+def wrap_command(command: str, env: Mapping[str, str] | None, cwd: str | None) -> str:
+    """The full command line sent to sshd for `command` (see the module docstring)."""
+    lines = []
+    for name, value in (env or {}).items():
+        if not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"not an environment variable name: {name!r}")
+        lines.append(f"export {name}={shlex.quote(str(value))}")
+    if cwd:
+        lines.append(remote_cd(cwd) + " || exit 126")
+    inner = "\n".join(lines + [command])
+    return f"exec /bin/sh -c {shlex.quote(_WRAPPER)} vpscluster {shlex.quote(inner)}"
+
+
+class _StderrFilter:
+    """Strips the wrapper's process-group marker (the first stderr line) and reports the id."""
+
+    def __init__(self, on_pgid) -> None:
+        self._head = b""
+        self._done = False
+        self._on_pgid = on_pgid
+
+    def feed(self, data: bytes) -> bytes:
+        if self._done:
+            return data
+        self._head += data
+        if data and b"\n" not in self._head and len(self._head) < 64:
+            return b""  # the first line is not complete yet
+        self._done = True
+        head, self._head = self._head, b""
+        if head.startswith(_MARKER) and b"\n" in head:
+            line, rest = head.split(b"\n", 1)
+            try:
+                self._on_pgid(int(line[len(_MARKER):]))
+            except ValueError:
+                return head
+            return rest
+        return head
+
+
+async def _pump(reader, stream: str, sinks: list, capture: CappedText | None, filt: _StderrFilter | None) -> None:
+    splitter = LineSplitter()
+    while True:
+        data = await reader.read(_READ_CHUNK)
+        piece = filt.feed(data) if filt is not None else data
+        if piece and capture is not None:
+            capture.add(piece)
+        lines = splitter.feed(piece) if data else splitter.feed(piece) + splitter.flush()
+        for line in lines:
+            for sink in sinks:
+                sink(stream, line)
+        if not data:
+            if capture is not None:
+                capture.add(b"")
+            return
+
+
+class SSHProcess(ProcessHandle):
+    """A remote process group started by `SSHExecutor.start`."""
+
+    def __init__(self, executor: "SSHExecutor", proc, on_line: LineCallback | None) -> None:
+        self.node = executor.node.name
+        self.pgid = None
+        self.output_tail = OutputTail()
+        self.error: str | None = None
+        self._executor = executor
+        self._proc = proc
+        self._pgid_known = asyncio.Event()
+        sinks = [self.output_tail.add] + ([on_line] if on_line else [])
+        self._pumps = asyncio.gather(
+            _pump(proc.stdout, "stdout", sinks, None, None),
+            _pump(proc.stderr, "stderr", sinks, None, _StderrFilter(self._set_pgid)),
+        )
+        self._returncode: int | None = None
+        self._done = asyncio.ensure_future(self._watch())
+
+    def _set_pgid(self, pgid: int) -> None:
+        self.pgid = pgid
+        self._pgid_known.set()
+
+    async def _watch(self) -> int:
+        try:
+            await asyncio.shield(self._pumps)
+        except Exception:  # connection lost mid-read: the exit status below says so
+            pass
+        await self._proc.wait_closed()
+        status = self._proc.exit_status
+        if status is None or status < 0:
+            # No exit status: the connection dropped (255, as ssh(1) reports it).
+            self.error = self._executor.lost_reason() or f"{self.node}: the SSH channel closed without an exit status"
+            status = 255
+        self._returncode = status
+        return status
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._done.done():
+            return
+        try:
+            await asyncio.wait_for(self._pgid_known.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass
+        if self.pgid is not None:
+            await self._executor.kill_group(self.pgid, grace_s)
+        self._proc.close()  # the wrapper's watchdog ends the group if the kill above could not
+        await self.wait(grace_s + 10.0)
+
+
+class SSHExecutor(Executor):
+    """Runs commands on one node over a single, reused SSH connection."""
+
+    def __init__(self, node: Node, cluster: Cluster) -> None:
+        self.node = node
+        self.cluster = cluster
+        self._conn = None
+        self._sftp = None
+        self._lost: str | None = None
+        self._lock = asyncio.Lock()
+        self._started: list[SSHProcess] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.node.host}:{self.node.port}"
+
+    def lost_reason(self) -> str | None:
+        return self._lost
+
+    async def connect(self):
+        """The open connection, made on first use; raises RemoteError with a one-line reason."""
+        async with self._lock:
+            if self._conn is not None and not self._conn.is_closed():
+                return self._conn
+            self._conn, self._sftp, self._lost = None, None, None
+            self._conn = await self._open()
+            return self._conn
+
+    async def _open(self):
+        import asyncssh
+
+        from vpscluster.cluster.ssh_errors import connect_error_message
+
+        check = HostKeyCheck(self.node.name, self.node.host, self.node.port,
+                             self.cluster.known_hosts, self.cluster.accept_new_host_keys)
+        executor = self
+
+        class _Client(asyncssh.SSHClient):
+            def validate_host_public_key(self, host, addr, port, key) -> bool:
+                return check.decide(key)
+
+            def connection_lost(self, exc) -> None:
+                executor._lost = f"{executor.node.name}: connection to {executor.address} lost" + (
+                    f": {getattr(exc, 'reason', None) or exc}" if exc else "")
+
+        timeout_s = self.cluster.connect_timeout_s
+        try:
+            conn = await asyncio.wait_for(asyncssh.connect(
+                self.node.host, port=self.node.port, username=self.node.user,
+                client_keys=[self.node.identity_file] if self.node.identity_file else (),
+                known_hosts=check.matcher, client_factory=_Client, config=None,
+                connect_timeout=timeout_s, keepalive_interval=_KEEPALIVE_S, keepalive_count_max=_KEEPALIVE_COUNT,
+                password_auth=False, kbdint_auth=False,
+            ), timeout_s + 5.0)
+        except asyncssh.HostKeyNotVerifiable:
+            raise RemoteError(check.refusal()) from None
+        except (Exception, asyncio.TimeoutError) as e:  # noqa: B014 - TimeoutError differs before 3.11
+            raise RemoteError(connect_error_message(self.node, e, timeout_s)) from None
+        await check.record()
+        return conn
+
+    # --- commands ---------------------------------------------------------------------------
+
+    async def run(self, command, timeout_s, env=None, cwd=None, input=None) -> CommandResult:
+        return await self._execute(command, timeout_s, env, cwd, input, on_line=None)
+
+    async def stream(self, command, on_line, timeout_s, env=None, cwd=None) -> CommandResult:
+        return await self._execute(command, timeout_s, env, cwd, None, on_line=on_line)
+
+    async def _execute(self, command, timeout_s, env, cwd, input, on_line) -> CommandResult:
+        t0 = time.monotonic()
+        name = self.node.name
+
+        def failed(error: str) -> CommandResult:
+            return CommandResult(name, None, duration_s=time.monotonic() - t0, error=error)
+
+        try:
+            conn = await self.connect()
+            shell = await self._with_input(to_shell(command), input)
+            proc = await conn.create_process(wrap_command(shell, env, cwd), encoding=None)
+        except RemoteError as e:
+            return failed(str(e))
+        except Exception as e:
+            from vpscluster.cluster.ssh_errors import channel_error_message
+
+            return failed(channel_error_message(self.node, e))
+
+        out, err = CappedText(), CappedText()
+        pgid: list[int] = []
+        sinks = [on_line] if on_line else []
+        pumps = asyncio.gather(
+            _pump(proc.stdout, "stdout", sinks, out, None),
+            _pump(proc.stderr, "stderr", sinks, err, _StderrFilter(pgid.append)),
+        )
+
+        async def finish() -> None:
+            await asyncio.shield(pumps)
+            await proc.wait_closed()
+
+        timed_out = False
+        try:
+            await asyncio.wait_for(finish(), timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            await self._end(proc, pgid, pumps)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._end(proc, pgid, pumps))
+            raise
+        except Exception:  # the connection dropped while reading
+            pass
+        status = proc.exit_status
+        error = None
+        if not timed_out and (status is None or status < 0):
+            status, error = None, self._lost or f"{name}: the SSH channel closed without an exit status"
+        return CommandResult(name, None if timed_out else status, stdout=out.text(), stderr=err.text(),
+                             duration_s=time.monotonic() - t0, timed_out=timed_out, error=error)
+
+    async def _end(self, proc, pgid: list[int], pumps) -> None:
+        """Kill the remote group of a running command and collect what its output still holds."""
+        if pgid:
+            await self.kill_group(pgid[0], grace_s=2.0)
+        proc.close()  # the watchdog kills the group when the marker had not come yet
+        try:
+            await asyncio.wait_for(asyncio.gather(pumps, proc.wait_closed(), return_exceptions=True), 5.0)
+        except asyncio.TimeoutError:
+            pumps.cancel()
+
+    async def kill_group(self, pgid: int, grace_s: float) -> None:
+        """TERM, then KILL, process group `pgid` on the node, through a channel of its own."""
+        try:
+            conn = await self.connect()
+            await asyncio.wait_for(conn.run(kill_group_command(pgid, grace_s)), grace_s + 10.0)
+        except Exception:
+            pass  # unreachable: the watchdog ends the group when the connection drops
+
+    async def _with_input(self, shell: str, data: str | bytes | None) -> str:
+        """Make `data` the command's stdin: inline (base64) when small, else via a temp file."""
+        if data is None:
+            return shell
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        if len(raw) <= _INLINE_INPUT_MAX_BYTES:
+            encoded = base64.b64encode(raw).decode()
+            return f"printf %s {encoded} | base64 -d | {{\n{shell}\n}}"
+        path = f"/tmp/vpscluster-input-{uuid.uuid4().hex}"
+        sftp = await self._sftp_client()
+        async with sftp.open(path, "wb") as f:
+            await f.write(raw)
+        # Open it as stdin, then unlink it: nothing is left behind whatever the command does.
+        return f"exec <{path} && rm -f {path}\n{shell}"
+
+    async def start(self, command, on_line=None, env=None, cwd=None) -> SSHProcess:
+        try:
+            conn = await self.connect()
+            proc = await conn.create_process(wrap_command(to_shell(command), env, cwd), encoding=None)
+        except RemoteError:
+            raise
+        except Exception as e:
+            from vpscluster.cluster.ssh_errors import channel_error_message
+
+            raise RemoteError(channel_error_message(self.node, e)) from None
+        handle = SSHProcess(self, proc, on_line)
+        self._started.append(handle)
+        return handle
+
+    # --- files --------------------------------------------------------------------------------
+
+    async def _sftp_client(self):
+        conn = await self.connect()
+        if self._sftp is None:
+            self._sftp = await asyncio.wait_for(conn.start_sftp_client(), self.cluster.connect_timeout_s)
+        return self._sftp
+
+    async def put(self, local_path: str, remote_path: str, timeout_s: float = 300.0) -> None:
+        from vpscluster.cluster.sftp import put_tree
+
+        await self._transfer("put", local_path, remote_path, timeout_s, put_tree)
+
+    async def get(self, remote_path: str, local_path: str, timeout_s: float = 300.0) -> None:
+        from vpscluster.cluster.sftp import get_tree
+
+        await self._transfer("get", remote_path, local_path, timeout_s, get_tree)
+
+    async def _transfer(self, verb: str, src: str, dst: str, timeout_s: float, fn) -> None:
+        where = f"{self.node.name}: {verb} {src} -> {dst}"
+        try:
+            sftp = await self._sftp_client()
+            await asyncio.wait_for(fn(sftp, src, dst), timeout_s)
+        except RemoteError:
+            raise
+        except asyncio.TimeoutError:
+            raise RemoteError(f"{where} timed out after {timeout_s:g} s") from None
+        except Exception as e:
+            reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise RemoteError(f"{where} failed: {reason}") from None
+
+    async def close(self) -> None:
+        running = [h for h in self._started if h.returncode is None]
+        await asyncio.gather(*(h.stop(grace_s=2.0) for h in running), return_exceptions=True)
+        conn, self._conn, self._sftp = self._conn, None, None
+        if conn is not None:
+            conn.close()
+            try:
+                await asyncio.wait_for(conn.wait_closed(), 5.0)
+            except asyncio.TimeoutError:
+                pass
