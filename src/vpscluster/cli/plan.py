@@ -1,0 +1,94 @@
+"""`vpscluster plan`: predict memory, step time, egress and time to train; pick a strategy."""
+
+from __future__ import annotations
+
+import argparse
+
+from vpscluster.cli.output import add_json_flag
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def _tokens(text: str) -> float:
+    t = text.strip().lower().replace("_", "")
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; write e.g. 2e9, 300M or 2B") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="PRESET|config.json",
+                        help="a preset (tiny, small, 125m, 350m, 1.3b, 7b) or a Hugging Face config.json")
+    parser.add_argument("--tokens", type=_tokens, metavar="N",
+                        help="tokens to train on, e.g. 2B (default: 20 per parameter)")
+    parser.add_argument("--cluster", metavar="FILE", help="cluster file (its last probe is used when there is one)")
+    parser.add_argument("--probe", metavar="FILE", help="a probe JSON (`vpscluster probe --out FILE`)")
+    parser.add_argument("--strategy", default="auto", choices=("auto", "ddp", "diloco"),
+                        help="plan this strategy, or let auto choose (default)")
+    parser.add_argument("--nodes", type=_positive_int, metavar="N",
+                        help="without a cluster file: plan N local worker processes")
+    parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=_positive_int, metavar="T", help="tokens per sequence (default: the model's)")
+    parser.add_argument("--compress", choices=("none", "bf16", "powersgd"), default="none", help="ddp: gradient compression")
+    parser.add_argument("--powersgd-rank", type=_positive_int, default=4, help="ddp+powersgd: rank of the factors")
+    parser.add_argument("--sync-every", type=_positive_int, default=100, metavar="H", help="diloco: inner steps per sync")
+    parser.add_argument("--wire-dtype", choices=("fp32", "bf16", "int8"), default="fp32", help="diloco: pseudo-gradient encoding")
+    parser.add_argument("--fragments", type=_positive_int, default=1, help="diloco: streaming fragments")
+    parser.add_argument("--bandwidth", metavar="RATE", help="assume this rate on every link (e.g. 100mbit) instead of the probe's")
+    parser.add_argument("--rtt-ms", type=float, metavar="MS", help="assume this round-trip time on every link")
+    parser.add_argument("--flops", metavar="GFLOPS", type=float, help="assume this fp32 GFLOP/s per rank instead of the probe's")
+    parser.add_argument("--memory", metavar="SIZE", help="assume this memory per rank (e.g. 32GB) instead of the probe's")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure here how much of matmul FLOP/s this model's training step reaches (a few seconds)")
+    parser.add_argument("--checkpoint-load-s", type=float, default=60.0, metavar="S",
+                        help="guidance: load a checkpoint within S seconds (default 60)")
+    add_json_flag(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vpscluster.cli.output import console, emit_json
+    from vpscluster.errors import UserError
+    from vpscluster.plan.api import PlanRequest, make_plan
+    from vpscluster.plan.report import render
+    from vpscluster.units import parse_rate_mbit, parse_size_bytes
+
+    if args.rtt_ms is not None and args.rtt_ms < 0:
+        raise UserError(f"--rtt-ms must not be negative, got {args.rtt_ms}")
+    if args.flops is not None and args.flops <= 0:
+        raise UserError(f"--flops must be positive GFLOP/s, got {args.flops}")
+    if args.cluster and args.nodes:
+        raise UserError("--nodes plans local workers; with --cluster the cluster file says how many nodes")
+    memory_bytes = parse_size_bytes(args.memory, "--memory") if args.memory else None
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise UserError("--memory must be positive, e.g. 32GB")
+    req = PlanRequest(
+        model=args.model, tokens=args.tokens, cluster=args.cluster, probe=args.probe, strategy=args.strategy,
+        batch_size=args.batch_size, seq_len=args.seq_len, nodes=args.nodes,
+        bandwidth_mbit=parse_rate_mbit(args.bandwidth, "--bandwidth") if args.bandwidth else None,
+        rtt_ms=args.rtt_ms, flops=args.flops * 1e9 if args.flops else None, memory_bytes=memory_bytes,
+        compress=args.compress, powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
+        wire_dtype=args.wire_dtype, fragments=args.fragments, calibrate=args.calibrate,
+        checkpoint_load_s=args.checkpoint_load_s,
+    )
+    out = console(args.json)
+    if args.calibrate:
+        out.print("calibrating: timing a few training steps of this model here…")
+    doc = make_plan(req)
+    if args.json:
+        emit_json(doc)
+    else:
+        render(doc, out)
+    return 0

@@ -1,0 +1,229 @@
+"""`make_plan`: model + resources -> the whole plan document (what `vpscluster plan --json` prints).
+
+Stages: resolve the model (`shapes`), the machines (`resources`: probe, cluster file, flags,
+stated assumptions), the compute efficiency (`calibrate`), predict every candidate strategy
+(`predict`), pick one (`auto`, or the strategy asked for), then memory layouts that fit,
+egress against quotas, and hardware guidance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from vpscluster.errors import UserError
+from vpscluster.plan import auto, comm, memory
+from vpscluster.plan.calibrate import efficiency_for
+from vpscluster.plan.guidance import guidance
+from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
+from vpscluster.plan.resources import gather_resources
+from vpscluster.plan.shapes import load_model
+
+CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al., 2022: compute-optimal tokens per parameter
+
+
+@dataclass
+class PlanRequest:
+    model: str
+    tokens: float | None = None
+    cluster: str | None = None
+    probe: str | None = None
+    strategy: str = "auto"
+    batch_size: int | None = None
+    seq_len: int | None = None
+    nodes: int | None = None
+    bandwidth_mbit: float | None = None
+    rtt_ms: float | None = None
+    flops: float | None = None
+    memory_bytes: float | None = None
+    compress: str = "none"
+    powersgd_rank: int = 4
+    bucket_mb: float = 25.0
+    sync_every: int = 100
+    wire_dtype: str = "fp32"
+    fragments: int = 1
+    calibrate: bool = False
+    checkpoint_load_s: float = 60.0
+
+
+def load_probe_file(path: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--probe {path}: cannot read it ({e.strerror}); run `vpscluster probe --out {path}`") from None
+    except ValueError:
+        raise UserError(f"--probe {path}: not valid JSON; give the file `vpscluster probe --out` wrote") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"--probe {path}: expected a JSON object with nodes and links")
+    return doc
+
+
+def make_plan(req: PlanRequest) -> dict:
+    if req.strategy not in ("auto", "ddp", "diloco"):
+        raise UserError(f"--strategy {req.strategy!r}: choose ddp, diloco or auto")
+    if req.tokens is not None and req.tokens <= 0:
+        raise UserError(f"--tokens must be positive, got {req.tokens:g}")
+    if req.checkpoint_load_s <= 0:
+        raise UserError("--checkpoint-load-s must be positive")
+    model = load_model(req.model, req.batch_size, req.seq_len)
+    cluster = probe = None
+    assumptions: list[str] = []
+    if req.cluster:
+        from vpscluster.cluster.inventory import load_cluster
+
+        cluster = load_cluster(req.cluster)
+    if req.probe:
+        probe = load_probe_file(req.probe)
+    elif cluster is not None:
+        try:
+            from vpscluster.probe.store import load_probe
+        except ImportError:
+            load_probe = None
+        probe = load_probe(cluster) if load_probe else None
+        if probe is None:
+            assumptions.append("no probe of this cluster found; run `vpscluster probe --cluster FILE` for measured figures")
+    res = gather_resources(cluster, probe, nodes=req.nodes, bandwidth_mbit=req.bandwidth_mbit, rtt_ms=req.rtt_ms,
+                           flops=req.flops, memory_bytes=req.memory_bytes)
+    threads = _probe_threads(probe)
+    eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads)
+    assumptions += res.assumptions
+    if eff.source == "assumed":
+        assumptions.append(eff.describe())
+    tokens = req.tokens
+    if tokens is None:
+        tokens = CHINCHILLA_TOKENS_PER_PARAM * model.num_params()
+        assumptions.append(f"tokens: {tokens:.3g} ({CHINCHILLA_TOKENS_PER_PARAM} per parameter, compute-optimal); set --tokens")
+    if res.world_size > 1:
+        assumptions.append("ranks sit on the ring in the order shown (best order); another order is no faster")
+
+    base = Settings(compress=req.compress, powersgd_rank=req.powersgd_rank, bucket_mb=req.bucket_mb,
+                    sync_every=req.sync_every, wire_dtype=req.wire_dtype, fragments=req.fragments)
+    auto_pred, auto_reason, preds = auto.choose(model, res, tokens, eff.value, auto.candidates(res.world_size, base=base))
+    if req.strategy == "auto":
+        chosen, reason = auto_pred, auto_reason
+    else:
+        settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if req.strategy == "ddp" else "none")
+        chosen = predict(model, res, settings, tokens, eff.value)
+        reason = f"as asked (--strategy {req.strategy}); auto would choose {auto_pred.settings.label()}"
+        if chosen.time_to_train_seconds > auto_pred.time_to_train_seconds * 1.1:
+            reason += f", {chosen.time_to_train_seconds / auto_pred.time_to_train_seconds:.1f}x faster to the token target"
+
+    ring = comm.best_ring(res.links)
+    doc = chosen.to_dict()
+    doc.update(
+        reason=reason, tokens=tokens,
+        model=model.to_dict() | {"batch_size": model.shape.batch_size},
+        efficiency={"value": eff.value, "source": eff.source},
+        world_size=res.world_size,
+        nodes=[_node_doc(n, r) for n, r in zip(chosen.nodes, res.nodes)],
+        ring=_ring_doc(ring, res),
+        memory=_memory_doc(model, res, chosen),
+        egress=_egress_doc(chosen),
+        candidates=[_candidate_doc(p) for p in _representative(preds)],
+        auto={"label": auto_pred.settings.label(), "reason": auto_reason},
+        guidance=guidance(model, res, chosen.settings.name, eff.value, req.checkpoint_load_s),
+        assumptions=assumptions,
+        measured=res.measured,
+    )
+    if res.collective_fit and res.world_size > 1:
+        doc["collective_fit_check"] = _fit_check(model, res, ring)
+    return doc
+
+
+def _probe_threads(probe: dict | None) -> int | None:
+    for n in (probe or {}).get("nodes", []) or []:
+        if isinstance(n, dict) and isinstance(n.get("torch_threads"), int):
+            return n["torch_threads"]
+    return None
+
+
+def _node_doc(p, r) -> dict:
+    return {
+        "name": p.name, "flops": r.flops, "ranks": r.ranks, "compute_seconds": p.compute_seconds,
+        "wait_seconds": p.wait_seconds, "comm_seconds": p.comm_seconds, "bytes_sent_per_step": p.bytes_sent_per_step,
+        "memory_bytes": int(p.memory_bytes), "memory_available_bytes": int(p.memory_available_bytes),
+        "memory_kind": p.memory_kind, "fits": p.fits, "egress_bytes_per_day": p.egress_bytes_per_day,
+        "egress_quota_bytes": p.egress_quota_bytes, "egress_quota_period_s": p.egress_quota_period_s,
+        "egress_exceeded_after_s": p.egress_exceeded_after_s, "disk_read_mb_s": r.disk_read_mb_s,
+    }
+
+
+def _ring_doc(ring: comm.Ring, res) -> dict:
+    n = len(res.nodes)
+    worst = None
+    if 2 < n <= comm.EXACT_RING_MAX_NODES:
+        import itertools
+
+        worst = min(min(res.links.bandwidth_mbit[i][j] for i, j in comm.ring_links((0, *rest)))
+                    for rest in itertools.permutations(range(1, n)))
+    return {"order": [res.nodes[i].name for i in ring.order],
+            "weakest_link_mbit": None if math.isinf(ring.weakest_mbit) else ring.weakest_mbit,
+            "worst_order_weakest_link_mbit": worst, "alpha_s": ring.alpha_s}
+
+
+def _memory_doc(model, res, chosen: Prediction) -> dict:
+    """Per-rank memory for each strategy and layout, and the least intrusive one that fits everywhere."""
+    s = chosen.settings
+    kw = dict(compress=s.compress, wire_dtype=s.wire_dtype, fragments=s.fragments)
+    options = []
+    for strategy in ("ddp", "diloco"):
+        for opt in memory.candidate_options(model, strategy, res.world_size):
+            fits_all, need = True, 0.0
+            for node in res.nodes:
+                est = memory.estimate(model, strategy, res.world_size, mixed_precision=node.memory_kind == "gpu",
+                                      memory_kind=node.memory_kind, option=opt,
+                                      **(kw if strategy == s.name else {}))
+                need = max(need, est.total_bytes)
+                fits_all &= est.total_bytes <= node.memory_bytes * memory.HEADROOM
+            options.append({"strategy": strategy, "sharding": opt.sharding, "checkpointing": opt.checkpointing,
+                            "micro_batch": opt.micro_batch or model.shape.batch_size, "layout": opt.describe(),
+                            "memory_bytes_per_node": int(need), "fits": fits_all})
+    out = {"components": chosen.memory_components, "options": options}
+    if not chosen.fits:
+        fix = next((o for o in options if o["strategy"] == s.name and o["fits"]), None)
+        if fix is None:
+            fix = next((o for o in options if o["fits"]), None)
+        out["fix"] = (f"{fix['strategy']} with {fix['layout']} ({fix['memory_bytes_per_node'] / 2**30:.1f} GiB per node)"
+                      if fix else "no layout fits; add memory or nodes (see guidance.least_memory_bytes_per_node)")
+        if fix and fix["sharding"] != "none":
+            out["fix"] += "; sharding is not built into vpscluster's trainer yet"
+    return out
+
+
+def _egress_doc(pred: Prediction) -> dict:
+    warnings = []
+    for n in pred.quota_exceeded:
+        days = n.egress_exceeded_after_s / 86400
+        warnings.append(
+            f"{n.name}: sends {n.egress_bytes_per_day / 1e9:.1f} GB/day; its quota of {n.egress_quota_bytes / 1e12:g} TB per "
+            f"{n.egress_quota_period_s / 86400:g} days is used up after {days:.1f} days "
+            f"(the run takes {pred.time_to_train_seconds / 86400:.1f} days)")
+    return {"quota_exceeded": bool(warnings), "warnings": warnings}
+
+
+def _candidate_doc(p: Prediction) -> dict:
+    d = p.to_dict()
+    return {k: d[k] for k in ("label", "strategy", "settings", "step_seconds", "compute_seconds", "comm_seconds",
+                              "tokens_per_s", "compute_utilization", "time_to_train_seconds",
+                              "egress_bytes_per_node_per_day", "memory_bytes_per_node", "fits", "quality_risk")}
+
+
+def _representative(preds: list[Prediction]) -> list[Prediction]:
+    """Every DDP variant and, per DiLoCo wire dtype, a spread of H (the table stays readable)."""
+    keep = [p for p in preds if p.settings.name == "ddp"]
+    keep += [p for p in preds if p.settings.name == "diloco" and p.settings.sync_every in (10, 50, 100, 500)]
+    return sorted(keep, key=lambda p: p.time_to_train_seconds)
+
+
+def _fit_check(model, res, ring) -> dict:
+    """Cross-check: the probe's fitted all-reduce time for the gradients vs the link-matrix model."""
+    fit = res.collective_fit
+    nbytes = model.num_params() * 4.0
+    return {"gradient_allreduce_seconds_from_fit": fit["alpha_s"] + nbytes / fit["beta_bytes_s"],
+            "gradient_allreduce_seconds_from_links": ring.allreduce_seconds(nbytes, res.world_size)}
+
+
+__all__ = ["PlanRequest", "make_plan", "risk_label"]

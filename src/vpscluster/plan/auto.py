@@ -1,0 +1,104 @@
+"""`--strategy auto`: the strategy and settings predicted fastest to N tokens at a low quality risk.
+
+Every candidate (DDP plain / bf16 / PowerSGD; DiLoCo over H and wire precisions) is predicted
+on the same resources. Candidates that do not fit in memory are dropped (unless none fits), so
+are those whose quality risk is high. Among the rest, the one with the least quality risk whose
+time to train is within `TOLERANCE` of the fastest wins: DDP when communication is a small share
+of its step (nothing is gained by leaving it), DiLoCo with the smallest sufficient H when
+communication dominates. The reason is one line with the numbers behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
+from vpscluster.plan.resources import Resources
+from vpscluster.plan.shapes import ModelSpec
+
+if TYPE_CHECKING:
+    from vpscluster.cluster.node import Cluster
+    from vpscluster.train.config import StrategyConfig, TrainConfig
+
+TOLERANCE = 0.10  # a lower-risk candidate may be this much slower and still win
+MAX_RISK = 3.0  # "medium" at most, unless nothing else exists
+SYNC_EVERY_CHOICES = (5, 10, 20, 25, 50, 100, 200, 500)
+
+
+def candidates(world_size: int, sync_every_choices=SYNC_EVERY_CHOICES, strategies=("ddp", "diloco"),
+               base: Settings = Settings()) -> list[Settings]:
+    out = []
+    if "ddp" in strategies:
+        out += [dataclasses.replace(base, name="ddp", compress=c) for c in ("none", "bf16", "powersgd")]
+    if "diloco" in strategies and world_size > 1:
+        for h in sync_every_choices:
+            for wire in ("fp32", "bf16", "int8"):
+                out.append(dataclasses.replace(base, name="diloco", compress="none", sync_every=h, wire_dtype=wire,
+                                               fragments=1))
+    return out
+
+
+def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
+           options: list[Settings] | None = None) -> tuple[Prediction, str, list[Prediction]]:
+    """The chosen prediction, the one-line reason, and every candidate's prediction (fastest first)."""
+    options = options or candidates(res.world_size)
+    preds = sorted((predict(model, res, s, tokens, efficiency) for s in options), key=lambda p: p.time_to_train_seconds)
+    if res.world_size <= 1:
+        chosen = next(p for p in preds if p.settings.name == "ddp" and p.settings.compress == "none")
+        return chosen, "one rank: nothing to synchronise, plain training", preds
+    pool = [p for p in preds if p.fits] or preds
+    pool = [p for p in pool if p.quality_risk <= MAX_RISK] or pool
+    fastest = pool[0]
+    near = [p for p in pool if p.time_to_train_seconds <= fastest.time_to_train_seconds * (1 + TOLERANCE)]
+    chosen = min(near, key=lambda p: (p.quality_risk, p.time_to_train_seconds))
+    return chosen, _reason(chosen, preds, fits_any=any(p.fits for p in preds)), preds
+
+
+def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
+    ddp = next(p for p in preds if p.settings.name == "ddp" and p.settings.compress == "none")
+    share = ddp.comm_seconds / ddp.step_seconds if ddp.step_seconds else 0.0
+    mem = "" if fits_any else "; nothing fits in memory as configured — see the memory options"
+    if chosen is ddp:
+        return (f"ddp: communication is only {share:.0%} of a DDP step "
+                f"({ddp.comm_seconds:.2f} s exposed of {ddp.step_seconds:.2f} s), so nothing is gained by syncing less{mem}")
+    speedup = ddp.time_to_train_seconds / chosen.time_to_train_seconds
+    if chosen.settings.name == "ddp":
+        return (f"{chosen.settings.label()}: plain DDP waits on the network for {share:.0%} of each step; "
+                f"compression is {speedup:.1f}x faster to the token target at {risk_label(chosen.quality_risk)} quality risk{mem}")
+    return (f"{chosen.settings.label()}: DDP would spend {share:.0%} of each step communicating; syncing every "
+            f"{chosen.settings.sync_every} steps reaches the token target {speedup:.1f}x faster "
+            f"(utilization {chosen.compute_utilization:.0%} vs {ddp.compute_utilization:.0%}) "
+            f"at {risk_label(chosen.quality_risk)} quality risk{mem}")
+
+
+def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None) -> tuple["StrategyConfig", str]:
+    """Used by `vpscluster train --strategy auto`: a concrete StrategyConfig and the reason.
+
+    H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps)
+    and leave enough outer steps in `max_steps`.
+    """
+    from vpscluster.plan.calibrate import efficiency_for
+    from vpscluster.plan.resources import gather_resources
+    from vpscluster.plan.shapes import load_model
+
+    model = load_model(cfg.preset, batch_size=cfg.micro_batch())
+    if cluster is None:
+        res = gather_resources(None, probe, nodes=cfg.nodes, local=True)
+    else:
+        res = gather_resources(cluster, probe)
+    eff = efficiency_for(model, res, calibrate=False)
+    tokens = cfg.max_steps * model.shape.batch_size * model.shape.seq_len * res.world_size
+    s = cfg.strategy
+    base = Settings(compress=s.compress, powersgd_rank=s.powersgd_rank, bucket_mb=s.bucket_mb,
+                    sync_every=s.sync_every, wire_dtype=s.wire_dtype, fragments=1)
+    hs = [h for h in SYNC_EVERY_CHOICES if cfg.checkpoint_every % h == 0 and h <= max(1, cfg.max_steps // 4)]
+    chosen, reason, _ = choose(model, res, tokens, eff.value, candidates(res.world_size, hs or [1], base=base))
+    c = chosen.settings
+    out = dataclasses.replace(s, name=c.name, compress=c.compress if c.name == "ddp" else "none",
+                              sync_every=c.sync_every if c.name == "diloco" else s.sync_every,
+                              wire_dtype=c.wire_dtype if c.name == "diloco" else s.wire_dtype,
+                              fragments=1 if c.name == "diloco" else s.fragments)
+    if out.name == "ddp" and out.fragments > out.sync_every:
+        out = dataclasses.replace(out, fragments=1)
+    return out, reason

@@ -1,0 +1,144 @@
+"""How much of a node's matmul FLOP/s a training step of this model reaches, measured here.
+
+The probe measures each node's fp32 matmul FLOP/s (1024^3 matmuls, the best case). A training
+step of vpscluster's GPT (vpscluster.train.model) with AdamW reaches a model-dependent share of
+that: small matmuls, LayerNorm, softmax, the optimizer. `measure_efficiency` times a few real
+steps (forward, backward, AdamW, zero_grad) on this machine, interleaved with the probe's very
+matmul benchmark on the same cores and threads, and returns the ratio of achieved training
+FLOP/s (`ModelShape.flops_per_token`) to matmul FLOP/s. Interleaving cancels most of the noise
+of a shared machine: both sides see the same contention.
+
+This is a property of the model's kernels on this CPU architecture, measured without any
+distributed run; it reaches every node through that node's own probe FLOP/s. Results are cached
+in ~/.cache/vpscluster/calibration.json by shape, threads, torch version and CPU model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from vpscluster.plan.compute import ASSUMED_EFFICIENCY, Efficiency
+from vpscluster.plan.resources import Resources
+from vpscluster.plan.shapes import ModelSpec
+
+MAX_CALIBRATION_PARAMS = 60_000_000  # beyond this a CPU step takes too long to time here
+
+
+def _cache_path() -> Path:
+    return Path(os.path.expanduser("~/.cache/vpscluster/calibration.json"))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _key(model: ModelSpec, threads: int) -> str:
+    import torch
+
+    s = model.shape
+    shape = f"{s.d_model}x{s.n_layer}x{s.n_head}x{s.seq_len}x{s.vocab_size}x{s.d_ff}x{int(s.gated_mlp)}x{s.batch_size}"
+    return f"{shape}|threads={threads}|torch={torch.__version__}|cpu={_cpu_model()}"
+
+
+def _matmul_flops(torch, seconds: float) -> float:
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)
+    done, start = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        done += 1
+        if time.perf_counter() - start >= seconds:
+            break
+    return 2.0 * n**3 * done / (time.perf_counter() - start)
+
+
+def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int = 3, steps_per_round: int = 2,
+                       matmul_s: float = 0.5) -> float:
+    """Training FLOP/s / matmul FLOP/s for `model` at its batch size, on this machine."""
+    import torch
+
+    from vpscluster.train.model import GPT
+
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        net = GPT(model.shape)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, betas=(0.9, 0.95))
+        s = model.shape
+        x = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len))
+        y = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len))
+
+        def step():
+            loss = net(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # warm-up: allocations, optimizer state
+        flops_per_step = model.flops_per_token() * s.batch_size * s.seq_len
+        ratios = []
+        for _ in range(rounds):
+            mm = _matmul_flops(torch, matmul_s)
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            train = flops_per_step * steps_per_round / (time.perf_counter() - t0)
+            mm = (mm + _matmul_flops(torch, matmul_s)) / 2  # bracket the steps
+            ratios.append(train / mm)
+        return statistics.median(ratios)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, threads: int | None = None) -> Efficiency:
+    """The calibrated efficiency for this model (measured now or cached), else the assumed one."""
+    if any(n.memory_kind == "gpu" for n in res.nodes):
+        return Efficiency(ASSUMED_EFFICIENCY["gpu"], "assumed")
+    if model.num_params() > MAX_CALIBRATION_PARAMS or model.untied_head:
+        return Efficiency(ASSUMED_EFFICIENCY["ram"], "assumed")
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    key = _key(model, threads)
+    cache = _read_cache()
+    if calibrate:
+        value = measure_efficiency(model, threads)
+        cache[key] = {"efficiency": value, "measured_at_unix": time.time()}
+        _write_cache(cache)
+        return Efficiency(value, "calibrated")
+    if key in cache:
+        return Efficiency(float(cache[key]["efficiency"]), "calibrated")
+    return Efficiency(ASSUMED_EFFICIENCY["ram"], "assumed")
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the value is still used for this plan
