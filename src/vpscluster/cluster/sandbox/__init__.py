@@ -42,8 +42,8 @@ def _parse_cpu(text: str, what: str) -> float | None:
     except ValueError:
         raise UserError(f"{what}: {text!r} is not a CPU share; write a fraction of one core, e.g. 0.45 or 1.5") from None
     ncpu = os.cpu_count() or 1
-    if not 0.01 <= share <= ncpu:
-        raise UserError(f"{what}: {share:g} is outside 0.01-{ncpu} (a fraction of one core, at most this machine's {ncpu} cores)")
+    if not 0.05 <= share <= ncpu:  # the kernel allows no quota under 1 ms per 20 ms period
+        raise UserError(f"{what}: {share:g} is outside 0.05-{ncpu} (a fraction of one core, at most this machine's {ncpu} cores)")
     return share
 
 
@@ -132,7 +132,7 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         say(f"{n.name}: namespace, {n.bandwidth_mbit:g} Mbit/s, cpu {n.cpu if n.cpu is not None else 'unlimited'}")
         node_dir = root / "nodes" / n.name
         Path(n.workdir).mkdir(parents=True, exist_ok=True)
-        cg = cgroup.create(info.name, n.name, n.cpu)
+        cg = cgroup.create(info.name, n.name, n.cpu, sandbox_nodes=len(info.nodes))
         netns.create_node(n.namespace, n.veth, info.bridge, f"{n.address}/24")
         half_delay = info.latency_ms / 2 if info.latency_ms else None  # latency is the added round trip
         shaping.shape("eth0", n.bandwidth_mbit, namespace=n.namespace, delay_ms=half_delay)  # node egress

@@ -1,6 +1,6 @@
 """Per-node CPU share with a cgroup-v1 CFS quota.
 
-A node with `cpu=0.45` may use 45 ms of CPU per 100 ms period, whatever it runs: its sshd lives
+A node with `cpu=0.45` may use 9 ms of CPU per 20 ms period, whatever it runs: its sshd lives
 in /sys/fs/cgroup/cpu/vpscluster/<sandbox>/<node>, and everything sshd spawns inherits the cgroup.
 A node without a share still gets a cgroup (quota -1, unlimited), so `down` can find and kill
 every process the node ever started, even those that left its network namespace.
@@ -15,7 +15,9 @@ from pathlib import Path
 from vpscluster.errors import UserError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
+PERIOD_US = 20_000  # short periods: a quota-limited node runs smoothly, not 100 ms on / off
+DEFAULT_SHARES = 1024
+MAX_SHARES = 262_144
 
 
 def available() -> bool:
@@ -30,14 +32,23 @@ def node_cgroup(sandbox: str, node: str) -> Path:
     return sandbox_cgroup(sandbox) / node
 
 
-def create(sandbox: str, node: str, cpu: float | None) -> Path:
+def create(sandbox: str, node: str, cpu: float | None, sandbox_nodes: int = 1) -> Path:
     if not available():
         raise UserError(f"sandbox: no cgroup-v1 cpu controller at {CPU_ROOT}; CPU shares need it (mount -t cgroup -o cpu cpu {CPU_ROOT})")
     path = node_cgroup(sandbox, node)
     path.mkdir(parents=True, exist_ok=True)
+    # CFS weighs a cgroup like ONE nice-0 task against everything outside it. Without more weight,
+    # N busy nodes together would get what one ordinary process gets on a loaded machine; with
+    # it, each node competes like a process of its own, as separate machines would not compete.
+    _set_shares(path.parent.parent, DEFAULT_SHARES * (os.cpu_count() or 1) * 4)
+    _set_shares(path.parent, DEFAULT_SHARES * sandbox_nodes)
     (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
     (path / "cpu.cfs_quota_us").write_text(str(-1 if cpu is None else max(1000, int(round(cpu * PERIOD_US)))))
     return path
+
+
+def _set_shares(path: Path, shares: int) -> None:
+    (path / "cpu.shares").write_text(str(min(MAX_SHARES, shares)))
 
 
 def quota(path: Path) -> float | None:

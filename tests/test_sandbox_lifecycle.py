@@ -1,0 +1,185 @@
+"""Sandbox up/down/status: contract of `up --json`, cleanliness after down, failed ups leave nothing.
+
+What remains of a sandbox is looked up independently of the sandbox code (ip, /proc, files),
+so a bug in its own bookkeeping cannot hide a leak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sandbox_fixtures import sandbox_unavailable_reason, ssh_run
+
+pytestmark = pytest.mark.sandbox
+
+
+def remnants(name: str) -> list[str]:
+    """Every trace of sandbox `name` on this machine: namespaces, links, cgroups, files, processes."""
+    from vpscluster.cluster.sandbox.state import bridge_name, tag
+
+    found = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    found += [f"netns {line.split()[0]}" for line in netns.splitlines() if line.startswith(f"vpsc.{name}.")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
+    found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
+              if bridge_name(name) in line or f"vps{tag(name)}n" in line]
+    for path in (f"/sys/fs/cgroup/cpu/vpscluster/{name}", f"/var/lib/vpscluster/sandboxes/{name}"):
+        if os.path.exists(path):
+            found.append(path)
+    if os.path.isdir("/etc/netns"):
+        found += [f"/etc/netns/{d}" for d in os.listdir("/etc/netns") if d.startswith(f"vpsc.{name}.")]
+    state = f"/var/lib/vpscluster/sandboxes/{name}/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if state in cmdline and not zombie:
+            found.append(f"process {pid}: {cmdline.strip()}")
+    return found
+
+
+@pytest.fixture
+def need_sandbox():
+    why = sandbox_unavailable_reason()
+    if why:
+        pytest.skip(f"sandbox unavailable: {why}")
+
+
+def test_up_json_contract_ssh_and_clean_down(cli, need_sandbox):
+    name = f"pt-life-{secrets.token_hex(2)}"
+    try:
+        r = cli("sandbox", "up", "--name", name, "--nodes", "2", "--bandwidth", "50mbit,200mbit", "--cpu", "0.5", "--json", timeout=120)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)  # exactly one JSON document on stdout
+        assert {"name", "cluster_file", "nodes"} <= doc.keys() and doc["name"] == name
+        assert [n["name"] for n in doc["nodes"]] == ["node-1", "node-2"]
+        assert [n["bandwidth_mbit"] for n in doc["nodes"]] == [50.0, 200.0]
+        assert [n["cpu"] for n in doc["nodes"]] == [0.5, 0.5]
+        for n in doc["nodes"]:
+            assert {"name", "address", "namespace", "bandwidth_mbit", "cpu"} <= n.keys()
+            assert len({n["address"] for n in doc["nodes"]}) == 2
+        # Every piece is where the record says: the kernel sees it, not just the state file.
+        from vpscluster.cluster import sandbox
+
+        info = sandbox.info(name)
+        for n in info.nodes:
+            assert Path(f"/run/netns/{n.namespace}").exists()
+            assert "tbf" in subprocess.run(["tc", "qdisc", "show", "dev", n.veth], capture_output=True, text=True).stdout
+            quota_us, period_us = (int(Path(n.cgroup, f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+            assert quota_us / period_us == 0.5
+        # A real login with the generated key and strict host-key checking; the node has its own
+        # hostname, resolving to its own address, and what runs there lives in its cgroup.
+        r2 = ssh_run(info, "node-2", "hostname; getent hosts $(hostname); cat /proc/self/cgroup; ip -4 -o addr show dev eth0")
+        assert r2.returncode == 0, r2.stderr
+        assert r2.stdout.splitlines()[0] == "node-2"
+        assert info.node("node-2").address in r2.stdout.splitlines()[1]
+        assert f"cpu:/vpscluster/{name}/node-2" in r2.stdout
+        # The cluster file is the format the inventory loads.
+        from vpscluster.cluster.inventory import load_cluster
+
+        cluster = load_cluster(doc["cluster_file"])
+        assert [(n.name, n.host, n.advertised_bandwidth_mbit) for n in cluster.nodes] == [
+            ("node-1", info.nodes[0].address, 50.0), ("node-2", info.nodes[1].address, 200.0)]
+        assert len({n.workdir for n in cluster.nodes}) == 2 and cluster.nodes[0].labels == {"sandbox": name}
+        assert cluster.known_hosts == info.known_hosts and not cluster.accept_new_host_keys
+
+        st = cli("sandbox", "status", "--name", name, "--json")
+        rec = json.loads(st.stdout)["sandboxes"][0]
+        assert rec["state"] == "up" and all(n["sshd_alive"] for n in rec["nodes"])
+        assert remnants(name)  # the check below can see a sandbox when there is one
+    finally:
+        down = cli("sandbox", "down", "--name", name)
+    assert down.returncode == 0, down.stderr
+    assert remnants(name) == []
+    again = cli("sandbox", "down", "--name", name)
+    assert again.returncode == 0 and "nothing to remove" in again.stdout
+
+
+def test_latency_without_netem_fails_cleanly(cli, need_sandbox):
+    from vpscluster.cluster.sandbox.shaping import netem_available
+
+    if netem_available():
+        pytest.skip("this kernel has netem; the no-netem error path cannot be exercised here")
+    name = f"pt-lat-{secrets.token_hex(2)}"
+    r = cli("sandbox", "up", "--name", name, "--nodes", "2", "--latency", "20")
+    assert r.returncode != 0
+    assert "netem" in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert remnants(name) == []
+
+
+def test_up_failing_half_way_removes_what_it_built(monkeypatch, need_sandbox):
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.sandbox import sshd
+    from vpscluster.errors import UserError
+
+    real_start = sshd.start
+    started = []
+
+    def start_then_fail(namespace, hostname, *args):
+        if hostname == "node-2":
+            raise UserError("injected: sshd for node-2 failed")
+        started.append(real_start(namespace, hostname, *args))
+        return started[-1]
+
+    monkeypatch.setattr(sshd, "start", start_then_fail)
+    name = f"pt-half-{secrets.token_hex(2)}"
+    with pytest.raises(UserError, match="injected"):
+        sandbox.up(name, nodes=3, bandwidth="100mbit", cpu=0.5)
+    assert len(started) == 1  # node-1's sshd was running when it failed ...
+    assert remnants(name) == []  # ... and is gone with everything else
+    assert not _running(started[0])
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_two_sandboxes_side_by_side(make_sandbox, cli):
+    a = make_sandbox(nodes=1, bandwidth="1gbit")
+    b = make_sandbox(nodes=1, bandwidth="1gbit")
+    assert a.subnet != b.subnet and a.bridge != b.bridge
+    assert a.nodes[0].namespace != b.nodes[0].namespace
+    assert ssh_run(a, "node-1", "true").returncode == 0 and ssh_run(b, "node-1", "true").returncode == 0
+    r = cli("sandbox", "up", "--name", a.name, "--nodes", "1")
+    assert r.returncode != 0 and "already exists" in r.stderr
+    # Not `down --all` here: other test runs on this machine may have sandboxes up.
+    for sb in (a, b):
+        r = cli("sandbox", "down", "--name", sb.name, "--json")
+        assert r.returncode == 0 and json.loads(r.stdout) == {"removed": [sb.name]}
+    assert remnants(a.name) == [] and remnants(b.name) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--name", "Bad_Name"], "name 'Bad_Name' is not valid"),
+    (["--nodes", "0"], "--nodes 0 is outside"),
+    (["--nodes", "3", "--bandwidth", "10mbit,20mbit"], "2 values given for 3 nodes"),
+    (["--bandwidth", "fast"], "is not a rate"),
+    (["--cpu", "0"], "--cpu: 0 is outside"),
+    (["--cpu", "half"], "is not a CPU share"),
+])
+def test_bad_input_is_one_line(cli, args, message):
+    r = cli("sandbox", "up", *args)
+    assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_not_root_is_a_clear_error():
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the CLI as an unprivileged user")
+    import sys
+
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-m", "vpscluster", "sandbox", "up", "--name", "pt-noroot"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode != 0 and "needs root" in r.stderr and "Traceback" not in r.stderr

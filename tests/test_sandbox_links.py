@@ -1,0 +1,74 @@
+"""Shaped links measured with iperf3 between sandbox nodes: ±10% of the configured rate, and a
+transfer between uneven nodes runs at the slower node's rate, in both directions.
+
+iperf3 runs directly in the nodes' namespaces (server in one, client in the other) for a bounded
+time and both are killed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from sandbox_fixtures import ns_popen
+
+pytestmark = pytest.mark.sandbox
+
+SECONDS = 3  # measured seconds, after 1 s of slow start omitted
+PORT = 5201
+
+
+def iperf_mbit(info, src: str, dst: str) -> float:
+    """Goodput src -> dst in Mbit/s, as the receiver counts it."""
+    if not shutil.which("iperf3"):
+        pytest.skip("iperf3 is not installed (apt-get install iperf3)")
+    server = ns_popen(info, dst, ["iperf3", "-s", "-B", info.node(dst).address, "-p", str(PORT)],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the server needs a moment to listen; the client fails fast until it does
+            client = ns_popen(info, src, ["iperf3", "-c", info.node(dst).address, "-p", str(PORT), "-t", str(SECONDS),
+                                          "-O", "1", "-J", "--connect-timeout", "2000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                out, err = client.communicate(timeout=SECONDS + 20)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                client.communicate()
+                raise AssertionError(f"iperf3 {src} -> {dst} did not finish")
+            doc = json.loads(out) if out.strip().startswith("{") else {}
+            if client.returncode == 0 and "end" in doc:
+                return doc["end"]["sum_received"]["bits_per_second"] / 1e6
+            if time.monotonic() > deadline:
+                raise AssertionError(f"iperf3 {src} -> {dst} failed: {doc.get('error') or err.strip()}")
+            time.sleep(0.2)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def test_tbf_parameters_scale_with_rate():
+    from vpscluster.cluster.sandbox.shaping import tbf_args
+
+    small = dict(zip(*[iter(tbf_args(10.0)[1:])] * 2))
+    large = dict(zip(*[iter(tbf_args(1000.0)[1:])] * 2))
+    assert small["rate"] == "10000kbit" and large["rate"] == "1000000kbit"
+    assert int(small["burst"]) == 32 * 1024 and int(large["burst"]) == 250_000  # 2 ms of traffic at 1 Gbit/s
+    assert int(large["limit"]) == 6_250_000 and int(small["limit"]) == 100 * 1024
+
+
+@pytest.mark.slow
+def test_rate_and_min_rate_between_uneven_nodes(make_sandbox):
+    info = make_sandbox(nodes=3, bandwidth="50mbit,200mbit,200mbit")
+    measured = {
+        ("node-2", "node-3"): iperf_mbit(info, "node-2", "node-3"),  # 200 <-> 200: the configured rate
+        ("node-1", "node-2"): iperf_mbit(info, "node-1", "node-2"),  # slow node sending: its egress
+        ("node-2", "node-1"): iperf_mbit(info, "node-2", "node-1"),  # slow node receiving: its ingress
+    }
+    expected = {("node-2", "node-3"): 200.0, ("node-1", "node-2"): 50.0, ("node-2", "node-1"): 50.0}
+    for link, rate in expected.items():
+        assert 0.9 * rate <= measured[link] <= 1.1 * rate, f"{link}: {measured[link]:.1f} Mbit/s, configured {rate}"
