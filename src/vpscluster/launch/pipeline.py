@@ -46,6 +46,8 @@ class Job:
     join_timeout_s: float = 600.0
     store_timeout_s: float = 300.0
     fetch: list[str] = field(default_factory=list)  # files of the node run dir, from rank 0's node
+    # The program once the nodes are known (e.g. the backend follows their accelerators).
+    program_for: Callable[[dict[str, NodeState]], Program] | None = None
     # Extra environment for a node, from its state and where its synced items are.
     env_for: Callable[[NodeState, dict[str, str]], dict[str, str]] | None = None
     # Called before start with (executor, state, synced paths, node run dir).
@@ -112,7 +114,8 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int) -> li
     nproc = {n: job.nproc_per_node or max(1, states[n].gpus) for n in states}
     options = LaunchOptions(rdzv_id=rdzv_id, rdzv_port=rdzv_port, join_timeout_s=job.join_timeout_s,
                             store_timeout_s=job.store_timeout_s)
-    commands = build_node_commands(node_targets(job, states, synced, nproc), job.cluster.head, job.program, options)
+    program = job.program_for(states) if job.program_for else job.program
+    commands = build_node_commands(node_targets(job, states, synced, nproc), job.cluster.head, program, options)
     for c in commands:
         # torchrun's own per-rank log files go into the node's run dir, never to /tmp.
         c.argv[c.argv.index("--tee") + 2:c.argv.index("--tee") + 2] = [
