@@ -86,7 +86,8 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
     up = [n for n in nodes if facts[n.name]["reachable"]]
 
     steps = 2 * (len(up) - 1 + len(up) % 2) if len(up) > 1 else 0
-    report("links", 0, steps)
+    if steps:
+        report("links", 0, steps)
     links = await measure_links(up, executors, settings.links, lambda i, total: report("links", i, total))
     _clock_offsets(cluster.head, facts, links)
 

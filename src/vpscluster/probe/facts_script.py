@@ -168,11 +168,28 @@ def interface_for(address):
         target = socket.gethostbyname(address)
     except OSError:
         target = address
+    import ipaddress
+
+    try:
+        wanted = ipaddress.ip_address(target)
+    except ValueError:
+        return None
+    # An exact address wins; else the interface whose subnet holds it (127.0.0.2 is on lo's /8).
+    exact, containing = None, None
     for line in out.splitlines():
-        m = re.match(r"\d+:\s+(\S+)\s+inet6?\s+([^/\s]+)", line)
-        if m and m.group(2) in (address, target):
-            return m.group(1).split("@")[0]
-    return None
+        m = re.match(r"\d+:\s+(\S+)\s+inet6?\s+(\S+)", line)
+        if not m:
+            continue
+        name = m.group(1).split("@")[0]
+        try:
+            iface = ipaddress.ip_interface(m.group(2))
+        except ValueError:
+            continue
+        if iface.ip == wanted:
+            exact = exact or name
+        elif wanted in iface.network and iface.network.prefixlen > 0:
+            containing = containing or name
+    return exact or containing
 
 
 def gpu_facts():

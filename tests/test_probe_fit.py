@@ -1,0 +1,55 @@
+"""The α–β (Hockney) fit and the nccl-tests bandwidth conventions of the sweep summary."""
+
+import random
+
+import pytest
+
+from vpscluster.probe.collectives import DEFAULT_SIZES, fit_alpha_beta, summarize
+
+
+def test_fit_recovers_alpha_beta_exactly():
+    alpha, beta = 2.5e-3, 12.5e6  # 2.5 ms, 100 Mbit/s
+    times = [alpha + m / beta for m in DEFAULT_SIZES]
+    a, b = fit_alpha_beta(DEFAULT_SIZES, times)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+
+
+def test_fit_with_noise_stays_close():
+    rng = random.Random(7)
+    alpha, beta = 0.8e-3, 1.2e9
+    times = [(alpha + m / beta) * (1 + rng.uniform(-0.05, 0.05)) for m in DEFAULT_SIZES]
+    a, b = fit_alpha_beta(DEFAULT_SIZES, times)
+    assert a == pytest.approx(alpha, rel=0.15) and b == pytest.approx(beta, rel=0.15)
+
+
+def test_fit_never_returns_negative_latency():
+    # Pure bandwidth data with noise that would pull α below zero.
+    sizes = [1e3, 1e6, 1e7]
+    times = [0.9e-6, 1.0e-3, 1.0e-2]
+    a, b = fit_alpha_beta(sizes, times)
+    assert a == 0.0 and b == pytest.approx(1e9, rel=0.1)
+
+
+def test_fit_single_point_and_empty():
+    a, b = fit_alpha_beta([1e6], [1e-3])
+    assert a == 0.0 and b == pytest.approx(1e9)
+    with pytest.raises(ValueError):
+        fit_alpha_beta([], [])
+
+
+def test_summary_busbw_follows_nccl_tests():
+    raw = {"backend": "gloo", "world_size": 4, "results": [
+        {"size_bytes": 1 << 20, "iters": 10, "time_s": 0.1, "correct": True},
+        {"size_bytes": 1 << 24, "iters": 2, "time_s": 1.5, "correct": True}]}
+    s = summarize(raw, ["a", "b", "c", "d"])
+    r = s["results"][1]
+    assert r["algbw_bytes_per_s"] == pytest.approx((1 << 24) / 1.5)
+    assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * 2 * 3 / 4)
+    assert s["bus_beta_bytes_per_s"] == pytest.approx(s["beta_bytes_per_s"] * 1.5)
+    assert s["op"] == "all_reduce" and s["world_size"] == 4 and "error" not in s
+
+
+def test_summary_reports_wrong_sums_as_error():
+    raw = {"backend": "gloo", "world_size": 2, "results": [
+        {"size_bytes": 4096, "iters": 5, "time_s": 1e-3, "correct": False}]}
+    assert "wrong sums" in summarize(raw, ["a", "b"])["error"]

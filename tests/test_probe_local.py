@@ -1,0 +1,131 @@
+"""The whole probe on local nodes (several "nodes" on loopback addresses, no SSH): JSON shape,
+link matrix, a real gloo all-reduce sweep, problems for a node without torch, the store, the CLI."""
+
+import asyncio
+import dataclasses
+import json
+import os
+import stat
+import sys
+import time
+
+import pytest
+
+from vpscluster.cluster.node import Cluster, Node
+from vpscluster.probe.api import ProbeSettings, run_probe_async
+from vpscluster.probe.collectives import SweepSettings
+from vpscluster.probe.problems import blocking_problems
+from vpscluster.probe.store import load_probe, probe_path, save_probe
+
+CONTRACT_NODE_KEYS = {"name", "cpu_count", "memory_bytes", "gpus", "disk_read_mb_s", "python", "torch", "cuda", "flops"}
+CONTRACT_LINK_KEYS = {"src", "dst", "bandwidth_mbit", "rtt_ms"}
+
+
+def local_nodes(tmp_path, n, pythons=None):
+    pythons = pythons or {}
+    return tuple(Node(name=f"n{i}", host=f"127.0.0.{i + 1}", local=True, python=pythons.get(i, sys.executable),
+                      workdir=str(tmp_path / f"work{i}"), advertised_bandwidth_mbit=1000.0) for i in range(n))
+
+
+def probe_local(cluster, settings):
+    from vpscluster.cluster.inventory import open_executors
+
+    async def go():
+        async with open_executors(cluster) as exs:
+            return await run_probe_async(cluster, settings, quick=True, save=False,
+                                         executors={e.node.name: e for e in exs})
+
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_three_local_nodes_links_and_allreduce_sweep(tmp_path):
+    cluster = Cluster(nodes=local_nodes(tmp_path, 3), head="n0")
+    quick = ProbeSettings.make(quick=True)
+    settings = dataclasses.replace(
+        quick, links=dataclasses.replace(quick.links, duration_s=0.5, warmup_s=0.2),
+        sweep=SweepSettings(sizes=(4096, 65536, 1 << 20), min_time_s=0.1, max_iters=10))
+    probe = probe_local(cluster, settings)
+    assert [n["name"] for n in probe["nodes"]] == ["n0", "n1", "n2"]
+    for n in probe["nodes"]:
+        assert CONTRACT_NODE_KEYS <= set(n) and n["reachable"]
+        assert n["torch"] and n["flops"] > 1e8 and n["cpu_count"] >= 1 and n["memory_bytes"] > 2**28
+        assert n["interface"] == "lo"  # the interface carrying 127.0.0.x, for GLOO_SOCKET_IFNAME
+        assert abs(n["clock_offset_s"]) < 0.05  # same machine, same clock
+        assert n["tcp"]["tcp_rmem"] and len(n["tcp"]["tcp_rmem"]) == 3
+    assert sorted((l["src"], l["dst"]) for l in probe["links"]) == sorted(
+        (a, b) for a in ("n0", "n1", "n2") for b in ("n0", "n1", "n2") if a != b)
+    for l in probe["links"]:
+        assert CONTRACT_LINK_KEYS <= set(l) and "error" not in l
+        assert l["bandwidth_mbit"] > 100 and 0 < l["rtt_ms_min"] <= l["rtt_ms"] <= l["rtt_ms_p95"]
+    (sweep,) = probe["collectives"]
+    assert sweep["backend"] == "gloo" and sweep["world_size"] == 3 and "error" not in sweep
+    assert [r["size_bytes"] for r in sweep["results"]] == [4096, 65536, 1 << 20]
+    assert all(r["correct"] and r["time_s"] > 0 for r in sweep["results"])
+    assert sweep["alpha_s"] >= 0 and sweep["beta_bytes_per_s"] > 0
+    assert blocking_problems(probe) == []
+    json.dumps(probe)  # the whole document serialises
+
+
+def test_node_without_torch_and_node_without_python(tmp_path):
+    # An interpreter without site-packages: the venv's python with -S cannot import torch.
+    no_torch = tmp_path / "python-no-torch"
+    no_torch.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    no_torch.chmod(no_torch.stat().st_mode | stat.S_IEXEC)
+    nodes = local_nodes(tmp_path, 3, {1: str(no_torch), 2: str(tmp_path / "no" / "python3")})
+    cluster = Cluster(nodes=nodes, head="n0")
+    probe = probe_local(cluster, ProbeSettings.make(quick=True))
+    by = {n["name"]: n for n in probe["nodes"]}
+    assert by["n1"]["reachable"] and by["n1"]["torch"] is None and by["n1"]["flops"] is None
+    assert not by["n2"]["reachable"] and "cannot be run" in by["n2"]["error"]
+    # The two usable nodes were still measured, in both directions (the link tool needs no torch).
+    assert sorted((l["src"], l["dst"]) for l in probe["links"]) == [("n0", "n1"), ("n1", "n0")]
+    assert all(l["bandwidth_mbit"] > 100 for l in probe["links"])
+    blocking = {(p["code"], tuple(p["nodes"])) for p in blocking_problems(probe)}
+    assert blocking == {("torch_missing", ("n1",)), ("python_unusable", ("n2",))}
+    assert probe["collectives"] == []  # no sweep with --quick
+
+
+def test_store_round_trip_fingerprint_and_age(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfile = tmp_path / "site" / "cluster.yaml"
+    cfile.parent.mkdir()
+    cfile.write_text("nodes: []\n")
+    cluster = Cluster(nodes=local_nodes(tmp_path, 2), head="n0", source=str(cfile))
+    from vpscluster.probe.store import fingerprint
+
+    probe = {"probed_at_unix": time.time() - 100, "cluster": {"fingerprint": fingerprint(cluster)}, "nodes": []}
+    path = save_probe(cluster, probe)
+    assert path == tmp_path / "site" / ".vpscluster" / "cluster.probe.json" == probe_path(cluster)
+    assert load_probe(cluster) == probe
+    assert load_probe(cluster, max_age_s=1000) == probe
+    assert load_probe(cluster, max_age_s=10) is None  # too old
+    changed = dataclasses.replace(cluster, nodes=local_nodes(tmp_path, 3))
+    assert load_probe(changed) is None  # other nodes: that probe is not theirs
+    local = Cluster(nodes=local_nodes(tmp_path, 1), head="n0")
+    assert probe_path(local) == tmp_path / "home" / ".cache" / "vpscluster" / "local.probe.json"
+    assert load_probe(local) is None
+
+
+def test_cli_json_on_the_local_cluster(cli, tmp_path):
+    out = tmp_path / "probe.json"
+    env = {"HOME": str(tmp_path / "home")}
+    res = cli("probe", "--quick", "--json", "--out", str(out), env=env, cwd=str(tmp_path), timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)  # exactly one JSON document on stdout
+    assert set(doc) >= {"nodes", "links", "collectives", "problems"}
+    (node,) = doc["nodes"]
+    assert CONTRACT_NODE_KEYS <= set(node) and node["name"] == "local" and node["reachable"]
+    assert doc["links"] == [] and doc["collectives"] == []
+    assert json.loads(out.read_text())["nodes"] == doc["nodes"]
+    saved = tmp_path / "home" / ".cache" / "vpscluster" / "local.probe.json"
+    assert json.loads(saved.read_text())["probed_at"] == doc["probed_at"]
+    assert "node facts" in res.stderr  # progress goes to stderr
+
+
+def test_cli_rejects_bad_flags_in_one_line(cli):
+    res = cli("probe", "--streams", "0", timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().count("\n") == 0 and "--streams 0" in res.stderr
+    res = cli("probe", "--cluster", "/nonexistent/cluster.yaml", timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "cluster" in res.stderr
