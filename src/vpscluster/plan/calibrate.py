@@ -43,12 +43,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _key(model: ModelSpec, threads: int) -> str:
-    import torch
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "none"
+
+
+def _key(model: ModelSpec, threads: int) -> str:
     s = model.shape
     shape = f"{s.d_model}x{s.n_layer}x{s.n_head}x{s.seq_len}x{s.vocab_size}x{s.d_ff}x{int(s.gated_mlp)}x{s.batch_size}"
-    return f"{shape}|threads={threads}|torch={torch.__version__}|cpu={_cpu_model()}"
+    return f"{shape}|threads={threads}|torch={_torch_version()}|cpu={_cpu_model()}"
 
 
 def _matmul_flops(torch, seconds: float) -> float:
@@ -110,9 +117,8 @@ def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, th
         return Efficiency(ASSUMED_EFFICIENCY["gpu"], "assumed")
     if model.num_params() > MAX_CALIBRATION_PARAMS or model.untied_head:
         return Efficiency(ASSUMED_EFFICIENCY["ram"], "assumed")
-    import torch
-
-    threads = threads or torch.get_num_threads()
+    # torch's default: one thread per CPU this process may run on (the trainer does the same).
+    threads = threads or len(os.sched_getaffinity(0))
     key = _key(model, threads)
     cache = _read_cache()
     if calibrate:

@@ -1,0 +1,159 @@
+"""Strategy choice, egress quotas, probe handling and predictions built from a probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from vpscluster.cluster.node import Cluster, Node
+from vpscluster.plan import auto
+from vpscluster.plan.api import PlanRequest, make_plan
+from vpscluster.plan.predict import Settings, predict
+from vpscluster.plan.resources import gather_resources
+from vpscluster.plan.shapes import load_model
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration_cache(tmp_path, monkeypatch):
+    # A calibration cached by an earlier `plan --calibrate` must not change these results.
+    monkeypatch.setattr("vpscluster.plan.calibrate._cache_path", lambda: tmp_path / "calibration.json")
+
+
+def probe_doc(n=4, bandwidth_mbit=100.0, rtt_ms=1.0, flops=20e9, memory_bytes=8e9, slow=None):
+    names = [f"n{i}" for i in range(n)]
+    flops = flops if isinstance(flops, list) else [flops] * n
+    nodes = [{"name": name, "cpu_count": 2, "memory_bytes": memory_bytes, "gpus": [], "disk_read_mb_s": 500.0,
+              "flops": f, "flops_device": "cpu", "torch_threads": 2} for name, f in zip(names, flops)]
+    links = [{"src": a, "dst": b, "bandwidth_mbit": (slow or {}).get((a, b), bandwidth_mbit), "rtt_ms": rtt_ms}
+             for a in names for b in names if a != b]
+    return {"nodes": nodes, "links": links, "collectives": [], "problems": []}
+
+
+def cluster_of(n=4, quota=None):
+    nodes = tuple(Node(name=f"n{i}", host=f"10.0.0.{i + 1}", egress_quota_bytes=quota[0] if quota else None,
+                       egress_quota_period_s=quota[1] if quota else None) for i in range(n))
+    return Cluster(nodes=nodes, head="n0", source="test-cluster.yaml")
+
+
+def test_auto_picks_ddp_on_fast_links_and_diloco_on_slow_links_for_the_same_model():
+    model = load_model("small")
+    fast = gather_resources(cluster_of(), probe_doc(bandwidth_mbit=10000.0))
+    slow = gather_resources(cluster_of(), probe_doc(bandwidth_mbit=20.0))
+    chosen_fast, reason_fast, _ = auto.choose(model, fast, 1e8, 0.5)
+    chosen_slow, reason_slow, _ = auto.choose(model, slow, 1e8, 0.5)
+    assert chosen_fast.settings.name == "ddp" and chosen_fast.settings.compress == "none"
+    assert chosen_slow.settings.name == "diloco"
+    assert reason_fast.startswith("ddp:") and "%" in reason_fast
+    assert reason_slow.startswith("diloco") and "faster" in reason_slow
+    assert "\n" not in reason_fast + reason_slow
+    # The choice is the low-risk one among those nearly as fast as the fastest.
+    assert chosen_slow.quality_risk <= auto.MAX_RISK
+
+
+def test_one_node_needs_no_synchronisation():
+    model = load_model("tiny")
+    res = gather_resources(None, probe_doc(n=1))
+    chosen, reason, _ = auto.choose(model, res, 1e6, 0.5)
+    assert chosen.settings.name == "ddp" and chosen.comm_seconds == 0 and chosen.bytes_sent_per_step == 0
+    assert "one rank" in reason
+
+
+def test_prediction_from_probe_figures_by_hand():
+    model = load_model("small")
+    res = gather_resources(cluster_of(2), probe_doc(n=2, flops=[20e9, 10e9], bandwidth_mbit=100.0))
+    pred = predict(model, res, Settings("diloco", sync_every=10), 1e6, 0.5)
+    tokens = model.shape.batch_size * model.shape.seq_len
+    slow_compute = model.flops_per_token() * tokens / (10e9 * 0.5)
+    fast_compute = slow_compute / 2
+    assert pred.compute_seconds == pytest.approx(slow_compute)  # the slowest node sets the pace
+    assert pred.nodes[0].wait_seconds == pytest.approx(slow_compute - fast_compute)
+    assert pred.step_seconds == pytest.approx(slow_compute + pred.comm_seconds)
+    assert pred.compute_utilization == pytest.approx((slow_compute + fast_compute) / 2 / pred.step_seconds)
+    assert pred.tokens_per_s == pytest.approx(2 * tokens / pred.step_seconds)
+    assert pred.steps == -(-int(1e6) // (2 * tokens))
+
+
+def test_egress_quota_that_the_run_would_exceed_is_flagged():
+    model = load_model("small")
+    probe = probe_doc(bandwidth_mbit=100.0)
+    tight = gather_resources(cluster_of(quota=(1e12, 30 * 86400)), probe)  # 1 TB/month
+    ddp = predict(model, tight, Settings("ddp"), 5e9, 0.5)
+    assert ddp.quota_exceeded and len(ddp.quota_exceeded) == 4
+    node = ddp.nodes[0]
+    rate = node.bytes_sent_per_step / ddp.step_seconds
+    assert node.egress_exceeded_after_s == pytest.approx(1e12 / rate)
+    assert node.egress_bytes_per_day == pytest.approx(rate * 86400)
+    # DiLoCo with H=100 sends ~100x less: the same quota holds.
+    assert not predict(model, tight, Settings("diloco", sync_every=100), 5e9, 0.5).quota_exceeded
+    # A short run stays within even a tight quota.
+    assert not predict(model, tight, Settings("ddp"), 1e6, 0.5).quota_exceeded
+
+
+def test_plan_document_flags_the_quota_in_words(tmp_path):
+    (tmp_path / "cluster.yaml").write_text(
+        "nodes:\n" + "".join(f"  - {{name: n{i}, host: 10.0.0.{i + 1}, egress_quota: 1TB/month}}\n" for i in range(4)))
+    import json
+
+    (tmp_path / "probe.json").write_text(json.dumps(probe_doc(bandwidth_mbit=100.0)))
+    doc = make_plan(PlanRequest(model="small", tokens=5e9, cluster=str(tmp_path / "cluster.yaml"),
+                                probe=str(tmp_path / "probe.json"), strategy="ddp"))
+    assert doc["egress"]["quota_exceeded"]
+    assert "quota" in doc["egress"]["warnings"][0] and "n0" in doc["egress"]["warnings"][0]
+
+
+def test_plan_without_probe_states_its_assumptions():
+    doc = make_plan(PlanRequest(model="small", nodes=2))
+    text = " | ".join(doc["assumptions"])
+    assert "not by the probe" in text  # FLOP/s measured here, not by the probe
+    assert "Mbit/s" in text and "not measured" in text  # links
+    assert "tokens" in text and "matmul" in text
+    assert doc["measured"] is False
+    # Every contract key is present and numeric where it should be.
+    for key in ("step_seconds", "compute_seconds", "comm_seconds", "tokens_per_s", "compute_utilization",
+                "memory_bytes_per_node", "time_to_train_seconds", "egress_bytes_per_node_per_day"):
+        assert isinstance(doc[key], (int, float)) and doc[key] >= 0, key
+
+
+def test_plan_from_a_full_probe_assumes_no_hardware_figures(tmp_path):
+    import json
+
+    (tmp_path / "probe.json").write_text(json.dumps(probe_doc()))
+    doc = make_plan(PlanRequest(model="small", tokens=1e8, probe=str(tmp_path / "probe.json")))
+    assert doc["measured"] is True
+    assert not [a for a in doc["assumptions"] if "bandwidth" in a or "GFLOP/s" in a or "memory" in a]
+    assert any("--calibrate" in a for a in doc["assumptions"])  # only the efficiency is assumed
+    assert [n["name"] for n in doc["nodes"]] == ["n0", "n1", "n2", "n3"]
+
+
+def test_probe_missing_links_falls_back_to_advertised_bandwidth():
+    probe = probe_doc(n=2)
+    probe["links"] = []
+    nodes = tuple(Node(name=f"n{i}", host=f"10.0.0.{i}", advertised_bandwidth_mbit=[300.0, 200.0][i]) for i in range(2))
+    res = gather_resources(Cluster(nodes=nodes, head="n0", source="c.yaml"), probe)
+    assert res.links.bandwidth_mbit[0][1] == 200.0
+    assert any("advertised_bandwidth" in a for a in res.assumptions)
+
+
+def test_choose_for_training_returns_a_valid_strategy_config():
+    from vpscluster.config import build
+    from vpscluster.train.config import TrainConfig
+
+    cfg = build(TrainConfig, {"preset": "small", "strategy": {"name": "auto"}, "max_steps": 2000,
+                              "checkpoint_every": 100, "cluster": "c.yaml"})
+    slow = probe_doc(bandwidth_mbit=20.0)
+    strategy, reason = auto.choose_for_training(cfg, cluster_of(), slow)
+    assert strategy.name == "diloco" and 100 % strategy.sync_every == 0
+    strategy.validate()
+    cfg.strategy = strategy
+    cfg.validate()  # checkpoint_every stays a multiple of sync_every
+    assert reason
+    fast_strategy, _ = auto.choose_for_training(cfg, cluster_of(), probe_doc(bandwidth_mbit=10000.0))
+    assert fast_strategy.name == "ddp"
+
+
+def test_choose_for_training_on_the_local_cluster_without_probe_picks_ddp():
+    from vpscluster.config import build
+    from vpscluster.train.config import TrainConfig
+
+    cfg = build(TrainConfig, {"preset": "tiny", "strategy": {"name": "auto"}, "nodes": 2})
+    strategy, reason = auto.choose_for_training(cfg, None, None)
+    assert strategy.name == "ddp" and "communication" in reason
