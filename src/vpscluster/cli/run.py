@@ -55,12 +55,13 @@ def print_dry_run(doc: dict, console) -> None:
 
 def print_summary(result, console) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title=f"run {result.rdzv_id[:12]} — {result.wall_seconds:.1f} s")
     for col in ("node", "exit", "first error", "log"):
         t.add_column(col)
     for o in result.nodes:
-        t.add_row(o.name, "-" if o.exit_status is None else str(o.exit_status), o.first_error or "", o.log or "")
+        t.add_row(o.name, "-" if o.exit_status is None else str(o.exit_status), Text(o.first_error or ""), Text(o.log or ""))
     console.print(t)
 
 

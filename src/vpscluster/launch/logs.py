@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+# glog/c10d warnings ("[W1202 19:48:59.88 socket.cpp:207] ...") and Python warnings are not errors.
+_WARNING = re.compile(r"^\s*(\[W\d{4} |W\d{4} |\S+Warning: |warnings\.warn|warning: )")
 _TRACEBACK = "Traceback (most recent call last):"
 # Exceptions that only say "a worker failed" (the agent's summary): the worker's own error is better.
 _WRAPPER_ERRORS = ("ChildFailedError", "torch.distributed.elastic", "SignalException")
@@ -29,6 +31,10 @@ def split_rank(line: str) -> tuple[int | None, str]:
     if not m:
         return None, line
     text = line[m.end():]
+    # torch prefixes a worker's uncaught exception with its own "[rankN]:" as well.
+    inner = _RANK_PREFIX.match(text.lstrip())
+    if inner and inner.group(1) == m.group(1):
+        text = text.lstrip()[inner.end():]
     return int(m.group(1)), text[1:] if text.startswith(" ") else text
 
 
@@ -101,7 +107,7 @@ class LogRouter:
 
     @staticmethod
     def _track_error(src: _Source, stream: str, text: str) -> None:
-        if stream == "stderr" and text.strip():
+        if stream == "stderr" and text.strip() and not _WARNING.match(text):
             src.last_stderr = text.strip()
         if text.startswith(_TRACEBACK):
             src.in_traceback = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import posixpath
+import re
 import signal
 import time
 import uuid
@@ -255,7 +256,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     for h in handles:
         outcomes[h.node].exit_status = h.returncode
     for name, o in outcomes.items():
-        o.first_error = router.first_error(name)
+        if not was_interrupted and (o.exit_status not in (0, None) or name == failed):
+            o.first_error = router.first_error(name)
         o.log = str(router.nodes[name].path)
     for r in reaped:
         outcomes[r.node].left_running = r.left
@@ -271,6 +273,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     if was_interrupted:
         error, status = "interrupted", 130
     elif failed is not None:
+        failed = _culprit(failed, outcomes)
         o = outcomes[failed]
         error = f"node {failed} failed (exit status {o.exit_status})" + (f": {o.first_error}" if o.first_error else "")
         status = 1
@@ -304,6 +307,20 @@ async def _watch(handles, interrupted: asyncio.Event) -> tuple[str | None, bool]
         stop.cancel()
         for t in pending:
             t.cancel()
+
+
+# Errors a node shows when *another* node died: the peer's own error says more.
+_PEER_ERROR = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistBackendError|"
+                         r"DistNetworkError|NCCL communicator was aborted|Socket Timeout|SignalException", re.I)
+
+
+def _culprit(first_failed: str, outcomes: dict[str, NodeOutcome]) -> str:
+    """The node to blame: the first to fail, unless it only reports losing a peer that failed too."""
+    for name in [first_failed] + [n for n in outcomes if n != first_failed]:
+        o = outcomes[name]
+        if o.exit_status not in (0, None) and o.first_error and not _PEER_ERROR.search(o.first_error):
+            return name
+    return first_failed
 
 
 def local_side(item: SyncItem) -> tuple[str, dict[str, str]]:
