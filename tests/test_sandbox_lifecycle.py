@@ -183,3 +183,37 @@ def test_not_root_is_a_clear_error():
                         sys.executable, "-m", "vpscluster", "sandbox", "up", "--name", "pt-noroot"],
                        capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode != 0 and "needs root" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_down_removes_pieces_left_without_a_record(cli, need_sandbox):
+    """As if `up` had been killed -9 early: a namespace, a link, a cgroup, a process, no state file."""
+    from vpscluster.cluster.sandbox.state import netns_name, veth_name
+
+    name = f"pt-orph-{secrets.token_hex(2)}"
+    ns, veth = netns_name(name, "node-1"), veth_name(name, 1)
+    cg = Path(f"/sys/fs/cgroup/cpu/vpscluster/{name}/node-1")
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+        subprocess.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "p"], check=True, timeout=10)
+        cg.mkdir(parents=True)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "300"])
+        (cg / "cgroup.procs").write_text(str(sleeper.pid))
+        st = cli("sandbox", "status", "--json")
+        rec = [r for r in json.loads(st.stdout)["sandboxes"] if r["name"] == name]
+        assert rec and rec[0]["state"] == "partial"
+        assert len(remnants(name)) >= 3
+        r = cli("sandbox", "down", "--name", name)
+        assert r.returncode == 0 and name in r.stdout
+        assert sleeper.wait(timeout=10) == -9  # killed, not left running in a deleted namespace
+        assert remnants(name) == []
+    finally:
+        cli("sandbox", "down", "--name", name)
+
+
+def test_fixture_skips_with_the_reason_when_not_root(monkeypatch):
+    import sandbox_fixtures
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in sandbox_fixtures.sandbox_unavailable_reason()
+    with pytest.raises(pytest.skip.Exception, match="sandbox unavailable: .*needs root"):
+        sandbox_fixtures.SandboxFactory()(nodes=1)

@@ -62,7 +62,7 @@ def _up(args: argparse.Namespace) -> int:
 
     table = Table(title=f"sandbox {info.name}  ({info.subnet}, this machine is {info.gateway})")
     for col in ("node", "address", "namespace", "bandwidth", "cpu"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for n in info.nodes:
         table.add_row(n.name, n.address, n.namespace, _rate(n.bandwidth_mbit), _cpu(n.cpu))
     con.print(table)
@@ -103,10 +103,13 @@ def _status(args: argparse.Namespace) -> int:
     for rec in records:
         table = Table(title=f"sandbox {rec['name']}: {rec['state']}" + (f"  ({rec['subnet']})" if rec.get("subnet") else ""))
         for col in ("node", "address", "namespace", "bandwidth", "cpu", "sshd"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=True)
         for n in rec["nodes"]:
-            sshd = f"alive (pid {n['sshd_pid']})" if n["sshd_alive"] else "[red]dead[/red]"
             ns = n["namespace"] if n["namespace_exists"] else f"[red]{n['namespace']} (missing)[/red]"
+            if "address" not in n:  # a half-built sandbox: only its namespaces are known
+                table.add_row(n["name"], "?", ns, "?", "?", "?")
+                continue
+            sshd = f"pid {n['sshd_pid']}" if n["sshd_alive"] else "[red]dead[/red]"
             table.add_row(n["name"], n["address"], ns, _rate(n["bandwidth_mbit"]), _cpu(n["cpu"]), sshd)
         con.print(table)
         if rec.get("cluster_file"):
@@ -117,10 +120,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _rate(mbit: float) -> str:
-    from vpscluster.units import format_rate_mbit
+    from vpscluster.cluster.sandbox.clusterfile import format_rate
 
-    return format_rate_mbit(mbit)
+    return format_rate(mbit)
 
 
 def _cpu(share: float | None) -> str:
-    return "unlimited" if share is None else f"{share:g} core"
+    return "unlimited" if share is None else f"{share:g}"

@@ -254,30 +254,41 @@ def down_all() -> list[str]:
 
 
 def status(name: str | None = None) -> list[dict]:
-    """One record per sandbox (all when `name` is None): its nodes and whether each is alive."""
-    names = [state.check_name(name)] if name else state.known_names()
-    out = []
-    for sb in names:
-        info = state.load_info(sb)
-        if info is None:
-            if state.state_dir(sb).exists() or netns.list_namespaces(f"{state.NETNS_PREFIX}{sb}."):
-                out.append({"name": sb, "state": "partial", "cluster_file": None, "nodes": []})
-            continue
-        nodes = []
-        for n in info.nodes:
-            node_dir = Path(info.state_dir) / "nodes" / n.name
-            try:
-                pid = int((node_dir / "sshd.pid").read_text().strip())
-            except (FileNotFoundError, ValueError):
-                pid = None
-            has_ns = bool(netns.list_namespaces(n.namespace)) and n.namespace in netns.list_namespaces(n.namespace)
-            nodes.append({"name": n.name, "address": n.address, "namespace": n.namespace,
-                          "bandwidth_mbit": n.bandwidth_mbit, "cpu": n.cpu, "namespace_exists": has_ns,
-                          "sshd_pid": pid, "sshd_alive": sshd.alive(pid)})
-        healthy = all(x["namespace_exists"] and x["sshd_alive"] for x in nodes)
-        out.append({"name": sb, "state": "up" if healthy else "degraded", "cluster_file": info.cluster_file,
-                    "subnet": info.subnet, "latency_ms": info.latency_ms, "nodes": nodes})
-    return out
+    """One record per sandbox (all when `name` is None): its nodes and whether each is alive.
+
+    `state` is "up" (every namespace and sshd there), "degraded" (some missing) or "partial"
+    (pieces without a complete record: a half-finished up; `down` removes them).
+    """
+    if name:
+        names = [state.check_name(name)]
+    else:
+        names = set(state.known_names())
+        names.update(ns[len(state.NETNS_PREFIX):].split(".", 1)[0] for ns in netns.list_namespaces(state.NETNS_PREFIX))
+        names = sorted(names)
+    return [rec for rec in (_status_of(sb) for sb in names) if rec is not None]
+
+
+def _status_of(name: str) -> dict | None:
+    info = state.load_info(name)
+    if info is None:
+        spaces = netns.list_namespaces(f"{state.NETNS_PREFIX}{name}.")
+        if not (spaces or state.state_dir(name).exists()):
+            return None
+        return {"name": name, "state": "partial", "cluster_file": None,
+                "nodes": [{"name": ns.rsplit(".", 1)[1], "namespace": ns, "namespace_exists": True} for ns in spaces]}
+    nodes = []
+    for n in info.nodes:
+        try:
+            pid = int((Path(info.state_dir) / "nodes" / n.name / "sshd.pid").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            pid = None
+        nodes.append({"name": n.name, "address": n.address, "namespace": n.namespace,
+                      "bandwidth_mbit": n.bandwidth_mbit, "cpu": n.cpu,
+                      "namespace_exists": Path(netns.NETNS_DIR, n.namespace).exists(),
+                      "sshd_pid": pid, "sshd_alive": sshd.alive(pid)})
+    healthy = all(x["namespace_exists"] and x["sshd_alive"] for x in nodes)
+    return {"name": name, "state": "up" if healthy else "degraded", "cluster_file": info.cluster_file,
+            "subnet": info.subnet, "latency_ms": info.latency_ms, "nodes": nodes}
 
 
 def set_link(name: str, node: str, up: bool) -> None:
