@@ -215,9 +215,9 @@ class Trainer:
             loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(strategy.unwrap().parameters(), cfg.grad_clip)
+            strategy.tokens_processed(local_tokens)  # before step: an outer sync in it weighs by them
             strategy.step(opt, self.step)
             opt.zero_grad(set_to_none=True)
-            strategy.tokens_processed(local_tokens)
             over = cfg.time_budget_s is not None and time.perf_counter() - session_start >= cfg.time_budget_s
             stop = self._agree_stop(over) if cfg.time_budget_s is not None else False
             comm_s, nbytes = strategy.comm.take()
