@@ -114,7 +114,7 @@ class DiLoCoStrategy(Strategy):
                 buf = flat.to(self.comm_device)
                 sent = flat.numel() * 4 * (self.ctx.world_size - 1) if self.ctx.rank == 0 else 0
                 with self.comm.timed(sent):
-                    dist.broadcast(buf, src=0)
+                    dist.broadcast(buf, src=0)  # start-up: the default group, long time-out
                 flat = buf.cpu()
                 self._write_local(f, flat)
             self.global_flat.append(flat.clone())
@@ -171,11 +171,11 @@ class DiLoCoStrategy(Strategy):
         if self.ctx.is_distributed:
             tokens = torch.tensor([self.tokens_since_sync[f]], dtype=torch.float64, device=self.comm_device)
             with self.comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
-                dist.all_reduce(tokens)
+                dist.all_reduce(tokens, group=self.ctx.group)
             total = float(tokens.item())
             # No token counts reported at all: weigh ranks equally.
             weight = self.tokens_since_sync[f] / total if total > 0 else 1.0 / self.ctx.world_size
-            delta = all_reduce_sum(delta * weight, self.codec, self.comm, self.ctx.world_size, self.comm_device)
+            delta = all_reduce_sum(delta * weight, self.codec, self.comm, self.ctx.world_size, self.comm_device, self.ctx.group)
         mu, lr = self.config.outer_momentum, self.config.outer_lr
         m = self.momentum[f]
         m.mul_(mu).add_(delta)
