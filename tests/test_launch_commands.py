@@ -1,0 +1,160 @@
+"""Per-node launch commands: program parsing, quoting, and snapshots of what `--dry-run` prints.
+
+Regenerate the snapshots after an intended change with
+
+    VPSC_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/test_launch_commands.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from vpscluster.errors import UserError
+from vpscluster.launch.commands import (
+    LaunchOptions, NodeTarget, Program, build_node_commands, parse_program, relative_script, shell_path,
+)
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def check_snapshot(name: str, doc) -> None:
+    path = SNAPSHOTS / name
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("VPSC_UPDATE_SNAPSHOTS") == "1" or not path.exists():
+        if not os.environ.get("VPSC_UPDATE_SNAPSHOTS") and os.environ.get("CI"):
+            pytest.fail(f"snapshot {path} is missing; run with VPSC_UPDATE_SNAPSHOTS=1 and commit it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; if intended, regenerate with VPSC_UPDATE_SNAPSHOTS=1"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["python", "train.py", "--lr", "1"], Program("script", "train.py", ("--lr", "1"))),
+    (["python3", "-u", "train.py"], Program("script", "train.py")),
+    (["/usr/bin/python3.11", "-m", "pkg.mod", "x"], Program("module", "pkg.mod", ("x",))),
+    (["bash", "job.sh", "a"], Program("exec", "bash", ("job.sh", "a"))),
+    (["pythonista", "x"], Program("exec", "pythonista", ("x",))),
+])
+def test_parse_program(argv, expected):
+    assert parse_program(argv) == expected
+
+
+@pytest.mark.parametrize("argv", [[], ["python"], ["python", "-c", "print(1)"], ["python", "-m"]])
+def test_parse_program_rejects(argv):
+    with pytest.raises(UserError):
+        parse_program(argv)
+
+
+def test_torchrun_args_per_kind():
+    assert Program("script", "a.py", ("1",)).torchrun_args() == ["a.py", "1"]
+    assert Program("module", "m", ()).torchrun_args() == ["-m", "m"]
+    assert Program("exec", "bash", ("x",)).torchrun_args() == ["--no-python", "bash", "x"]
+
+
+def test_shell_path_keeps_home_expandable_and_quotes_the_rest():
+    assert shell_path("~") == '"$HOME"'
+    assert shell_path("~/my dir") == '"$HOME"/\'my dir\''
+    assert shell_path("/srv/a b") == "'/srv/a b'"
+
+
+def test_relative_script(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "s.py").write_text("")
+    p = relative_script(Program("script", str(tmp_path / "sub" / "s.py"), ("1",)), str(tmp_path))
+    assert p == Program("script", "sub/s.py", ("1",))
+    with pytest.raises(UserError, match="outside the synced directory"):
+        relative_script(Program("script", "/etc/passwd"), str(tmp_path))
+
+
+def _targets():
+    return [
+        NodeTarget("fra-1", "203.0.113.10", "/opt/venv/bin/python", "/srv/vps/code/proj", 1, "eth0"),
+        NodeTarget("ams-1", "198.51.100.7", "python3", "~/vpscluster/code/proj", 2, "ens3",
+                   env=(("PYTHONPATH", "/srv/x y"),)),
+        NodeTarget("v6-1", "2001:db8::5", "python3", "/w", 1, None),
+    ]
+
+
+def test_node_commands_snapshot():
+    options = LaunchOptions(rdzv_id="fixedid", rdzv_port=29511, join_timeout_s=900, store_timeout_s=120)
+    cmds = build_node_commands(_targets(), "ams-1", Program("script", "train.py", ("--epochs", "2")), options)
+    check_snapshot("launch_node_commands.json", [c.to_dict() for c in cmds])
+    head = cmds[1]
+    assert head.is_head and not cmds[0].is_head
+    # Everyone rendezvous at the head's address (never a hostname); only the head hosts the store.
+    assert all(c.argv[c.argv.index("--rdzv-endpoint") + 1] == "198.51.100.7:29511" for c in cmds)
+    assert "is_host=1" in head.argv[head.argv.index("--rdzv-conf") + 1]
+    assert "is_host=0" in cmds[0].argv[cmds[0].argv.index("--rdzv-conf") + 1]
+    assert "join_timeout=900" in head.argv[head.argv.index("--rdzv-conf") + 1]
+    assert cmds[0].env["GLOO_SOCKET_IFNAME"] == "eth0" and cmds[0].env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert "GLOO_SOCKET_IFNAME" not in cmds[2].env  # unknown: never guessed
+    assert head.argv[head.argv.index("--nproc-per-node") + 1] == "2"
+    assert cmds[0].argv[cmds[0].argv.index("--local-addr") + 1] == "203.0.113.10"
+
+
+def test_shell_line_round_trips_through_the_shell():
+    options = LaunchOptions(rdzv_id="r")
+    cmd = build_node_commands(_targets(), "fra-1", Program("script", "t.py", ("a b", "$HOME")), options)[1]
+    words = shlex.split(cmd.shell())
+    assert words[:2] == ["cd", "$HOME/vpscluster/code/proj"]  # "$HOME" stays for the node's shell
+    i = words.index("env")
+    assert words[i + 1:i + 1 + len(cmd.env)] == [f"{k}={v}" for k, v in cmd.env.items()]
+    assert words[i + 1 + len(cmd.env):] == cmd.argv
+    assert cmd.argv[-2:] == ["a b", "$HOME"]
+
+
+def test_unknown_head_is_a_user_error():
+    with pytest.raises(UserError, match="head node 'nope'"):
+        build_node_commands(_targets(), "nope", Program("script", "t.py"), LaunchOptions(rdzv_id="r"))
+
+
+def test_dry_run_cli_snapshot(tmp_path, cli):
+    """`vpscluster run --dry-run --json` on a cluster file whose hosts do not exist: nothing is contacted."""
+    key = tmp_path / "id_test"
+    key.write_text("not a real key\n")
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        "head: node-b\n"
+        f"defaults: {{identity_file: {key}, python: /opt/venv/bin/python, workdir: /srv/vpscluster}}\n"
+        "nodes:\n"
+        "  - {name: node-a, host: 203.0.113.10}\n"
+        "  - {name: node-b, host: 203.0.113.11, workdir: '~/vpsc'}\n"
+    )
+    r = cli("run", "--cluster", str(cluster), "--dry-run", "--json", "--rdzv-id", "snap", "--rdzv-port", "29400",
+            "--run-dir", str(tmp_path / "runs" / "fixed-run"), "--sync", str(SCRIPTS), "--nproc-per-node", "1",
+            "--", "python", "ddp_tutorial.py", "--epochs", "3", timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    check_snapshot("launch_dry_run.json", doc)
+    assert [n["name"] for n in doc["nodes"]] == ["node-a", "node-b"]
+    assert doc["nodes"][1]["head"] and doc["nodes"][1]["cwd"] == "~/vpsc/code/scripts"
+    assert doc["nodes"][0]["command"].startswith("cd /srv/vpscluster/code/scripts && exec env ")
+
+
+def test_dry_run_text_names_every_node(tmp_path, cli):
+    key = tmp_path / "k"
+    key.write_text("x")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    r = cli("run", "--cluster", str(cluster), "--dry-run", "--sync", str(SCRIPTS), "--", "python", "ddp_tutorial.py",
+            timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "# a (192.0.2.50, head)" in r.stdout and "torch.distributed.run" in r.stdout
+
+
+def test_run_without_command_is_one_line_error(tmp_path, cli):
+    key = tmp_path / "k"
+    key.write_text("x")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    r = cli("run", "--cluster", str(cluster), "--dry-run", timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and "no command given" in r.stderr
+    r = cli("run", "--cluster", str(cluster), "--dry-run", "--sync", str(SCRIPTS), "--", "python", "missing.py", timeout=60)
+    assert r.returncode != 0 and "missing.py: no such script" in r.stderr

@@ -1,0 +1,59 @@
+"""Log routing: node/rank prefixes, per-node files, events to the progress view, first errors."""
+
+from __future__ import annotations
+
+from vpscluster.launch.logs import LogRouter, split_rank
+from vpscluster.train.events import format_event
+
+
+def test_split_rank():
+    assert split_rank("[rank3]:hello") == (3, "hello")
+    assert split_rank("[rank0]: spaced") == (0, "spaced")
+    assert split_rank("[rank1]:[rank1]: RuntimeError: x") == (1, "RuntimeError: x")
+    assert split_rank("W1202 agent line") == (None, "W1202 agent line")
+
+
+def test_router_prefixes_logs_and_routes_events(tmp_path):
+    shown, events = [], []
+    r = LogRouter(tmp_path / "logs", ["a", "b"], show=shown.append, on_event=events.append)
+    r.for_node("a")("stdout", "[rank0]:" + format_event("step", step=1, loss=2.5))
+    r.for_node("a")("stdout", "[rank0]:plain line")
+    r.for_node("b")("stderr", "[rank1]:other rank")
+    r.for_node("b")("stderr", "agent says hi")
+    r.note("a", "$ cd x && exec ...")
+    r.close()
+    assert events == [{"event": "step", "step": 1, "loss": 2.5}]
+    assert shown == ["a/0: plain line", "b/1: other rank", "b: agent says hi", "a/launcher: $ cd x && exec ..."]
+    assert r.rank0_node == "a"
+    a_log = (tmp_path / "logs" / "a.log").read_text()
+    assert "a/0 stdout: plain line" in a_log and "VPSC_EVENT" in a_log  # the file keeps everything
+    assert "b/1 stderr: other rank" in (tmp_path / "logs" / "b.log").read_text()
+
+
+def test_first_error_prefers_the_worker_traceback(tmp_path):
+    r = LogRouter(tmp_path, ["n"])
+    feed = r.for_node("n")
+    feed("stderr", "[W1202 19:48:59.887 socket.cpp:207] [c10d] The hostname cannot be retrieved")
+    feed("stderr", "[rank2]:Traceback (most recent call last):")
+    feed("stderr", '[rank2]:  File "t.py", line 3, in <module>')
+    feed("stderr", "[rank2]:    boom()")
+    feed("stderr", "[rank2]:ValueError: the real problem")
+    feed("stderr", "[rank2]:")
+    feed("stderr", "Traceback (most recent call last):")
+    feed("stderr", '  File "run.py", line 1')
+    feed("stderr", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ")
+    r.close()
+    assert r.first_error("n") == "ValueError: the real problem"
+
+
+def test_first_error_falls_back_to_last_stderr_line_not_a_warning(tmp_path):
+    r = LogRouter(tmp_path, ["n"])
+    feed = r.for_node("n")
+    feed("stderr", "python: can't open file 'x.py': [Errno 2] No such file or directory")
+    feed("stderr", "[W1202 19:48:59.887 socket.cpp:207] noise")
+    feed("stderr", "UserWarning: also noise")
+    r.close()
+    assert r.first_error("n") == "python: can't open file 'x.py': [Errno 2] No such file or directory"
+    r2 = LogRouter(tmp_path / "2", ["m"])
+    r2.close()
+    assert r2.first_error("m") is None
