@@ -70,7 +70,7 @@ def test_exec_on_three_nodes_and_a_dead_one(farm, cli, tmp_path) -> None:
     for name in ("node-a", "node-b", "node-c"):  # every line carries its node's name
         assert re.search(rf"^{name} \| hello from \S+$", out, re.M), out
         assert re.search(rf"^{name} \| to stderr$", out, re.M), out
-    assert re.search(rf"^node-d \| node-d: cannot connect to 127\.0\.0\.1:{dead_port}: connection refused", out, re.M)
+    assert re.search(rf"^node-d \| cannot connect to 127\.0\.0\.1:{dead_port}: connection refused", out, re.M)
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^(node-\w)\s+│\s+(\S+)\s+│", out, re.M)}
     assert rows == {"node-a": "0", "node-b": "7", "node-c": "-", "node-d": "-"}, out
     assert "timed out after 8 s" in out and "1/4 nodes succeeded" in out

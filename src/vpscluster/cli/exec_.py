@@ -89,7 +89,7 @@ async def exec_on_all(cluster, command: str, timeout_s: float, out) -> list:
         result = await ex.stream(command, printer(ex.node.name), timeout_s)
         if result.error:
             out.print(Text(f"{ex.node.name:<{width}} | ", style=styles[ex.node.name]) +
-                      Text(result.error, style="bold red"), soft_wrap=True, highlight=False)
+                      Text(_without_node(result.error, ex.node.name), style="bold red"), soft_wrap=True, highlight=False)
         return result
 
     async with open_executors(cluster) as executors:
@@ -109,12 +109,18 @@ def render_table(out, results: list, timeout_s: float) -> None:
             exit_text, error = "-", r.error or "no exit status"
         else:
             exit_text, error = str(r.exit_status), r.error or ""
+        error = _without_node(error, r.node)
         style = "green" if r.ok else "red"
         table.add_row(r.node, f"[{style}]{exit_text}[/]", f"{r.duration_s:.2f}", _escape(error))
     out.print(table)
     failed = sum(not r.ok for r in results)
     summary = f"{len(results) - failed}/{len(results)} nodes succeeded"
     out.print(f"[{'red' if failed else 'green'}]{summary}[/]", highlight=False)
+
+
+def _without_node(error: str, node: str) -> str:
+    """Errors start with the node's name for logs; beside the name column it would be said twice."""
+    return error[len(node) + 2:] if error.startswith(f"{node}: ") else error
 
 
 def _escape(text: str) -> str:
