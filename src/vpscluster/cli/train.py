@@ -152,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         cfg.strategy, reason = auto.choose_for_training(cfg, cluster, None)
         cfg.validate()
         out.print(f"strategy auto -> [bold]{cfg.strategy.name}[/]: {reason}")
+    from vpscluster.train.data import load_dataset
+    from vpscluster.train.presets import get_preset
+
+    # Bad data fails here, in one line, before anything is created or started.
+    load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
     if resuming:
         run_dir = Path(args.resume)
     else:
@@ -165,11 +170,8 @@ def run(args: argparse.Namespace) -> int:
         launch = _import_optional("vpscluster.launch.train", "training on a cluster file (--cluster)")
         report = launch.launch_training(cfg, run_dir, args)
     else:
-        from vpscluster.train.data import load_dataset
         from vpscluster.train.local import launch_local
-        from vpscluster.train.presets import get_preset
 
-        load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)  # bad data fails here, in one line
         with ProgressView(json_mode=args.json, console=out) as view:
             report = launch_local(cfg, run_dir, resume=resuming, view=view)
     if args.json:
