@@ -33,22 +33,31 @@ def main(argv):
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []
+    sweep_start = time.perf_counter()
     try:
         for size in opts["sizes"]:
             numel = max(1, int(size) // 4)
             t = torch.full((numel,), float(rank + 1), dtype=torch.float32, device=device)
+            dist.barrier()  # start together: the warm-up time may become the sample (see below)
             start = time.perf_counter()
             dist.all_reduce(t)  # warm-up and correctness check at once
             sync()
             once = time.perf_counter() - start
             expected = world * (world + 1) / 2
             ok = bool(torch.all(t == expected).item())
-            # The warm-up time tells how many calls fit in min_time_s; rank 0 decides so all agree.
-            iters = torch.tensor([min(int(opts.get("max_iters", 50)),
-                                      max(1, math.ceil(float(opts.get("min_time_s", 0.3)) / max(once, 1e-6))))],
-                                 dtype=torch.int64, device=device)
-            dist.broadcast(iters, 0)
-            n = int(iters.item())
+            # The warm-up time tells how many calls fit in min_time_s. A size whose single call
+            # exceeds max_size_s (or a sweep past its budget) keeps the warm-up as its one sample
+            # and ends the sweep: larger sizes would only take longer. Rank 0 decides for all.
+            n = min(int(opts.get("max_iters", 50)), max(1, math.ceil(float(opts.get("min_time_s", 0.3)) / max(once, 1e-6))))
+            last = once > float(opts.get("max_size_s", 1.5)) or time.perf_counter() - sweep_start > float(opts.get("budget_s", 20))
+            decision = torch.tensor([n, int(last)], dtype=torch.int64, device=device)
+            dist.broadcast(decision, 0)
+            n, last = int(decision[0].item()), bool(decision[1].item())
+            if last:
+                elapsed = torch.tensor([once], dtype=torch.float64, device=device)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                results.append({"size_bytes": numel * 4, "iters": 1, "time_s": float(elapsed.item()), "correct": ok})
+                break
             dist.barrier()
             start = time.perf_counter()
             for _ in range(n):
@@ -57,6 +66,11 @@ def main(argv):
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             results.append({"size_bytes": numel * 4, "iters": n, "time_s": float(elapsed.item()) / n, "correct": ok})
+            # Skip sizes that would take far too long (same decision on every rank: the time is
+            # the all-reduced maximum).
+            later = [x for x in opts["sizes"] if x > size]
+            if later and results[-1]["time_s"] * later[0] / size > 2 * float(opts.get("max_size_s", 1.5)):
+                break
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -21,8 +21,10 @@ DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KB .. 16 MB
 @dataclass(frozen=True)
 class SweepSettings:
     sizes: tuple[int, ...] = DEFAULT_SIZES
-    min_time_s: float = 0.3  # per size
+    min_time_s: float = 0.2  # per size
     max_iters: int = 50
+    max_size_s: float = 1.5  # a single call slower than this ends the sweep (it is the last size)
+    budget_s: float = 20.0  # no new size starts after this long
     init_timeout_s: float = 60.0
     timeout_s: float = 180.0  # the whole sweep
 
@@ -79,6 +81,7 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
         return {"op": "all_reduce", "nodes": names, "error": f"no free port on {head.name}: {got.error or got.stderr.strip()}"}
     port = got.stdout.strip()
     opts = {"sizes": list(settings.sizes), "min_time_s": settings.min_time_s, "max_iters": settings.max_iters,
+            "max_size_s": settings.max_size_s, "budget_s": settings.budget_s,
             "timeout_s": settings.init_timeout_s, "backend": backend}
     import asyncio
     import json

@@ -292,7 +292,7 @@ def _matmul_flops(torch, seconds):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.matmul(a, b)
     sync()
-    done, start = 0, time.perf_counter()
+    done, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while True:
         torch.matmul(a, b)
         done += 1
@@ -301,8 +301,13 @@ def _matmul_flops(torch, seconds):
             if time.perf_counter() - start >= seconds:
                 break
     elapsed = time.perf_counter() - start
-    return {"flops": 2.0 * n ** 3 * done / elapsed, "flops_dtype": str(dtype).replace("torch.", ""),
-            "flops_device": device, "torch_threads": torch.get_num_threads()}
+    out = {"flops": 2.0 * n ** 3 * done / elapsed, "flops_dtype": str(dtype).replace("torch.", ""),
+           "flops_device": device, "torch_threads": torch.get_num_threads()}
+    if device == "cpu":
+        # CPU seconds per wall second while all torch threads were busy: the share this node
+        # really gets (a cgroup quota, or neighbours), also where the cgroup fs is not visible.
+        out["cpu_share_measured"] = round((time.process_time() - cpu_start) / elapsed, 3)
+    return out
 
 
 def main(argv):
@@ -318,6 +323,13 @@ def main(argv):
                             float(opts.get("disk_budget_s", 3.0))))
     tfacts, torch_gpus = torch_facts(float(opts.get("compute_seconds", 1.0)))
     facts.update(tfacts)
+    measured = facts.get("cpu_share_measured")
+    if facts["cpu_quota_cores"] is None and measured is not None and measured < 0.9 * facts["cpu_share"]:
+        # No quota visible (e.g. no cgroup fs in this mount namespace) yet less CPU than cores:
+        # the measurement is the best estimate of what this node gets.
+        facts["cpu_share"], facts["cpu_share_source"] = measured, "measured"
+    else:
+        facts["cpu_share_source"] = "cgroup" if facts["cpu_quota_cores"] else "affinity"
     gpus = gpu_facts()
     facts["gpus"] = gpus or torch_gpus
     facts["driver"] = gpus[0]["driver"] if gpus else None

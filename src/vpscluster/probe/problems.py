@@ -20,6 +20,10 @@ BLOCKING_CODES = frozenset({
 })
 
 
+_SHARE_SOURCES = {"cgroup": "cgroup CPU quota", "affinity": "CPU affinity",
+                  "measured": "measured while busy: a quota or busy neighbours"}
+
+
 @dataclass(frozen=True)
 class Thresholds:
     rtt_ms: float = 20.0  # links slower than this round trip are flagged
@@ -136,7 +140,8 @@ def _resources(up: list[dict], t: Thresholds) -> list[dict]:
         share, count = n.get("cpu_share"), n.get("cpu_count")
         if share is not None and count and share < count:
             out.append(problem("info", "cpu_limited",
-                               f"{name}: {share:g} of {count} CPU cores available (cgroup quota or affinity)",
+                               f"{name}: {share:g} of {count} CPU cores available "
+                               f"({_SHARE_SOURCES.get(n.get('cpu_share_source'), 'cgroup quota or affinity')})",
                                [name], "nothing to do; the planner accounts for it through the measured FLOP/s"))
     return out
 

@@ -105,8 +105,9 @@ def render(probe: dict, console) -> None:
             continue
         console.print(collectives_table(entry))
         beta = entry.get("beta_bytes_per_s")
-        console.print(f"fitted t(m) = α + m/β: α = {entry['alpha_s'] * 1e3:.3f} ms, "
-                      f"β = {beta * 8 / 1e6:.1f} Mbit/s" if beta else "fitted β: not positive (too noisy)")
+        console.print(f"fitted t(m) = α + m/β: α = {entry['alpha_s'] * 1e3:.3f} ms, β = {beta * 8 / 1e6:.1f} Mbit/s "
+                      f"(bus {entry['bus_beta_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
+                      if beta else "fitted β: not positive (too noisy)")
     if probe["problems"]:
         console.print(problems_table(probe["problems"]))
     else:
