@@ -217,3 +217,17 @@ def test_fixture_skips_with_the_reason_when_not_root(monkeypatch):
     assert "needs root" in sandbox_fixtures.sandbox_unavailable_reason()
     with pytest.raises(pytest.skip.Exception, match="sandbox unavailable: .*needs root"):
         sandbox_fixtures.SandboxFactory()(nodes=1)
+
+
+def test_names_fit_the_kernel_and_stay_apart():
+    from vpscluster.cluster.sandbox import state
+
+    longest = "a" * 24
+    assert state.check_name(longest) == longest
+    for name in (longest, "x"):
+        for i in (1, state.MAX_NODES):
+            assert len(state.veth_name(name, i)) <= 15 and len(state.veth_name(name, i).replace("vps", "vpp", 1)) <= 15
+        assert len(state.bridge_name(name)) <= 15
+    # A name that is a prefix of another never matches the other's namespaces.
+    assert not state.netns_name("ab-c", "node-1").startswith(f"{state.NETNS_PREFIX}ab.")
+    assert 1 <= state.preferred_subnet_octet("default") <= 254
