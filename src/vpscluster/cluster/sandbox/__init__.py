@@ -27,7 +27,7 @@ from vpscluster.cluster.sandbox.system import require_sandbox_support, run_tool
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
-__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "set_link", "DEFAULT_NAME"]
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
 CHECK_TIMEOUT_S = 10.0
@@ -83,7 +83,6 @@ def up(
         _refuse_existing(name)
         octet = state.choose_subnet_octet(name)
         root = state.state_dir(name)
-        root.mkdir(parents=True, mode=0o700)
         prefix = f"{state.SUBNET_PREFIX}.{octet}"
         info = SandboxInfo(
             name=name, cluster_file=str(root / "cluster.yaml"), nodes=[], subnet=f"{prefix}.0/24",
@@ -97,8 +96,9 @@ def up(
                 bandwidth_mbit=rates[i], cpu=shares[i], veth=state.veth_name(name, i + 1),
                 workdir=str(root / "nodes" / node / "work"), cgroup=str(cgroup.node_cgroup(name, node)),
             ))
-        state.save_info(info)  # first, so a concurrent `up` sees the subnet and `down` the record
         try:
+            root.mkdir(parents=True, mode=0o700)
+            state.save_info(info)  # first, so a later `up` sees the subnet taken and `down` the record
             _build(info, say)
         except BaseException:
             say("failed; removing what was built")
