@@ -5,6 +5,17 @@ implementations: `local.LocalExecutor` (processes on this machine) and `ssh.SSHE
 (asyncssh, host keys verified, connections reused). All methods are async and every one takes
 a timeout; nothing blocks forever.
 
+Semantics both implementations share (tests hold them to it):
+- a command is a shell string, or an argv list quoted word by word (`to_shell`);
+- `env` adds to (or overrides in) the node's environment; `cwd` may start with `~`;
+- stdin is /dev/null unless `run(input=...)` gives data, so nothing waits for a terminal;
+- every command leads its own process group: a time-out, `stop()` or Ctrl-C ends the group,
+  children included; when the command's main process exits, what it left in its group is
+  ended too (a daemon meant to outlive it must leave the group, e.g. with `setsid`);
+- exit statuses are the shell's: killed by signal N reads 128 + N (SIGTERM -> 143);
+- `run`/`stream` never raise for a failing command or node: `CommandResult.error` is one line
+  naming the node and the fix; `start`/`put`/`get` raise `RemoteError` with such a line.
+
 An operation a backend cannot do raises `NotImplementedError` naming it.
 """
 
@@ -45,10 +56,11 @@ class ProcessHandle(ABC):
     node: str
     pgid: int | None = None  # its process group on the node, once known
     output_tail: "OutputTail"
+    error: str | None = None  # one line when it ended without an exit status (connection lost)
 
     @abstractmethod
     async def wait(self, timeout_s: float | None = None) -> int | None:
-        """Exit status, or None if still running after `timeout_s`."""
+        """Exit status, or None if still running after `timeout_s` (255 if the connection was lost)."""
 
     @abstractmethod
     async def stop(self, grace_s: float = 5.0) -> None:

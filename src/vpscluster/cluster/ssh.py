@@ -33,15 +33,23 @@ from vpscluster.cluster.node import Cluster, Node
 from vpscluster.errors import RemoteError
 
 _MARKER = b"__VPSC_PGID__ "
-_WRAPPER = r"""exec 3<&0
+# `alive`: is any process of the group running? Zombies do not count: an init that is slow to
+# reap (as in containers) would otherwise stretch every grace period to its end.
+_ALIVE = r"""alive() {
+  if command -v ps >/dev/null 2>&1; then ps -e -o pgid= -o stat= | grep -q "^ *$1 [^Z]"
+  else kill -0 -$1 2>/dev/null; fi
+}
+"""
+_WRAPPER = _ALIVE + r"""exec 3<&0
 setsid /bin/sh -c 'echo "__VPSC_PGID__ $$" >&2; exec /bin/sh -c "$1"' vpscluster "$1" </dev/null 3<&- &
 pid=$!
-( cat <&3 >/dev/null; kill -TERM -$pid && sleep 5 && kill -KILL -$pid ) >/dev/null 2>&1 &
+( cat <&3 >/dev/null; kill -TERM -$pid 2>/dev/null || exit 0
+  i=0; while [ $i -lt 50 ] && alive $pid; do sleep 0.1; i=$((i+1)); done; kill -KILL -$pid ) >/dev/null 2>&1 &
 exec 3<&-
 wait $pid 2>/dev/null
 st=$?
 if kill -TERM -$pid 2>/dev/null; then
-  i=0; while [ $i -lt 20 ] && kill -0 -$pid 2>/dev/null; do sleep 0.1; i=$((i+1)); done
+  i=0; while [ $i -lt 20 ] && alive $pid; do sleep 0.1; i=$((i+1)); done
   kill -KILL -$pid 2>/dev/null
 fi
 exit $st
@@ -56,8 +64,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def kill_group_command(pgid: int, grace_s: float) -> str:
     """Shell that TERMs group `pgid`, waits up to `grace_s` for it to go, then KILLs it."""
     ticks = max(1, int(grace_s * 10))
-    return (f"kill -TERM -{pgid} 2>/dev/null || exit 0; i=0; "
-            f"while [ $i -lt {ticks} ] && kill -0 -{pgid} 2>/dev/null; do sleep 0.1; i=$((i+1)); done; "
+    return (f"{_ALIVE}kill -TERM -{pgid} 2>/dev/null || exit 0; i=0; "
+            f"while [ $i -lt {ticks} ] && alive {pgid}; do sleep 0.1; i=$((i+1)); done; "
             f"kill -KILL -{pgid} 2>/dev/null; exit 0")
 
 
@@ -84,7 +92,14 @@ def wrap_command(command: str, env: Mapping[str, str] | None, cwd: str | None) -
 
 
 class _StderrFilter:
-    """Strips the wrapper's process-group marker (the first stderr line) and reports the id."""
+    """Removes the wrapper's process-group marker line from stderr and reports the id.
+
+    The marker is normally the first line, but a login shell's start-up files may print before
+    it, so it is looked for among the first `_SCAN_BYTES` of stderr; until it shows up, stderr
+    is held back (a few milliseconds in practice).
+    """
+
+    _SCAN_BYTES = 8192
 
     def __init__(self, on_pgid) -> None:
         self._head = b""
@@ -95,18 +110,23 @@ class _StderrFilter:
         if self._done:
             return data
         self._head += data
-        if data and b"\n" not in self._head and len(self._head) < 64:
-            return b""  # the first line is not complete yet
-        self._done = True
-        head, self._head = self._head, b""
-        if head.startswith(_MARKER) and b"\n" in head:
-            line, rest = head.split(b"\n", 1)
+        start = 0 if self._head.startswith(_MARKER) else self._head.find(b"\n" + _MARKER) + 1
+        if start > 0 or self._head.startswith(_MARKER):
+            end = self._head.find(b"\n", start)
+            if end < 0 and data:
+                return b""  # the marker line is not complete yet
+            line = self._head[start:end if end >= 0 else len(self._head)]
             try:
                 self._on_pgid(int(line[len(_MARKER):]))
             except ValueError:
-                return head
-            return rest
-        return head
+                pass
+            out = self._head[:start] + (self._head[end + 1:] if end >= 0 else b"")
+        elif data and len(self._head) < self._SCAN_BYTES:
+            return b""
+        else:
+            out = self._head  # no marker (e.g. setsid missing): pass everything through
+        self._done, self._head = True, b""
+        return out
 
 
 async def _pump(reader, stream: str, sinks: list, capture: CappedText | None, filt: _StderrFilter | None) -> None:
@@ -196,6 +216,8 @@ class SSHExecutor(Executor):
         self._sftp = None
         self._lost: str | None = None
         self._lock = asyncio.Lock()
+        self._attempts = 0  # connection attempts made, to share one failure among waiters
+        self._last_error: str | None = None
         self._started: list[SSHProcess] = []
 
     @property
@@ -207,11 +229,21 @@ class SSHExecutor(Executor):
 
     async def connect(self):
         """The open connection, made on first use; raises RemoteError with a one-line reason."""
+        attempt = self._attempts
         async with self._lock:
             if self._conn is not None and not self._conn.is_closed():
                 return self._conn
+            if self._attempts != attempt and self._last_error:
+                # Someone failed to connect while we waited: do not wait out another time-out.
+                raise RemoteError(self._last_error)
+            self._attempts += 1
             self._conn, self._sftp, self._lost = None, None, None
-            self._conn = await self._open()
+            try:
+                self._conn = await self._open()
+            except RemoteError as e:
+                self._last_error = str(e)
+                raise
+            self._last_error = None
             return self._conn
 
     async def _open(self):
