@@ -1,0 +1,177 @@
+"""Launch across a real 3-node sandbox (network namespaces, sshd per node, shaped links).
+
+`vpscluster train --cluster` completes and learns; a plain DDP tutorial script runs unchanged
+through `vpscluster run` and every rank ends with identical weights; a failing rank is named
+with its error and nothing is left running; SIGINT to the launcher leaves no training process
+on any node within 15 s; a node whose sshd is down fails the launch within the time-out, named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def ns_processes(namespace: str) -> list[str]:
+    """Command lines of the processes in a node's network namespace, sshd itself excluded."""
+    out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10).stdout
+    found = []
+    for pid in out.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm != "sshd" and cmd:
+            found.append(f"{pid} {cmd[:160]}")
+    return found
+
+
+def training_leftovers(info) -> dict[str, list[str]]:
+    return {n.name: [p for p in ns_processes(n.namespace) if "python" in p or "torch" in p] for n in info.nodes}
+
+
+def test_train_cluster_completes_and_learns(sandbox3, cli, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
+        corpus.write_text(f.read(400_000))
+    run_dir = tmp_path / "run"
+    r = cli("train", "--cluster", sandbox3.cluster_file, "--max-steps", "24", "--eval-every", "12",
+            "--data", str(corpus), "--run-dir", str(run_dir), "--json", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["world_size"] == 3 and report["steps"] == 24
+    assert len(report["bytes_sent"]) == 3 and all(b > 0 for b in report["bytes_sent"])
+    # report.json and metrics.jsonl were fetched into the local run directory.
+    assert json.loads((run_dir / "report.json").read_text())["world_size"] == 3
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [m["val_loss"] for m in metrics if m.get("val_loss") is not None]
+    assert len(vals) >= 2 and vals[-1] < vals[0] - 0.5, vals
+    # Each node's output is kept in its own log, lines tagged with node/rank.
+    logs = {n.name: (run_dir / "logs" / f"{n.name}.log").read_text() for n in sandbox3.nodes}
+    assert all(re.search(rf"{name}/\d+ ", text) for name, text in logs.items())
+    assert sum("VPSC_EVENT" in t for t in logs.values()) == 1  # rank 0 only
+    # Every node trained from the node-side config, with the data path rewritten for it.
+    node_cfg = yaml.safe_load(Path(sandbox3.nodes[1].workdir, "runs", "run", "config.yaml").read_text())
+    assert node_cfg["data"].endswith("corpus.txt")
+    assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
+
+
+def test_plain_ddp_script_runs_unchanged_with_identical_weights(sandbox3, cli, tmp_path):
+    run_dir = tmp_path / "run"
+    r = cli("run", "--cluster", sandbox3.cluster_file, "--json", "--run-dir", str(run_dir), "--sync", str(SCRIPTS),
+            "--", "python", "ddp_tutorial.py", "--epochs", "2", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and [n["exit_status"] for n in doc["nodes"]] == [0, 0, 0]
+    hashes = {}
+    for n in sandbox3.nodes:
+        for m in re.finditer(r"STATE_SHA256 rank=(\d+) world=(\d+) ([0-9a-f]{64})", (run_dir / "logs" / f"{n.name}.log").read_text()):
+            assert m.group(2) == "3"
+            hashes[int(m.group(1))] = m.group(3)
+    assert sorted(hashes) == [0, 1, 2]
+    assert len(set(hashes.values())) == 1, hashes
+    assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
+
+
+def test_failing_rank_is_named_and_nothing_is_left(sandbox3, cli, tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    r = cli("run", "--cluster", sandbox3.cluster_file, "--run-dir", str(run_dir), "--sync", str(SCRIPTS),
+            "--", "python", "fail_on_rank.py", "--rank", "2", "--hang", timeout=300)
+    assert r.returncode == 1
+    # The node that ran rank 2 is named, with the last line of rank 2's traceback.
+    culprit = next(n.name for n in sandbox3.nodes if "/2 " in (run_dir / "logs" / f"{n.name}.log").read_text())
+    last = r.stderr.strip().splitlines()[-1]
+    assert f"node {culprit} failed" in last and "RuntimeError: deliberate failure on rank 2" in last, last
+    assert time.monotonic() - t0 < 120  # the others were hanging: stopped, not waited for
+    assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
+
+
+def test_sync_copies_over_ssh_by_content_hash(sandbox3, tmp_path):
+    """The copy path on real SSH nodes (the sandbox shares its file system, so force a copy)."""
+    from vpscluster.cluster.inventory import load_cluster, open_executors
+    from vpscluster.launch.sync import file_hash, sync_dir
+
+    async def go():
+        async with open_executors(load_cluster(sandbox3.cluster_file)) as executors:
+            first = await asyncio.gather(*(sync_dir(ex, str(SCRIPTS), f"{ex.node.workdir}/code/copy-{tmp_path.name}",
+                                                    detect_shared=False) for ex in executors))
+            again = await asyncio.gather(*(sync_dir(ex, str(SCRIPTS), f"{ex.node.workdir}/code/copy-{tmp_path.name}",
+                                                    detect_shared=False) for ex in executors))
+            return first, again
+
+    first, again = asyncio.run(go())
+    assert all(r.changed == r.files > 0 for r in first)
+    assert all(r.changed == 0 for r in again)
+    for n in sandbox3.nodes:
+        copied = Path(n.workdir, "code", f"copy-{tmp_path.name}", "ddp_tutorial.py")
+        assert file_hash(str(copied)) == file_hash(str(SCRIPTS / "ddp_tutorial.py"))
+
+
+def test_sigint_stops_every_process_on_every_node(sandbox3, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox3.cluster_file, "--max-steps", "5000",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            logs = list((run_dir / "logs").glob("node-*.log")) if (run_dir / "logs").exists() else []
+            if any('"event":"step"' in p.read_text() for p in logs):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert any(training_leftovers(sandbox3).values())  # training really runs on the nodes
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        # Within 15 s of the signal nothing of the run remains on any node.
+        while training_leftovers(sandbox3) != {n.name: [] for n in sandbox3.nodes} and time.monotonic() - sent < 15:
+            time.sleep(0.25)
+        assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
+        assert time.monotonic() - sent < 15
+        assert proc.returncode == 130
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_node_with_sshd_down_fails_within_timeout_naming_it(make_sandbox, cli, tmp_path):
+    info = make_sandbox(nodes=2, bandwidth="100mbit")
+    doc = yaml.safe_load(Path(info.cluster_file).read_text())
+    doc["connect_timeout_s"] = 5
+    doc["command_timeout_s"] = 30
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(doc, sort_keys=False))
+    victim = info.nodes[1]
+    for line in subprocess.run(["ip", "netns", "pids", victim.namespace], capture_output=True, text=True).stdout.split():
+        if Path(f"/proc/{line}/comm").read_text().strip() == "sshd":
+            os.kill(int(line), signal.SIGKILL)
+    t0 = time.monotonic()
+    r = cli("run", "--cluster", str(cluster), "--sync", str(SCRIPTS), "--", "python", "ddp_tutorial.py", timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and victim.name in err[0], r.stderr
+    assert elapsed < 5 + 30 + 15, elapsed
+    assert not any(training_leftovers(info).values())
