@@ -107,6 +107,16 @@ def test_changed_host_key_is_refused_loudly_even_with_accept_new(tmp_path) -> No
     assert known_hosts.read_text() == before  # never overwritten
 
 
+def test_hashed_known_hosts_entries_are_honoured(farm, tmp_path) -> None:
+    import subprocess
+
+    known_hosts = farm.known_hosts(tmp_path / "known_hosts")
+    subprocess.run(["ssh-keygen", "-H", "-f", str(known_hosts)], check=True, capture_output=True)
+    assert "127.0.0.1" not in known_hosts.read_text()
+    cluster = load_cluster(farm.cluster_yaml(tmp_path / "cluster.yaml", known_hosts))
+    assert on_first(cluster, lambda ex: ex.run("echo ok", TIMEOUT_S)).stdout == "ok\n"
+
+
 # --- commands -------------------------------------------------------------------------------
 
 
@@ -264,6 +274,29 @@ def test_silent_server_times_out_within_the_connect_timeout(cluster) -> None:
         elapsed = time.monotonic() - t0
     assert r.error == f"node-x: cannot connect to 127.0.0.1:{port}: timed out after 1.5 s"
     assert 1.0 < elapsed < 1.5 + 5.0
+
+
+def test_concurrent_calls_share_one_connect_failure(cluster) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        t0 = time.monotonic()
+        results = on_first(unreachable_cluster(cluster, listener.getsockname()[1], 1.5),
+                           lambda ex: asyncio.gather(*(ex.run("true", TIMEOUT_S) for _ in range(4))))
+        elapsed = time.monotonic() - t0
+    assert all("timed out after 1.5 s" in r.error for r in results)
+    assert elapsed < 1.5 + 5.0  # one time-out, not four in a row
+
+
+def test_passphrase_key_gives_a_clear_error(cluster, tmp_path) -> None:
+    import subprocess
+
+    key = tmp_path / "locked_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "Xq7-secret-phrase", "-C", "", "-f", str(key)], check=True)
+    node = dataclasses.replace(cluster.nodes[0], identity_file=str(key))
+    r = on_first(dataclasses.replace(cluster, nodes=(node,)), lambda ex: ex.run("true", TIMEOUT_S))
+    assert r.error.startswith(f"node-a: cannot load identity_file {key}: ")
+    assert "ssh-agent" in r.error and "Xq7-secret-phrase" not in r.error
 
 
 def test_wrong_key_is_refused_without_showing_the_key(cluster, tmp_path) -> None:

@@ -28,7 +28,8 @@ def connect_error_message(node: Node, exc: BaseException, timeout_s: float) -> s
     if isinstance(exc, asyncssh.KeyImportError):
         # The library's message says what is wrong with the file (e.g. a passphrase is needed),
         # never what is in it.
-        return f"{node.name}: cannot load identity_file {node.identity_file}: {exc}; use an unencrypted key or ssh-agent"
+        return (f"{node.name}: cannot load identity_file {node.identity_file}: {exc}; use a key without a "
+                "passphrase, or load it into ssh-agent and leave identity_file out")
     if isinstance(exc, asyncssh.KeyExchangeFailed):
         return f"{at}: key exchange failed ({exc.reason}); the server's host key type may not match known_hosts"
     if isinstance(exc, asyncssh.DisconnectError):
