@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="every node must join the rendezvous within this (default 600)")
     add_json_flag(p)
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py ARGS (or any program)")
+    # dest is not "command": the CLI keeps the subcommand's name there.
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="python script.py ARGS (or any program)")
 
 
 def load(args):
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.launch.pipeline import dry_run, launch
     from vpscluster.launch.run import script_job
 
-    command = list(args.command)
+    command = list(args.program)
     if command and command[0] == "--":
         command = command[1:]
     if args.nproc_per_node < 0:

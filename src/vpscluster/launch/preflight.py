@@ -78,18 +78,25 @@ async def probe_facts(cluster, executors, force: bool, say=None) -> dict[str, di
     from vpscluster.probe.store import load_probe
 
     probe = load_probe(cluster, PROBE_MAX_AGE_S)
+    if probe is not None and blocking_problems(probe):
+        probe = None  # the user may have fixed it since: look again rather than refuse on old news
     if probe is None:
         if say is not None:
-            say("no fresh probe of this cluster: running a quick one (saved for the next hour)")
+            say("no fresh clean probe of this cluster: running a quick one (saved for the next hour)")
         probe = await run_probe_async(cluster, ProbeSettings.make(quick=True), quick=True,
                                       executors={ex.node.name: ex for ex in executors})
     problems = blocking_problems(probe)
     if problems and not force:
         first = problems[0]
-        nodes = ", ".join(first.get("nodes") or []) or "cluster"
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        message = str(first.get("message", "")).strip()
+        nodes = first.get("nodes") or []
+        # Name the nodes once (the probe's message often starts with the node already).
+        while any(message.startswith(f"{n}: ") for n in nodes):
+            message = message.split(": ", 1)[1]
+        where = ", ".join(nodes) or "cluster"
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         fix = first.get("fix") or "fix it"
-        raise UserError(f"pre-flight: {nodes}: {first.get('message')}{more}; {fix}, or pass --force to start anyway")
+        raise UserError(f"pre-flight: {where}: {message}{more}; {fix}, or pass --force to start anyway")
     return {n["name"]: n for n in probe.get("nodes", [])}
 
 
