@@ -69,7 +69,9 @@ def _reachability(nodes: list[dict]) -> list[dict]:
                if code == "python_unusable" else
                f"check that {n['name']} is up and that SSH reaches {n.get('host')}:{n.get('port', 22)} "
                "(address, key, firewall), or remove it from the cluster file")
-        out.append(problem("error", code, f"{n['name']}: {n.get('error') or 'no answer'}", [n["name"]], fix))
+        error = n.get("error") or "no answer"
+        message = error if error.startswith(f"{n['name']}:") else f"{n['name']}: {error}"
+        out.append(problem("error", code, message, [n["name"]], fix))
     return out
 
 
@@ -98,7 +100,7 @@ def _software(up: list[dict]) -> list[dict]:
         out += _mismatch(group, key, label, severity, lambda n, k=key: n.get(k))
     out += _mismatch(up, "python", "Python", "error", lambda n: ".".join(str(n.get("python", "")).split(".")[:2]))
     if not any(p["code"] == "version_mismatch" and "Python" in p["message"] for p in out):
-        warn = _mismatch(up, "python", "Python patch", "warning", lambda n: n.get("python"))
+        warn = _mismatch(up, "python", "Python", "warning", lambda n: n.get("python"))
         out += [dict(p, code="python_patch_differs") for p in warn]
     return out
 

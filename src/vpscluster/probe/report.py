@@ -97,8 +97,8 @@ def problems_table(problems: list[dict]):
 def render(probe: dict, console) -> None:
     console.print(node_table(probe))
     if probe["links"]:
-        console.print(matrix_table(probe, "bandwidth_mbit", "Bandwidth, Mbit/s (row sends to column)", ".1f"))
-        console.print(matrix_table(probe, "rtt_ms", "Round-trip time, ms (median)", ".2f"))
+        console.print(matrix_table(probe, "bandwidth_mbit", "Bandwidth Mbit/s (row -> column)", ".1f"))
+        console.print(matrix_table(probe, "rtt_ms", "RTT ms (median)", ".2f"))
     for entry in probe.get("collectives", []):
         if entry.get("error"):
             console.print(f"[yellow]all-reduce sweep failed:[/] {entry['error']}")
