@@ -131,3 +131,25 @@ def test_reference_cluster_probe_through_the_cli(make_sandbox, cli):
     saved = json.loads(open(doc["saved_to"]).read())
     assert saved["probed_at"] == doc["probed_at"]
     assert elapsed < 90, f"probe took {elapsed:.0f} s"
+
+
+def test_nodes_that_cannot_reach_each_other(make_sandbox, cli):
+    info = make_sandbox(nodes=3, bandwidth="100mbit")
+    # node-2 drops everything towards node-1 (a firewall between two providers, say); both stay
+    # reachable over SSH from here.
+    r = ssh_run(info, "node-2", f"ip route add blackhole {info.node('node-1').address}/32")
+    assert r.returncode == 0, r.stderr
+    start = time.monotonic()
+    res = cli("probe", "--cluster", info.cluster_file, "--quick", "--sweep", "--json", timeout=120)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert all(n["reachable"] for n in doc["nodes"])
+    failed = sorted((l["src"], l["dst"]) for l in doc["links"] if l.get("error"))
+    assert failed == [("node-1", "node-2"), ("node-2", "node-1")]
+    good = [l for l in doc["links"] if not l.get("error")]
+    assert len(good) == 4 and all(l["bandwidth_mbit"] == pytest.approx(100, rel=0.10) for l in good)
+    errors = sorted((p["code"], tuple(p["nodes"])) for p in doc["problems"] if p["severity"] == "error")
+    assert errors == [("link_failed", ("node-1", "node-2"))] * 2
+    assert doc["collectives"] == []  # no sweep that could only hang on its rendezvous
+    assert elapsed < 60, f"{elapsed:.0f} s"

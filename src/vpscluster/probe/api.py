@@ -94,7 +94,10 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
     collectives = []
     with_torch = [n for n in up if facts[n.name].get("torch") and
                   (facts[n.name].get("gloo_available") or facts[n.name].get("nccl_available"))]
-    if settings.sweep is not None and len(up) > 1 and len(with_torch) == len(up):
+    # Without torch everywhere, or with a link that failed, the sweep could only hang until its
+    # rendezvous time-out: those problems are reported instead.
+    links_ok = not any(l.get("error") for l in links)
+    if settings.sweep is not None and len(up) > 1 and len(with_torch) == len(up) and links_ok:
         report("collectives", 0, 1)
         collectives.append(await run_sweep(up, executors, facts, settings.sweep))
         report("collectives", 1, 1)
