@@ -299,6 +299,37 @@ def test_passphrase_key_gives_a_clear_error(cluster, tmp_path) -> None:
     assert "ssh-agent" in r.error and "Xq7-secret-phrase" not in r.error
 
 
+def descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children] + [d for c in children for d in descendants(int(c))]
+
+
+def test_node_gone_dark_after_connecting_gives_an_error_not_a_hang(farm, cluster) -> None:
+    import os
+    import signal
+
+    cluster = dataclasses.replace(cluster, connect_timeout_s=2.0)
+
+    async def go(ex):
+        assert (await ex.run("true", TIMEOUT_S)).ok  # connected; now its sshd stops answering
+        frozen = descendants(farm.nodes[0].proc.pid)
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = await ex.run("echo hi", 2.0)
+            return r, time.monotonic() - t0
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+
+    r, elapsed = on_first(cluster, go)
+    assert r.error == f"node-a: 127.0.0.1:{farm.nodes[0].port} did not open a session within 2 s; " \
+                      "the node or its link may be down"
+    assert elapsed < 2.0 + 3.0
+
+
 def test_wrong_key_is_refused_without_showing_the_key(cluster, tmp_path) -> None:
     import subprocess
 

@@ -297,7 +297,7 @@ class SSHExecutor(Executor):
         try:
             conn = await self.connect()
             shell = await self._with_input(to_shell(command), input)
-            proc = await conn.create_process(wrap_command(shell, env, cwd), encoding=None)
+            proc = await self._open_channel(conn, wrap_command(shell, env, cwd))
         except RemoteError as e:
             return failed(str(e))
         except Exception as e:
@@ -345,6 +345,15 @@ class SSHExecutor(Executor):
         except asyncio.TimeoutError:
             pumps.cancel()
 
+    async def _open_channel(self, conn, command_line: str):
+        """A new session channel running `command_line`; a node gone dark cannot stall us here."""
+        timeout_s = self.cluster.connect_timeout_s
+        try:
+            return await asyncio.wait_for(conn.create_process(command_line, encoding=None), timeout_s)
+        except asyncio.TimeoutError:
+            raise RemoteError(f"{self.node.name}: {self.address} did not open a session within {timeout_s:g} s; "
+                              "the node or its link may be down") from None
+
     async def kill_group(self, pgid: int, grace_s: float) -> None:
         """TERM, then KILL, process group `pgid` on the node, through a channel of its own."""
         try:
@@ -363,15 +372,22 @@ class SSHExecutor(Executor):
             return f"printf %s {encoded} | base64 -d | {{\n{shell}\n}}"
         path = f"/tmp/vpscluster-input-{uuid.uuid4().hex}"
         sftp = await self._sftp_client()
-        async with sftp.open(path, "wb") as f:
-            await f.write(raw)
+
+        async def upload() -> None:
+            async with sftp.open(path, "wb") as f:
+                await f.write(raw)
+
+        try:
+            await asyncio.wait_for(upload(), self.cluster.command_timeout_s)
+        except asyncio.TimeoutError:
+            raise RemoteError(f"{self.node.name}: sending the command's input timed out") from None
         # Open it as stdin, then unlink it: nothing is left behind whatever the command does.
         return f"exec <{path} && rm -f {path}\n{shell}"
 
     async def start(self, command, on_line=None, env=None, cwd=None) -> SSHProcess:
         try:
             conn = await self.connect()
-            proc = await conn.create_process(wrap_command(to_shell(command), env, cwd), encoding=None)
+            proc = await self._open_channel(conn, wrap_command(to_shell(command), env, cwd))
         except RemoteError:
             raise
         except Exception as e:
