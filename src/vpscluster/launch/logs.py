@@ -77,6 +77,8 @@ class LogRouter:
         self._lock = threading.Lock()
         self.rank0_node: str | None = None  # which node runs global rank 0 (the report's writer)
         self.events: list[dict[str, Any]] = []
+        self.last_line_at = time.monotonic()  # for the launcher's silence watchdog
+        self.started = False  # rank 0 announced the start of training
 
     def for_node(self, node: str) -> Callable[[str, str], None]:
         return lambda stream, line: self.line(node, stream, line)
@@ -91,6 +93,8 @@ class LogRouter:
         out = self.nodes[node]
         with self._lock:
             out.lines += 1
+            if stream != "launcher":
+                self.last_line_at = time.monotonic()
             who = f"{node}/{rank}" if rank is not None else (f"{node}/launcher" if stream == "launcher" else node)
             self._files[node].write(f"{time.strftime('%H:%M:%S')} {who} {stream}: {text}\n")
             self._track_error(out.sources.setdefault(rank, _Source()), stream, text)
@@ -98,6 +102,7 @@ class LogRouter:
                 self.rank0_node = node
                 event = self._parse_event(text)
                 if event is not None:
+                    self.started = self.started or event.get("event") == "start"
                     self.events.append(event)
                     if self.on_event:
                         self.on_event(event)

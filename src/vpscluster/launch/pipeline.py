@@ -57,6 +57,9 @@ class Job:
     rdzv_id: str | None = None
     rdzv_port: int | None = None
     on_event: Callable[[dict], None] | None = None
+    # (before the program's "start" event, after it): stop the run when no node printed anything
+    # for that long — something hangs that the workers' own time-outs cannot see. None: no limit.
+    silence_limits_s: tuple[float, float] | None = None
     say: Callable[[str], None] = print  # launcher remarks and node lines for people
 
     def node_run_dir(self, workdir: str) -> str:
@@ -241,11 +244,12 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     error = None
     failed = None
     was_interrupted = False
+    silent_s = None
     try:
         for c in commands:
             router.note(c.node, "$ " + c.shell())
         handles = [await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)) for c in commands]
-        failed, was_interrupted = await _watch(handles, interrupted)
+        failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
     except KeyboardInterrupt:
         was_interrupted = True
     finally:
@@ -272,6 +276,9 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
 
     if was_interrupted:
         error, status = "interrupted", 130
+    elif silent_s is not None:
+        error, status = (f"no node printed anything for {silent_s:.0f} s, so the run was stopped "
+                         f"(a node or a link hangs); see {job.run_dir / 'logs'}"), 1
     elif failed is not None:
         failed = _culprit(failed, outcomes)
         o = outcomes[failed]
@@ -288,21 +295,27 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
                         rank0_node=router.rank0_node, fetched=fetched)
 
 
-async def _watch(handles, interrupted: asyncio.Event) -> tuple[str | None, bool]:
-    """Wait for every node to finish; return at the first failure or interrupt: (failed node, interrupted)."""
+async def _watch(handles, interrupted: asyncio.Event, router, silence_limits_s) -> tuple[str | None, bool, float | None]:
+    """Wait for every node to finish; return at the first failure, interrupt or long silence:
+    (failed node, interrupted, silent seconds)."""
     waits = {asyncio.ensure_future(h.wait()): h for h in handles}
     stop = asyncio.ensure_future(interrupted.wait())
     pending = set(waits)
     try:
         while pending:
-            done, pending = await asyncio.wait(pending | {stop}, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(pending | {stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             pending.discard(stop)
             if stop in done:
-                return None, True
+                return None, True, None
             for t in done:
                 if t.result() != 0:
-                    return waits[t].node, False
-        return None, False
+                    return waits[t].node, False, None
+            if silence_limits_s is not None:
+                limit = silence_limits_s[1] if router.started else silence_limits_s[0]
+                silent = time.monotonic() - router.last_line_at
+                if silent > limit:
+                    return None, False, silent
+        return None, False, None
     finally:
         stop.cancel()
         for t in pending:

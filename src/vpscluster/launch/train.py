@@ -75,6 +75,9 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         join_timeout_s=cfg.timeouts.rendezvous_s, store_timeout_s=cfg.timeouts.startup_collective_s,
         env_for=env_for, prepare=prepare, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
         say=say, on_event=on_event,
+        # As for local runs: quiet for longer than the workers' own time-outs means a hang they cannot see.
+        silence_limits_s=(cfg.timeouts.rendezvous_s + cfg.timeouts.startup_collective_s,
+                          2 * cfg.timeouts.train_collective_s + 60),
     )
 
 

@@ -1,0 +1,70 @@
+"""The launch pipeline on "nodes" that are this machine (LocalExecutor): no sandbox needed.
+
+Two local nodes run the plain DDP script through the full pipeline (pre-flight, sync, start,
+stream, teardown); a silent run is stopped by the watchdog and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from vpscluster.cluster.node import Cluster, Node
+from vpscluster.launch.commands import LAUNCH_ID_ENV, Program
+from vpscluster.launch.pipeline import launch
+from vpscluster.launch.run import script_job
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def local_cluster(tmp_path, n=2) -> Cluster:
+    nodes = tuple(Node(name=f"n{i}", host="127.0.0.1", local=True, python=sys.executable,
+                       workdir=str(tmp_path / f"w{i}")) for i in range(n))
+    return Cluster(nodes=nodes, head="n0")
+
+
+def tagged_processes(launch_id: str) -> list[int]:
+    tag = f"{LAUNCH_ID_ENV}={launch_id}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if tag in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
+                    found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.slow
+def test_two_local_nodes_run_the_ddp_script(tmp_path):
+    lines = []
+    job = script_job(local_cluster(tmp_path), ["python", "ddp_tutorial.py", "--epochs", "1"], sync=str(SCRIPTS),
+                     run_dir=str(tmp_path / "run"), say=lines.append)
+    result = launch(job)
+    assert result.ok, result.error
+    assert [o.exit_status for o in result.nodes] == [0, 0]
+    text = "\n".join(lines)
+    hashes = dict(re.findall(r"STATE_SHA256 rank=(\d) world=2 ([0-9a-f]{64})", text))
+    assert sorted(hashes) == ["0", "1"] and len(set(hashes.values())) == 1
+    # Shown live with node/rank prefixes, and kept per node.
+    assert re.search(r"^n[01]/[01]: rank \d epoch 0 loss", text, re.M)
+    assert "STATE_SHA256" in (tmp_path / "run" / "logs" / "n0.log").read_text() + (tmp_path / "run" / "logs" / "n1.log").read_text()
+    # torchrun's own per-rank logs went to the node's run dir, not /tmp.
+    assert list((tmp_path / "w0" / "runs" / "run" / "torchelastic").iterdir())
+    assert tagged_processes(result.rdzv_id) == []
+
+
+def test_silent_run_is_stopped_by_the_watchdog(tmp_path):
+    job = script_job(local_cluster(tmp_path), ["sleep", "600"], sync=str(SCRIPTS), run_dir=str(tmp_path / "run"),
+                     say=lambda line: None)
+    job.silence_limits_s = (6.0, 6.0)
+    result = launch(job)
+    assert not result.ok and result.exit_status == 1
+    assert "no node printed anything" in result.error
+    assert tagged_processes(result.rdzv_id) == []
+    assert result.wall_seconds < 60
