@@ -90,6 +90,10 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         report("links", 0, steps)
     links = await measure_links(up, executors, settings.links, lambda i, total: report("links", i, total))
     _clock_offsets(cluster.head, facts, links)
+    for link in links:  # what the provider promises for this pair: the slower end's plan
+        rates = [facts[x]["advertised_bandwidth_mbit"] for x in (link["src"], link["dst"])
+                 if facts[x].get("advertised_bandwidth_mbit")]
+        link["advertised_mbit"] = min(rates) if rates else None
 
     collectives = []
     with_torch = [n for n in up if facts[n.name].get("torch") and

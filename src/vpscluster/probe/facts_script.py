@@ -9,7 +9,8 @@ standard library, plus torch when the node has it. Every measurement is bounded 
   page cache with posix_fadvise(DONTNEED), read it back, delete it.
 - Compute: matmul FLOP/s in the training dtype (fp32 on CPU, bf16 on GPUs that support it),
   repeated for at least `compute_seconds` so that a CPU quota (enforced per 100 ms period) is
-  really felt.
+  really felt. CPU seconds per wall second during it give `cpu_share_measured`, used as the CPU
+  share where no quota can be read (e.g. a mount namespace without the cgroup filesystem).
 
 Usage: python facts_script.py '{"address": "10.0.0.2", "workdir": "~/vpscluster", ...}'
 """

@@ -75,9 +75,12 @@ async def measure_links(
     try:
         for n in nodes:
             bind = "::" if ":" in n.host else "0.0.0.0"
-            handles[n.name] = await executors[n.name].start(
-                script_command(n.python, "link_script", "server", "--bind", bind, "--idle-timeout-s", str(idle_s)),
-                on_line=servers[n.name].on_line)
+            try:
+                handles[n.name] = await executors[n.name].start(
+                    script_command(n.python, "link_script", "server", "--bind", bind, "--idle-timeout-s", str(idle_s)),
+                    on_line=servers[n.name].on_line)
+            except Exception as e:  # the node went away since its facts: its links report it
+                servers[n.name].lines.append(f"{type(e).__name__}: {e}")
         await asyncio.gather(*(_wait_ready(s, settings.server_start_timeout_s) for s in servers.values()))
         links: list[dict] = []
         for i, step in enumerate(steps):
