@@ -88,7 +88,7 @@ def make_plan(req: PlanRequest) -> dict:
     res = gather_resources(cluster, probe, nodes=req.nodes, bandwidth_mbit=req.bandwidth_mbit, rtt_ms=req.rtt_ms,
                            flops=req.flops, memory_bytes=req.memory_bytes)
     threads = _probe_threads(probe)
-    eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads)
+    eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster)
     assumptions += res.assumptions
     if eff.source == "assumed":
         assumptions.append(eff.describe())

@@ -4,9 +4,10 @@ The probe measures each node's fp32 matmul FLOP/s (1024^3 matmuls, the best case
 step of vpscluster's GPT (vpscluster.train.model) with AdamW reaches a model-dependent share of
 that: small matmuls, LayerNorm, softmax, the optimizer. `measure_efficiency` times a few real
 steps (forward, backward, AdamW, zero_grad) on this machine, interleaved with the probe's very
-matmul benchmark on the same cores and threads, and returns the ratio of achieved training
-FLOP/s (`ModelShape.flops_per_token`) to matmul FLOP/s. Interleaving cancels most of the noise
-of a shared machine: both sides see the same contention.
+matmul benchmark on the same threads, and returns the ratio of achieved training FLOP/s
+(`ModelShape.flops_per_token`) to matmul FLOP/s. Interleaving cancels most of the noise of a
+shared machine: both sides see the same contention. With a cluster it runs on the head node
+(`calibrate_on_node`), under that node's own CPU quota and thread count, as training will.
 
 This is a property of the model's kernels on this CPU architecture, measured without any
 distributed run; it reaches every node through that node's own probe FLOP/s. Results are cached
@@ -59,6 +60,7 @@ def _key(model: ModelSpec, threads: int) -> str:
 
 
 def _matmul_flops(torch, seconds: float) -> float:
+    """FLOP/s of the probe's benchmark (1024^3 fp32 matmuls)."""
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.matmul(a, b)
@@ -111,8 +113,43 @@ def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int
         torch.set_num_threads(old_threads)
 
 
-def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, threads: int | None = None) -> Efficiency:
-    """The calibrated efficiency for this model (measured now or cached), else the assumed one."""
+def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, timeout_s: float = 600.0) -> float:
+    """Run `measure_efficiency` on the cluster's head node (its python must import vpscluster).
+
+    On the node the benchmark sees the node's own CPU, quota and threads, as training will.
+    """
+    import asyncio
+    from dataclasses import asdict
+
+    from vpscluster.cluster.inventory import executor_for
+    from vpscluster.errors import RemoteError
+
+    node = cluster.head_node
+    arg = json.dumps({"shape": asdict(model.shape), "threads": threads})
+
+    async def go():
+        ex = executor_for(node, cluster)
+        try:
+            return await ex.run([node.python, "-m", "vpscluster.plan.calibrate", arg], timeout_s=timeout_s)
+        finally:
+            await ex.close()
+
+    result = asyncio.run(go())
+    if not result.ok:
+        why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["no output"])[-1])
+        raise RemoteError(f"calibration on {node.name} failed: {why}; run `vpscluster plan --calibrate` without --cluster")
+    for line in reversed(result.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return float(json.loads(line)["efficiency"])
+    raise RemoteError(f"calibration on {node.name} printed no result")
+
+
+def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, threads: int | None = None,
+                   cluster=None) -> Efficiency:
+    """The calibrated efficiency for this model (measured now or cached), else the assumed one.
+
+    With `calibrate` and a remote `cluster`, it is measured on the head node; otherwise here.
+    """
     if any(n.memory_kind == "gpu" for n in res.nodes):
         return Efficiency(ASSUMED_EFFICIENCY["gpu"], "assumed")
     if model.num_params() > MAX_CALIBRATION_PARAMS or model.untied_head:
@@ -122,7 +159,8 @@ def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, th
     key = _key(model, threads)
     cache = _read_cache()
     if calibrate:
-        value = measure_efficiency(model, threads)
+        remote = cluster is not None and not cluster.is_local
+        value = calibrate_on_node(cluster, model, threads) if remote else measure_efficiency(model, threads)
         cache[key] = {"efficiency": value, "measured_at_unix": time.time()}
         _write_cache(cache)
         return Efficiency(value, "calibrated")
@@ -148,3 +186,13 @@ def _write_cache(cache: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: the value is still used for this plan
+
+
+if __name__ == "__main__":  # run on a node by `calibrate_on_node`: one JSON line out
+    import sys
+
+    from vpscluster.train.presets import ModelShape
+
+    opts = json.loads(sys.argv[1])
+    spec = ModelSpec("calibration", ModelShape(**opts["shape"]))
+    print(json.dumps({"efficiency": measure_efficiency(spec, opts.get("threads"))}), flush=True)

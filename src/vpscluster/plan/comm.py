@@ -109,22 +109,47 @@ def _two_opt(order: list[int], score) -> tuple[int, ...]:
 # --- what each strategy puts on the wire ------------------------------------------------------
 
 
+def backward_params(model: ModelSpec) -> list[tuple[int, float]]:
+    """(elements, fraction of backward done when its gradient is final), in backward order.
+
+    vpscluster's GPT registers tok_emb, pos_emb, then per block ln1, attn.qkv, attn.proj, ln2,
+    mlp.fc (mlp.gate), mlp.proj, then ln_f; backward runs the other way: the output head, the
+    blocks from the last to the first, then the embeddings. Each parameter's gradient is final
+    once the backward of its op is done; time is spread by the ops' FLOPs (matmuls: 2 x weight
+    elements per token for the backward, attention scores 8 * d * s per token). The tied
+    embedding's gradient is final only at the very end.
+    """
+    s = model.shape
+    d, f, seq = s.d_model, s.d_ff, s.seq_len
+    head = 2 * 2 * s.vocab_size * d  # backward matmul FLOPs per token (input and weight grads)
+    mlp = [("proj", d * f, d)] + ([("gate", f * d, f)] if s.gated_mlp else []) + [("fc", f * d, f)]
+    block_ops = [(w, b) for _, w, b in mlp] + [(d * 0, 2 * d), (d * d, d), (3 * d * d, 3 * d), (0, 2 * d)]
+    # (weight elements, bias/norm elements) per op in backward order: mlp.proj, [gate], fc, ln2,
+    # attn.proj (+ the attention itself), attn.qkv, ln1.
+    attn_flops = 8 * d * seq
+    per_block = sum(4 * w for w, _ in block_ops) + attn_flops
+    total = head + s.n_layer * per_block
+    out: list[tuple[int, float]] = []
+    t = head
+    out.append((2 * d + (s.vocab_size * d if model.untied_head else 0), t / total))  # ln_f (+ untied head)
+    for _ in range(s.n_layer):
+        for k, (w, b) in enumerate(block_ops):
+            t += 4 * w + (attn_flops if k == len(mlp) + 1 else 0)
+            out.append((w + b, t / total))
+    out.append((s.vocab_size * d + seq * d, 1.0))  # tok_emb (tied) and pos_emb
+    return [(n, min(1.0, r)) for n, r in out if n > 0]
+
+
 def grad_buckets(model: ModelSpec, grad_bytes_per_param: float, bucket_mb: float) -> list[tuple[float, float]]:
     """DDP buckets in backward order: (bytes, fraction of backward done when the bucket is ready).
 
-    Parameters are grouped as backward produces them: the output side first, then each layer
-    from the last to the first, then the embeddings (whose tied gradient is final only at the
-    very end). Per-layer backward time is taken as uniform (identical blocks).
+    As torch's reducer assigns them (after its first-iteration rebuild, by gradient ready
+    order): parameters in backward order fill a bucket until it reaches its cap, 1 MiB for the
+    first, then `bucket_mb` MiB.
     """
-    s = model.shape
-    d = s.d_model
-    layer_params = (model.shape.num_params() - s.vocab_size * d - s.seq_len * d - 2 * d) / s.n_layer
-    groups = [(2 * d + (s.vocab_size * d if model.untied_head else 0), 0.0)]
-    groups += [(layer_params, (k + 1) / s.n_layer) for k in range(s.n_layer)]
-    groups += [(s.vocab_size * d + s.seq_len * d, 1.0)]
     buckets, cap = [], FIRST_BUCKET_BYTES
     size, ready = 0.0, 0.0
-    for params, done in groups:
+    for params, done in backward_params(model):
         size += params * grad_bytes_per_param
         ready = done
         if size >= cap:
