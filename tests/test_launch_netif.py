@@ -59,3 +59,14 @@ def test_find_interface_names_the_node_when_ip_fails(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no `ip` on this "node"
     with pytest.raises(RemoteError, match="node broken: could not list its network interfaces"):
         asyncio.run(find_interface(ex, "127.0.0.1", "127.0.0.1", timeout_s=10))
+
+
+def test_addresses_are_resolved_on_the_launcher_never_on_nodes():
+    from vpscluster.errors import UserError
+    from vpscluster.launch.preflight import resolve_address
+
+    assert resolve_address("203.0.113.10") == "203.0.113.10"
+    assert resolve_address("2001:db8::1") == "2001:db8::1"
+    assert resolve_address("localhost") in ("127.0.0.1", "::1")
+    with pytest.raises(UserError, match="put its IP address in the cluster file"):
+        resolve_address("no-such-host.invalid")

@@ -108,7 +108,7 @@ def node_targets(job: Job, states: dict[str, NodeState], synced: dict[str, dict[
         cwd = where[job.cwd_key] if job.cwd_key else st.workdir
         env = job.env_for(st, where) if job.env_for else {}
         targets.append(NodeTarget(
-            name=node.name, address=node.host, python=node.python, cwd=cwd, nproc=nproc[node.name],
+            name=node.name, address=st.address, python=node.python, cwd=cwd, nproc=nproc[node.name],
             interface=st.interface, env=tuple(env.items()),
         ))
     return targets
@@ -209,7 +209,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         if not _all_local(job) else {}
     states = await _interruptible(pf.preflight(job.cluster, executors, facts, timeout_s), interrupted)
     head = by_name[job.cluster.head]
-    port = job.rdzv_port or await pf.free_port(head, head.node.host, timeout_s)
+    port = job.rdzv_port or await pf.free_port(head, states[head.node.name].address, timeout_s)
 
     # sync: code and data, by content hash.
     synced: dict[str, dict[str, str]] = {n: {} for n in states}

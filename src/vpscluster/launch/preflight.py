@@ -100,6 +100,24 @@ async def probe_facts(cluster, executors, force: bool, say=None) -> dict[str, di
     return {n["name"]: n for n in probe.get("nodes", [])}
 
 
+def resolve_address(host: str) -> str:
+    """An IP literal as is; a DNS name resolved once, here, so no node ever resolves a name."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise UserError(f"cannot resolve node address {host!r}: {e.strerror}; put its IP address in the cluster file") from None
+    v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    return (v4 or [infos[0][4][0]])[0]
+
+
 async def free_port(executor, address: str, timeout_s: float) -> int:
     r = await executor.run([executor.node.python, "-c", _FREE_PORT, address], timeout_s=timeout_s)
     if not r.ok:
@@ -117,12 +135,12 @@ async def preflight(cluster, executors, facts: dict[str, dict], timeout_s: float
         f = facts.get(node.name, {})
         gpus = f.get("gpus") or []
         state = NodeState(
-            node.name, node.host, workdirs[node.name], interface=f.get("interface"),
+            node.name, resolve_address(node.host), workdirs[node.name], interface=f.get("interface"),
             gpus=len(gpus) if isinstance(gpus, list) else int(gpus or 0),
             cuda=bool(f.get("cuda_available")), facts=f,
         )
         if not state.interface:
-            state.interface = (await find_interface(ex, node.host, head.host, timeout_s)).name
+            state.interface = (await find_interface(ex, state.address, resolve_address(head.host), timeout_s)).name
         return state
 
     states = await asyncio.gather(*(one(ex) for ex in executors))
