@@ -39,7 +39,7 @@ def iperf_mbit(info, src: str, dst: str) -> float:
             except subprocess.TimeoutExpired:
                 client.kill()
                 client.communicate()
-                raise AssertionError(f"iperf3 {src} -> {dst} did not finish")
+                raise AssertionError(f"iperf3 {src} -> {dst} did not finish") from None
             doc = json.loads(out) if out.strip().startswith("{") else {}
             if client.returncode == 0 and "end" in doc:
                 return doc["end"]["sum_received"]["bits_per_second"] / 1e6
@@ -54,8 +54,10 @@ def iperf_mbit(info, src: str, dst: str) -> float:
 def test_tbf_parameters_scale_with_rate():
     from vpscluster.cluster.sandbox.shaping import tbf_args
 
-    small = dict(zip(*[iter(tbf_args(10.0)[1:])] * 2))
-    large = dict(zip(*[iter(tbf_args(1000.0)[1:])] * 2))
+    def as_dict(args: list[str]) -> dict[str, str]:  # ["tbf", "rate", "X", "burst", "Y", ...]
+        return dict(zip(args[1::2], args[2::2], strict=True))
+
+    small, large = as_dict(tbf_args(10.0)), as_dict(tbf_args(1000.0))
     assert small["rate"] == "10000kbit" and large["rate"] == "1000000kbit"
     assert int(small["burst"]) == 32 * 1024 and int(large["burst"]) == 250_000  # 2 ms of traffic at 1 Gbit/s
     assert int(large["limit"]) == 6_250_000 and int(small["limit"]) == 100 * 1024

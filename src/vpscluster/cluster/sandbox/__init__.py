@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from vpscluster.cluster.sandbox import cgroup, netns, shaping, sshd, state
 from vpscluster.cluster.sandbox.clusterfile import write_cluster_file
 from vpscluster.cluster.sandbox.state import SandboxInfo, SandboxNode
-from vpscluster.cluster.sandbox.system import require_sandbox_support, run_tool
+from vpscluster.cluster.sandbox.system import require_root, require_sandbox_support
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
@@ -203,7 +203,7 @@ def _collect(procs: dict[str, subprocess.Popen], what: str) -> None:
 def down(name: str = DEFAULT_NAME) -> bool:
     """Remove sandbox `name` entirely; False when there was nothing to remove. Safe to repeat."""
     state.check_name(name)
-    require_sandbox_support()
+    require_root()
     with state.sandbox_lock():
         return _teardown(name)
 
@@ -235,7 +235,7 @@ def down_all() -> list[str]:
     """Remove every vpscluster sandbox on this machine, recorded or half-built; their names."""
     import re
 
-    require_sandbox_support()
+    require_root()
     with state.sandbox_lock():
         names = set(state.known_names())
         for ns in netns.list_namespaces(state.NETNS_PREFIX):
@@ -259,6 +259,7 @@ def status(name: str | None = None) -> list[dict]:
     `state` is "up" (every namespace and sshd there), "degraded" (some missing) or "partial"
     (pieces without a complete record: a half-finished up; `down` removes them).
     """
+    require_root()
     if name:
         names = [state.check_name(name)]
     else:
@@ -293,6 +294,7 @@ def _status_of(name: str) -> dict | None:
 
 def set_link(name: str, node: str, up: bool) -> None:
     """Take a sandbox node's link down or up (fault injection for tests and benchmarks)."""
+    require_root()
     info = state.load_info(name)
     if info is None:
         raise UserError(f"sandbox {name!r} does not exist; bring it up with `vpscluster sandbox up --name {name}`")

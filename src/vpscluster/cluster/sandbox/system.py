@@ -42,16 +42,25 @@ def run_tool(argv: Sequence[str], timeout_s: float = 15.0, check: bool = True, i
     return proc
 
 
+NOT_ROOT = "the sandbox needs root (network namespaces, tc, cgroups); run it as root, e.g. `sudo vpscluster sandbox up`"
+
+
 def missing_requirements() -> str | None:
     """Why a sandbox cannot be built on this machine (one line), or None when it can."""
     if os.geteuid() != 0:
-        return "the sandbox needs root (network namespaces, tc, cgroups); run it as root, e.g. `sudo vpscluster sandbox up`"
+        return NOT_ROOT
     missing = sorted({pkg for tool, pkg in REQUIRED_TOOLS.items() if not (shutil.which(tool) or os.access(tool, os.X_OK))})
     if missing:
         return f"the sandbox needs {', '.join(missing)}; install with `apt-get install {' '.join(missing)}`"
     if not os.path.isdir("/run/netns") and not os.access("/run", os.W_OK):
         return "the sandbox cannot create network namespaces here (/run is not writable)"
     return None
+
+
+def require_root() -> None:
+    """Enough for `down` and `status`: they must work even where sshd has since been removed."""
+    if os.geteuid() != 0:
+        raise UserError(NOT_ROOT)
 
 
 def require_sandbox_support() -> None:
