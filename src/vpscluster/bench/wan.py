@@ -1,0 +1,303 @@
+"""`vpscluster bench wan`: plain torchrun+DDP against vpscluster's strategies on a shaped sandbox.
+
+    vpscluster bench wan [--nodes 4] [--bandwidth 100mbit] [--cpu 0.45] [--preset small]
+                         [--budget-s S] [--strategies baseline,ddp,...] [--quick] [--json]
+
+Brings up a sandbox (network namespaces, tc-shaped links, cgroup CPU quotas, sshd per node),
+then runs, one after the other and each under the same wall-clock training budget:
+
+- `baseline`: bench/baselines/torchrun_ddp.py (nothing but torch) through `vpscluster run`;
+- `ddp`, `ddp-bf16`, `ddp-powersgd`: `vpscluster train --cluster` with per-step DDP;
+- `diloco-fp32`, `diloco-int8`, `diloco-stream` (int8, 4 fragments): DiLoCo with H = --sync-every.
+
+For each it reads the bytes every node's interface sent (/sys/class/net/eth0/statistics/tx_bytes
+inside the node's namespace, before and after; launch traffic included) and the bytes the
+strategy itself counted, and derives from the evaluation points (val loss against tokens and
+training seconds, evaluation pauses excluded) the validation loss at the baseline's final token
+count (linear interpolation) and the training time each needs to reach the baseline's final
+validation loss. Results: bench/results/wan-<time>/ (results.json, table.md, every run's files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vpscluster.cli.output import add_json_flag
+
+REPO = Path(__file__).resolve().parents[3]
+BASELINE = REPO / "bench" / "baselines" / "torchrun_ddp.py"
+BIG_STEPS = 1_000_000  # runs end by the time budget; the LR schedule is then warm-up + ~flat
+
+# name -> extra `vpscluster train` flags ({H} = --sync-every). `baseline` is the torch-only script.
+STRATEGIES: dict[str, list[str]] = {
+    "baseline": [],
+    "ddp": ["--strategy", "ddp"],
+    "ddp-bf16": ["--strategy", "ddp", "--compress", "bf16"],
+    "ddp-powersgd": ["--strategy", "ddp", "--compress", "powersgd"],
+    "diloco-fp32": ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", "fp32"],
+    "diloco-int8": ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", "int8"],
+    "diloco-stream": ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", "int8", "--fragments", "4"],
+}
+QUICK = ["baseline", "ddp", "diloco-int8"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=4, help="sandbox nodes (default 4)")
+    p.add_argument("--bandwidth", default="100mbit", help="link rate of every node, tc spelling (default 100mbit)")
+    p.add_argument("--cpu", default="0.45", help="CPU share of one core per node (default 0.45)")
+    p.add_argument("--preset", default="small", help="model preset (default small, ~10.8M parameters)")
+    p.add_argument("--budget-s", type=float, default=150.0, help="training seconds per strategy (default 150)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma list of: {', '.join(STRATEGIES)}")
+    p.add_argument("--sync-every", type=int, default=50, help="DiLoCo H (default 50)")
+    p.add_argument("--ddp-eval-every", type=int, default=5, help="evaluate every N steps for baseline and ddp (default 5)")
+    p.add_argument("--diloco-eval-every", type=int, default=0, help="evaluate every N steps for diloco (default H/2)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation (default 4)")
+    p.add_argument("--warmup-steps", type=int, default=5,
+                   help="LR warm-up steps for every run (default 5: per-step DDP gets only tens of steps per budget)")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
+    p.add_argument("--name", default="wan", help="sandbox name (default wan)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default bench/results/wan-<UTC time>)")
+    add_json_flag(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vpscluster.cli.output import console, emit_json
+    from vpscluster.cluster import sandbox
+    from vpscluster.errors import UserError
+    from vpscluster.train.presets import get_preset
+
+    if args.quick:
+        args.strategies, args.budget_s, args.sync_every = ",".join(QUICK), min(args.budget_s, 60.0), 25
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        raise UserError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(STRATEGIES)}")
+    if "baseline" not in names:
+        raise UserError("--strategies must include baseline: every figure is relative to it")
+    if args.budget_s <= 0 or args.sync_every < 1:
+        raise UserError("--budget-s must be positive and --sync-every at least 1")
+    shape = get_preset(args.preset)
+    out = Path(args.out or REPO / "bench" / "results" / time.strftime("wan-%Y%m%d-%H%M%S", time.gmtime())).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    con = console(args.json)
+    corpus = out / "corpus.txt"  # the bundled corpus, the same bytes vpscluster train reads
+    from vpscluster.train.data import read_corpus
+
+    corpus.write_bytes(read_corpus(None))
+
+    con.print(f"sandbox {args.name}: {args.nodes} nodes x {args.bandwidth}, CPU {args.cpu} each")
+    info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, progress=lambda m: con.print(f"  {m}"))
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            before = _tx_bytes(info)
+            t0 = time.perf_counter()
+            with con.status(f"[bold]{name}[/]: launching and training ({args.budget_s:g} s budget; log {out / name}.log)"):
+                result = _run_baseline(args, info, shape, corpus, out) if name == "baseline" else _run_train(args, info, name, out)
+            result["elapsed_s"] = time.perf_counter() - t0
+            result["interface_tx_bytes"] = [a - b for a, b in zip(_tx_bytes(info), before)]
+            runs[name] = result
+            (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+            con.print(f"  {name}: {result['steps']} steps, {result['tokens']} tokens, val {result['final_val_loss']:.4f}")
+    finally:
+        sandbox.down(args.name)
+    rows = compare(runs)
+    doc = {
+        "command": "vpscluster bench wan " + " ".join(_argv_of(args)),
+        "scenario": {"nodes": args.nodes, "bandwidth": args.bandwidth, "cpu": args.cpu, "preset": args.preset,
+                     "num_params": shape.num_params(), "budget_s": args.budget_s, "sync_every": args.sync_every,
+                     "warmup_steps": args.warmup_steps, "eval_batches": args.eval_batches},
+        "machine": _machine(),
+        "rows": rows,
+        "results_dir": str(out),
+    }
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    (out / "table.md").write_text(markdown_table(rows) + "\n")
+    if args.json:
+        emit_json(doc)
+    else:
+        _print_table(con, rows)
+        con.print(f"results: {out}")
+    return 0
+
+
+# -- running one strategy ---------------------------------------------------------------------
+
+
+def _cli(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    with log.open("w") as err:
+        proc = subprocess.run([sys.executable, "-m", "vpscluster", *argv], stdout=subprocess.PIPE, stderr=err,
+                              text=True, timeout=timeout_s, cwd=REPO)
+    if proc.returncode != 0:
+        from vpscluster.errors import RemoteError
+
+        tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise RemoteError(f"`vpscluster {' '.join(argv[:2])}` failed ({tail[0]}); full log: {log}")
+    return proc
+
+
+def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
+    H = args.sync_every
+    extra = [a.replace("{H}", str(H)) for a in STRATEGIES[name]]
+    diloco = "diloco" in extra
+    eval_every = (args.diloco_eval_every or max(1, H // 2)) if diloco else args.ddp_eval_every
+    run_dir = out / name
+    config = out / f"{name}.config.yaml"
+    config.write_text(f"eval_batches: {args.eval_batches}\nlr_decay_steps: {BIG_STEPS}\nwarmup_steps: {args.warmup_steps}\n")
+    argv = ["train", "--cluster", info.cluster_file, "--preset", args.preset, *extra, "--time-budget", str(args.budget_s),
+            "--max-steps", str(BIG_STEPS), "--eval-every", str(eval_every), "--checkpoint-every", str(H * BIG_STEPS),
+            "--config", str(config), "--run-dir", str(run_dir), "--json"]
+    report = json.loads(_cli(argv, out / f"{name}.log", args.budget_s + 900).stdout)
+    evals = evals_from_metrics(run_dir / "metrics.jsonl")
+    return {
+        "name": name, "steps": report["steps"], "tokens": report["tokens"], "wall_seconds": report["wall_seconds"],
+        "tokens_per_s": report["tokens_per_s"], "compute_utilization": report["compute_utilization"],
+        "final_val_loss": report["final_val_loss"], "strategy_bytes_sent": report["bytes_sent"],
+        "strategy": report.get("strategy_details"), "evals": evals,
+    }
+
+
+def _run_baseline(args, info, shape, corpus: Path, out: Path) -> dict[str, Any]:
+    result_file = out / "baseline" / "result.json"
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    script = ["python", BASELINE.name, "--data", str(corpus), "--out", str(result_file),
+              "--d-model", str(shape.d_model), "--n-layer", str(shape.n_layer), "--n-head", str(shape.n_head),
+              "--seq-len", str(shape.seq_len), "--batch-size", str(shape.batch_size), "--max-steps", str(BIG_STEPS),
+              "--lr-decay-steps", str(BIG_STEPS), "--time-budget", str(args.budget_s),
+              "--eval-every", str(args.ddp_eval_every), "--eval-batches", str(args.eval_batches),
+              "--warmup-steps", str(args.warmup_steps)]
+    argv = ["run", "--cluster", info.cluster_file, "--sync", str(BASELINE.parent), "--run-dir", str(out / "baseline" / "launch"),
+            "--", *script]
+    _cli(argv, out / "baseline.log", args.budget_s + 900)
+    r = json.loads(result_file.read_text())
+    return {
+        "name": "baseline", "steps": r["steps"], "tokens": r["tokens"], "wall_seconds": r["wall_seconds"],
+        "tokens_per_s": r["tokens_per_s"], "compute_utilization": r["compute_utilization"],
+        "final_val_loss": r["final_val_loss"], "strategy_bytes_sent": None,  # plain DDP counts nothing
+        "evals": [{"tokens": e["tokens"], "seconds": e["train_seconds"], "val_loss": e["val_loss"]} for e in r["evals"]],
+    }
+
+
+def evals_from_metrics(path: Path) -> list[dict[str, float]]:
+    """(tokens, training seconds, val loss) at every evaluation of a vpscluster run's metrics.jsonl."""
+    tokens = seconds = 0.0
+    evals = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            tokens += rec["tokens"]
+            seconds += rec["step_seconds"]
+        if "val_loss" in rec:
+            evals.append({"tokens": tokens, "seconds": seconds, "val_loss": rec["val_loss"]})
+    return evals
+
+
+def _tx_bytes(info) -> list[int]:
+    counts = []
+    for node in info.nodes:
+        proc = subprocess.run(["ip", "netns", "exec", node.namespace, "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                              capture_output=True, text=True, timeout=10)
+        if proc.returncode != 0:
+            from vpscluster.errors import RemoteError
+
+            raise RemoteError(f"cannot read node {node.name}'s tx_bytes: {proc.stderr.strip()}")
+        counts.append(int(proc.stdout))
+    return counts
+
+
+# -- the comparison -----------------------------------------------------------------------------
+
+
+def loss_at_tokens(evals: list[dict[str, float]], tokens: float) -> float | None:
+    """Val loss at `tokens`, linear between evaluation points; None beyond the last one."""
+    for a, b in zip(evals, evals[1:]):
+        if a["tokens"] <= tokens <= b["tokens"]:
+            if b["tokens"] == a["tokens"]:
+                return b["val_loss"]
+            w = (tokens - a["tokens"]) / (b["tokens"] - a["tokens"])
+            return a["val_loss"] + w * (b["val_loss"] - a["val_loss"])
+    return None
+
+
+def seconds_to_loss(evals: list[dict[str, float]], target: float) -> float | None:
+    """Training seconds at the first evaluation at or below `target`; None if never."""
+    return next((e["seconds"] for e in evals if e["val_loss"] <= target), None)
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    base = runs["baseline"]
+    target_tokens, target_loss = base["tokens"], base["final_val_loss"]
+    base_time = seconds_to_loss(base["evals"], target_loss)
+    base_bpt = sum(base["interface_tx_bytes"]) / max(1, base["tokens"])
+    rows = []
+    for name, r in runs.items():
+        n = len(r["interface_tx_bytes"])
+        at_equal = loss_at_tokens(r["evals"], target_tokens)
+        to_target = seconds_to_loss(r["evals"], target_loss)
+        bpt = sum(r["interface_tx_bytes"]) / max(1, r["tokens"])
+        rows.append({
+            "strategy": name, "steps": r["steps"], "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"],
+            "compute_utilization": r["compute_utilization"],
+            "iface_mb_per_node": sum(r["interface_tx_bytes"]) / n / 1e6,
+            "counted_mb_per_node": (sum(r["strategy_bytes_sent"]) / len(r["strategy_bytes_sent"]) / 1e6) if r["strategy_bytes_sent"] else None,
+            "iface_bytes_per_token": bpt, "bytes_per_token_reduction": base_bpt / bpt if bpt else None,
+            "final_val_loss": r["final_val_loss"], "val_loss_at_baseline_tokens": at_equal,
+            "val_loss_vs_baseline_pct": 100 * (at_equal / target_loss - 1) if at_equal is not None else None,
+            "seconds_to_baseline_loss": to_target,
+            "speedup_to_baseline_loss": base_time / to_target if to_target and base_time else None,
+        })
+    return rows
+
+
+COLUMNS = [  # (key, header, format)
+    ("strategy", "strategy", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("compute_utilization", "util", "{:.0%}"), ("iface_mb_per_node", "MB/node iface", "{:.1f}"),
+    ("counted_mb_per_node", "MB/node counted", "{:.1f}"), ("bytes_per_token_reduction", "B/tok ÷", "{:.1f}x"),
+    ("final_val_loss", "val end", "{:.3f}"), ("val_loss_at_baseline_tokens", "val @base tok", "{:.3f}"),
+    ("val_loss_vs_baseline_pct", "Δ val", "{:+.1f}%"), ("seconds_to_baseline_loss", "s to base val", "{:.0f}"),
+    ("speedup_to_baseline_loss", "speed-up", "{:.2f}x"),
+]
+
+
+def _cell(row, key, fmt) -> str:
+    v = row.get(key)
+    return "—" if v is None else fmt.format(v)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _print_table(con, rows) -> None:
+    from rich.table import Table
+
+    t = Table(title="bench wan: same wall-clock budget per strategy")
+    for _, header, _ in COLUMNS:
+        t.add_column(header, justify="left" if header == "strategy" else "right")
+    for r in rows:
+        t.add_row(*(_cell(r, k, f) for k, _, f in COLUMNS))
+    con.print(t)
+
+
+def _argv_of(args) -> list[str]:
+    out = []
+    for flag in ("nodes", "bandwidth", "cpu", "preset", "budget_s", "strategies", "sync_every", "warmup_steps"):
+        out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    model = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                  if l.startswith("model name")), platform.processor())
+    return {"cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
