@@ -73,11 +73,20 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop lines past `step` (a resume restarts from a checkpoint; later lines would repeat)."""
+    """Drop lines past `step` (a resume restarts from a checkpoint; later lines would repeat).
+
+    Truncates in place, so an append handle already open on the file stays valid.
+    """
     p = Path(path)
     if not p.exists():
         return
-    kept = [l for l in p.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text("".join(l + "\n" for l in kept))
-    tmp.replace(p)
+    keep_bytes = 0
+    with p.open("rb+") as f:
+        for raw in f:
+            try:
+                if json.loads(raw).get("step", 0) > step:
+                    break
+            except ValueError:
+                break  # a torn last line from a crash: drop it and everything after
+            keep_bytes += len(raw)
+        f.truncate(keep_bytes)

@@ -43,7 +43,7 @@ class ProgressView:
 
     def log_line(self, line: str) -> None:
         """An ordinary worker output line (warnings, errors): shown above the bar."""
-        self.console.print(line, markup=False, highlight=False, style="dim")
+        self.console.print(line, markup=False, highlight=False, style="yellow", soft_wrap=True)
 
     def _on_start(self, ev: dict[str, Any]) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -90,7 +90,7 @@ class ProgressView:
 
     def _on_error(self, ev: dict[str, Any]) -> None:
         self.errors.append(f"rank {ev.get('rank')}: {ev.get('message')}")
-        self.console.print(f"rank {ev.get('rank')}: {ev.get('message')}", style="red", markup=False)
+        self.console.print(f"rank {ev.get('rank')}: {ev.get('message')}", style="red", markup=False, soft_wrap=True)
 
     def _on_end(self, ev: dict[str, Any]) -> None:
         self.report = ev.get("report")
