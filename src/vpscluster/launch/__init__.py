@@ -1,0 +1,11 @@
+"""Launching across the cluster: torchrun on every node, wired for WAN links, nothing left behind.
+
+    pipeline.launch(job) -> LaunchResult     the stages: preflight, sync, prepare, start, stream,
+                                             collect, teardown (pipeline.dry_run(job): build only)
+    run.script_job(cluster, argv, ...)       `vpscluster run`: any torchrun-compatible script
+    train.launch_training(cfg, run_dir, args) `vpscluster train --cluster`: the built-in trainer
+
+Pure parts: commands (per-node command lines and environment), netif (which interface carries
+an address), logs (node/rank prefixes, first errors). Node-side parts run through the executor
+interface: sync (content-hash copy), preflight, teardown (find and end every process by launch id).
+"""

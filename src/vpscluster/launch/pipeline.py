@@ -167,13 +167,18 @@ async def _launch(job: Job) -> LaunchResult:
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
+    handled = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupted.set)
+        try:
+            loop.add_signal_handler(sig, interrupted.set)
+            handled.append(sig)
+        except (ValueError, RuntimeError):  # not the main thread (a library caller): no signals here
+            pass
     try:
         async with open_executors(job.cluster) as executors:
             result = await _stages(job, executors, interrupted)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in handled:
             loop.remove_signal_handler(sig)
     result.wall_seconds = round(time.monotonic() - started, 2)
     return result
@@ -248,7 +253,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     try:
         for c in commands:
             router.note(c.node, "$ " + c.shell())
-        handles = [await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)) for c in commands]
+        for c in commands:  # one by one into `handles`, so a failed start still stops the started
+            handles.append(await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
     except KeyboardInterrupt:
         was_interrupted = True
