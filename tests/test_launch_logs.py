@@ -57,3 +57,16 @@ def test_first_error_falls_back_to_last_stderr_line_not_a_warning(tmp_path):
     r2 = LogRouter(tmp_path / "2", ["m"])
     r2.close()
     assert r2.first_error("m") is None
+
+
+def test_culprit_is_the_node_with_its_own_error_not_a_lost_peer():
+    from vpscluster.launch.pipeline import NodeOutcome, _culprit
+
+    outcomes = {
+        "a": NodeOutcome("a", 1, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:1"),
+        "b": NodeOutcome("b", 0, None),
+        "c": NodeOutcome("c", 1, "ValueError: bad batch"),
+    }
+    assert _culprit("a", outcomes) == "c"
+    outcomes["c"].first_error = "torch.distributed.DistBackendError: NCCL communicator was aborted"
+    assert _culprit("a", outcomes) == "a"  # nobody has a better story: the first to fail
