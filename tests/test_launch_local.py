@@ -68,3 +68,15 @@ def test_silent_run_is_stopped_by_the_watchdog(tmp_path):
     assert "no node printed anything" in result.error
     assert tagged_processes(result.rdzv_id) == []
     assert result.wall_seconds < 60
+
+
+def test_a_node_without_its_interpreter_fails_the_launch_naming_it(tmp_path):
+    good = Node(name="n0", host="127.0.0.1", local=True, python=sys.executable, workdir=str(tmp_path / "w0"))
+    bad = Node(name="n1", host="127.0.0.1", local=True, python="/nonexistent/python3", workdir=str(tmp_path / "w1"))
+    job = script_job(Cluster(nodes=(good, bad), head="n0"), ["python", "ddp_tutorial.py"], sync=str(SCRIPTS),
+                     run_dir=str(tmp_path / "run"), say=lambda line: None)
+    result = launch(job)
+    assert result.exit_status == 1
+    assert result.error.startswith("node n1 failed (exit status 127): ") and "/nonexistent/python3" in result.error
+    assert result.wall_seconds < 60  # n0 waiting in the rendezvous was stopped, not waited for
+    assert tagged_processes(result.rdzv_id) == []

@@ -22,7 +22,7 @@ _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 _WARNING = re.compile(r"^\s*(\[W\d{4} |W\d{4} |\S+Warning: |warnings\.warn|warning: )")
 _TRACEBACK = "Traceback (most recent call last):"
 # Exceptions that only say "a worker failed" (the agent's summary): the worker's own error is better.
-_WRAPPER_ERRORS = ("ChildFailedError", "torch.distributed.elastic", "SignalException")
+_WRAPPER_ERRORS = ("ChildFailedError", "SignalException")
 
 
 def split_rank(line: str) -> tuple[int | None, str]:

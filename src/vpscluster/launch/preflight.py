@@ -64,6 +64,7 @@ async def resolve_workdirs(executors, timeout_s: float) -> dict[str, str]:
     for ex, r in results:
         if r is None or not r.ok or not r.stdout.strip():
             why = "no answer within %.0f s" % timeout_s if r is None else _why(r)
+            why = why[len(ex.node.name) + 2:] if why.startswith(f"{ex.node.name}: ") else why
             bad.append(f"node {ex.node.name} ({ex.node.host}): {why}")
         else:
             out[ex.node.name] = r.stdout.strip().splitlines()[-1]
