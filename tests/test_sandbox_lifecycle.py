@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,29 @@ def test_names_fit_the_kernel_and_stay_apart():
     # A name that is a prefix of another never matches the other's namespaces.
     assert not state.netns_name("ab-c", "node-1").startswith(f"{state.NETNS_PREFIX}ab.")
     assert 1 <= state.preferred_subnet_octet("default") <= 254
+
+
+def test_parallel_ups_get_their_own_subnets(make_sandbox):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        infos = list(pool.map(lambda _: make_sandbox(nodes=1, bandwidth="1gbit"), range(3)))
+    assert len({i.subnet for i in infos}) == 3 and len({i.bridge for i in infos}) == 3
+    for i in infos:
+        assert ssh_run(i, "node-1", "true").returncode == 0
+
+
+def test_status_reports_a_dead_sshd(make_sandbox, cli):
+    import signal
+
+    info = make_sandbox(nodes=2, bandwidth="1gbit")
+    pid = int(Path(info.state_dir, "nodes", "node-2", "sshd.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rec = json.loads(cli("sandbox", "status", "--name", info.name, "--json").stdout)["sandboxes"][0]
+    assert rec["state"] == "degraded"
+    assert [n["sshd_alive"] for n in rec["nodes"]] == [True, False]
+    table = cli("sandbox", "status", "--name", info.name)
+    assert "dead" in table.stdout and "degraded" in table.stdout

@@ -74,3 +74,18 @@ def test_rate_and_min_rate_between_uneven_nodes(make_sandbox):
     expected = {("node-2", "node-3"): 200.0, ("node-1", "node-2"): 50.0, ("node-2", "node-1"): 50.0}
     for link, rate in expected.items():
         assert 0.9 * rate <= measured[link] <= 1.1 * rate, f"{link}: {measured[link]:.1f} Mbit/s, configured {rate}"
+
+
+@pytest.mark.slow
+def test_set_rate_changes_a_running_link(make_sandbox):
+    from vpscluster.cluster import sandbox
+
+    info = make_sandbox(nodes=2, bandwidth="200mbit")
+    assert sandbox.set_rate(info.name, "node-2", "20mbit") == 20.0
+    measured = iperf_mbit(info, "node-1", "node-2")
+    assert 18.0 <= measured <= 22.0, f"{measured:.1f} Mbit/s after set_rate 20mbit"
+    assert sandbox.info(info.name).node("node-2").bandwidth_mbit == 20.0
+    from vpscluster.cluster.inventory import load_cluster
+
+    # The cluster file still advertises what the node was sold as.
+    assert load_cluster(info.cluster_file).node("node-2").advertised_bandwidth_mbit == 200.0

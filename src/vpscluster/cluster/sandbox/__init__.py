@@ -4,6 +4,7 @@
         tc-shaped links, cgroup CPU quotas, an sshd per node, a cluster.yaml to use it with
     down(name) / down_all()                                     remove all of it (idempotent)
     status(name=None)                                           what exists, and whether sshd lives
+    set_link(name, node, up) / set_rate(name, node, rate)       faults: a link down, a slower link
 
 Every node is a network namespace on this machine with its own sshd; the filesystem is shared,
 but commands reach the nodes through SSH exactly as on rented VPS nodes. The pieces live in
@@ -27,7 +28,7 @@ from vpscluster.cluster.sandbox.system import require_root, require_sandbox_supp
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
-__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "ssh_command", "DEFAULT_NAME"]
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
 CHECK_TIMEOUT_S = 10.0
@@ -134,9 +135,7 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         Path(n.workdir).mkdir(parents=True, exist_ok=True)
         cg = cgroup.create(info.name, n.name, n.cpu, sandbox_nodes=len(info.nodes))
         netns.create_node(n.namespace, n.veth, info.bridge, f"{n.address}/24")
-        half_delay = info.latency_ms / 2 if info.latency_ms else None  # latency is the added round trip
-        shaping.shape("eth0", n.bandwidth_mbit, namespace=n.namespace, delay_ms=half_delay)  # node egress
-        shaping.shape(n.veth, n.bandwidth_mbit, delay_ms=half_delay)  # node ingress
+        shaping.shape_node(n.namespace, n.veth, n.bandwidth_mbit, info.latency_ms)
         sshd.write_etc_hosts(n.namespace, n.name, {n.name: n.address, **hosts})
         host_key = node_dir / "ssh_host_ed25519_key"
         host_pub = sshd.generate_key(host_key, f"{n.name}.{info.name}")
@@ -294,12 +293,32 @@ def _status_of(name: str) -> dict | None:
 
 def set_link(name: str, node: str, up: bool) -> None:
     """Take a sandbox node's link down or up (fault injection for tests and benchmarks)."""
+    netns.set_link(_node_of(name, node).namespace, up)
+
+
+def set_rate(name: str, node: str, bandwidth: str | float) -> float:
+    """Change a node's shaped rate while it runs (a link that degrades); returns the new Mbit/s.
+
+    The cluster file keeps its advertised_bandwidth: as with a real provider, what a node is
+    advertised at and what it delivers can differ, and the probe is there to notice.
+    """
+    n = _node_of(name, node)
+    rate_mbit = parse_rate_mbit(bandwidth, "bandwidth")
+    shaping.shape_node(n.namespace, n.veth, rate_mbit, state.load_info(name).latency_ms)
+    with state.sandbox_lock():
+        info = state.load_info(name)
+        info.node(node).bandwidth_mbit = rate_mbit
+        state.save_info(info)
+    return rate_mbit
+
+
+def _node_of(name: str, node: str) -> SandboxNode:
     require_root()
-    info = state.load_info(name)
+    info = state.load_info(state.check_name(name))
     if info is None:
         raise UserError(f"sandbox {name!r} does not exist; bring it up with `vpscluster sandbox up --name {name}`")
     try:
-        netns.set_link(info.node(node).namespace, up)
+        return info.node(node)
     except KeyError:
         raise UserError(f"sandbox {name!r} has no node {node!r}; nodes: {', '.join(n.name for n in info.nodes)}") from None
 

@@ -46,6 +46,16 @@ def shape(device: str, rate_mbit: float, namespace: str | None = None, delay_ms:
                        "netem", "delay", f"{delay_ms:g}ms", "limit", "100000"])
 
 
+def shape_node(namespace: str, veth: str, rate_mbit: float, latency_ms: float | None = None) -> None:
+    """Both directions of one node: egress on its eth0, ingress on the bridge-side `veth`.
+
+    `latency_ms` is the round trip added between two nodes, so each direction delays half.
+    """
+    delay_ms = latency_ms / 2 if latency_ms else None
+    shape("eth0", rate_mbit, namespace=namespace, delay_ms=delay_ms)
+    shape(veth, rate_mbit, delay_ms=delay_ms)
+
+
 def netem_available() -> bool:
     """Whether this kernel has netem: try it on the loopback of a throw-away namespace."""
     probe = f"vpsc-netem-probe-{os.getpid()}"

@@ -125,12 +125,13 @@ def wait_listening(address: str, port: int = 22, timeout_s: float = START_TIMEOU
 
 
 def alive(pid: int | None) -> bool:
-    if not pid:
-        return False
+    """Whether `pid` is a running sshd (a killed one may linger as a zombie until reaped)."""
     try:
-        return "sshd" in Path(f"/proc/{pid}/comm").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text() if pid else ""
     except FileNotFoundError:
         return False
+    comm, _, rest = stat.partition("(")[2].rpartition(")")
+    return comm == "sshd" and rest.split()[:1] != ["Z"]
 
 
 def _tail(path: Path) -> str:
