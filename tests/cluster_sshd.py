@@ -75,7 +75,7 @@ class SSHDFarm:
             f"PidFile {self.root}/sshd_{node.name}.pid", f"AuthorizedKeysFile {self.root}/authorized_keys",
             "UsePAM no", "StrictModes no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
             "PermitRootLogin prohibit-password", "Subsystem sftp internal-sftp", "LogLevel ERROR",
-            "MaxSessions 32", "",
+            "",  # MaxSessions stays at OpenSSH's default (10), as on a real server
         ]))
         log = open(self.root / f"sshd_{node.name}.log", "ab")
         node.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)

@@ -157,6 +157,20 @@ def test_one_connection_is_reused(cluster) -> None:
     assert len({r.stdout for r in results}) == 1  # same client port every time
 
 
+def test_more_commands_at_once_than_sshd_allows_sessions(cluster) -> None:
+    # sshd's default MaxSessions is 10 per connection; 2 long-lived processes + 12 commands fit.
+    async def go(ex):
+        long_lived = [await ex.start("sleep 60") for _ in range(2)]
+        results = await asyncio.gather(*(ex.run(f"echo {i}", TIMEOUT_S) for i in range(12)))
+        for handle in long_lived:
+            await handle.stop(grace_s=1)
+        return results
+
+    results = on_first(cluster, go)
+    assert [r.error for r in results] == [None] * 12
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(12)]
+
+
 def test_stream_delivers_lines_as_they_come(cluster) -> None:
     seen: list[tuple[float, str, str]] = []
 

@@ -56,6 +56,9 @@ exit $st
 """
 _INLINE_INPUT_MAX_BYTES = 48 * 1024  # one shell argument may hold 128 KiB; bigger input goes by SFTP
 _READ_CHUNK = 65536
+# OpenSSH's MaxSessions defaults to 10 channels per connection; short commands queue for 8 of
+# them so that long-lived `start`ed processes and the kill channel always find room.
+_MAX_SHORT_SESSIONS = 8
 _KEEPALIVE_S = 15.0
 _KEEPALIVE_COUNT = 4
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -219,6 +222,7 @@ class SSHExecutor(Executor):
         self._attempts = 0  # connection attempts made, to share one failure among waiters
         self._last_error: str | None = None
         self._started: list[SSHProcess] = []
+        self._sessions = asyncio.Semaphore(_MAX_SHORT_SESSIONS)
 
     @property
     def address(self) -> str:
@@ -288,6 +292,10 @@ class SSHExecutor(Executor):
         return await self._execute(command, timeout_s, env, cwd, None, on_line=on_line)
 
     async def _execute(self, command, timeout_s, env, cwd, input, on_line) -> CommandResult:
+        async with self._sessions:
+            return await self._execute_now(command, timeout_s, env, cwd, input, on_line)
+
+    async def _execute_now(self, command, timeout_s, env, cwd, input, on_line) -> CommandResult:
         t0 = time.monotonic()
         name = self.node.name
 
@@ -346,13 +354,28 @@ class SSHExecutor(Executor):
             pumps.cancel()
 
     async def _open_channel(self, conn, command_line: str):
-        """A new session channel running `command_line`; a node gone dark cannot stall us here."""
+        """A new session channel running `command_line`; a node gone dark cannot stall us here.
+
+        A refused channel (the server's MaxSessions is reached, e.g. because it has not yet
+        reaped a session that just ended) is retried with back-off until the connect time-out.
+        """
+        import asyncssh
+
         timeout_s = self.cluster.connect_timeout_s
-        try:
-            return await asyncio.wait_for(conn.create_process(command_line, encoding=None), timeout_s)
-        except asyncio.TimeoutError:
-            raise RemoteError(f"{self.node.name}: {self.address} did not open a session within {timeout_s:g} s; "
-                              "the node or its link may be down") from None
+        deadline = time.monotonic() + timeout_s
+        pause_s = 0.05
+        while True:
+            try:
+                return await asyncio.wait_for(conn.create_process(command_line, encoding=None),
+                                              max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise RemoteError(f"{self.node.name}: {self.address} did not open a session within {timeout_s:g} s; "
+                                  "the node or its link may be down") from None
+            except asyncssh.ChannelOpenError:
+                if time.monotonic() + pause_s > deadline:
+                    raise
+                await asyncio.sleep(pause_s)
+                pause_s = min(1.0, pause_s * 2)
 
     async def kill_group(self, pgid: int, grace_s: float) -> None:
         """TERM, then KILL, process group `pgid` on the node, through a channel of its own."""
