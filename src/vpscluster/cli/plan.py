@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", metavar="SIZE", help="assume this memory per rank (e.g. 32GB) instead of the probe's")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure here how much of matmul FLOP/s this model's training step reaches (a few seconds)")
+    parser.add_argument("--threads-per-rank", type=_positive_int, metavar="N",
+                        help="torch threads each rank will use (for --calibrate; default: the probe's)")
     parser.add_argument("--checkpoint-load-s", type=float, default=60.0, metavar="S",
                         help="guidance: load a checkpoint within S seconds (default 60)")
     add_json_flag(parser)
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         rtt_ms=args.rtt_ms, flops=args.flops * 1e9 if args.flops else None, memory_bytes=memory_bytes,
         compress=args.compress, powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
         wire_dtype=args.wire_dtype, fragments=args.fragments, calibrate=args.calibrate,
+        threads_per_rank=args.threads_per_rank,
         checkpoint_load_s=args.checkpoint_load_s,
     )
     out = console(args.json)

@@ -18,7 +18,7 @@ from vpscluster.errors import UserError
 from vpscluster.plan import auto, comm, memory
 from vpscluster.plan.calibrate import efficiency_for
 from vpscluster.plan.guidance import guidance
-from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
+from vpscluster.plan.predict import Prediction, Settings, predict, ring_for, risk_label
 from vpscluster.plan.resources import gather_resources
 from vpscluster.plan.shapes import load_model
 
@@ -46,6 +46,7 @@ class PlanRequest:
     wire_dtype: str = "fp32"
     fragments: int = 1
     calibrate: bool = False
+    threads_per_rank: int | None = None  # torch threads per rank in training (default: the probe's)
     checkpoint_load_s: float = 60.0
 
 
@@ -87,7 +88,7 @@ def make_plan(req: PlanRequest) -> dict:
             assumptions.append("no probe of this cluster found; run `vpscluster probe --cluster FILE` for measured figures")
     res = gather_resources(cluster, probe, nodes=req.nodes, bandwidth_mbit=req.bandwidth_mbit, rtt_ms=req.rtt_ms,
                            flops=req.flops, memory_bytes=req.memory_bytes)
-    threads = _probe_threads(probe)
+    threads = req.threads_per_rank or _probe_threads(probe)
     eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster)
     assumptions += res.assumptions
     if eff.source == "assumed":
@@ -111,7 +112,7 @@ def make_plan(req: PlanRequest) -> dict:
         if chosen.time_to_train_seconds > auto_pred.time_to_train_seconds * 1.1:
             reason += f", {chosen.time_to_train_seconds / auto_pred.time_to_train_seconds:.1f}x faster to the token target"
 
-    ring = comm.best_ring(res.links)
+    ring = ring_for(res)
     doc = chosen.to_dict()
     doc.update(
         reason=reason, tokens=tokens,

@@ -73,7 +73,7 @@ def _matmul_flops(torch, seconds: float) -> float:
     return 2.0 * n**3 * done / (time.perf_counter() - start)
 
 
-def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int = 3, steps_per_round: int = 2,
+def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int = 5, steps_per_round: int = 2,
                        matmul_s: float = 0.5) -> float:
     """Training FLOP/s / matmul FLOP/s for `model` at its batch size, on this machine."""
     import torch

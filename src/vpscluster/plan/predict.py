@@ -166,10 +166,23 @@ def sync_seconds(traffic: list[tuple[str, float]], ring: comm.Ring, links, world
     return total
 
 
+def ring_for(res: Resources) -> comm.Ring:
+    """The best ring over the link matrix; its per-step latency from the probe's all-reduce sweep
+    when there is one (a fit t = alpha + S/beta of the real collective: alpha spread over the
+    2(n-1) steps of the ring), since software overhead dwarfs the wire's one-way delay on LANs."""
+    ring = comm.best_ring(res.links)
+    fit, n = res.collective_fit, res.world_size
+    if fit and n > 1 and fit["alpha_s"] > 0:
+        import dataclasses
+
+        ring = dataclasses.replace(ring, alpha_s=max(ring.alpha_s, fit["alpha_s"] / (2 * (n - 1))))
+    return ring
+
+
 def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float, efficiency: float,
             ring: comm.Ring | None = None) -> Prediction:
     n = res.world_size
-    ring = ring or comm.best_ring(res.links)
+    ring = ring or ring_for(res)
     computes = [compute.node_compute(model, node, efficiency) for node in res.nodes]
     slowest = max(computes, key=lambda c: c.seconds)
     traffic = sync_traffic(settings, model, n)

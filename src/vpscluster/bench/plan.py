@@ -1,0 +1,249 @@
+"""`vpscluster bench plan`: plan's predictions against measured step and communication time.
+
+For each sandbox scenario (2-4 nodes, 20 Mbit/s-1 Gbit/s, CPU shares 0.3-0.9, some uneven):
+
+1. `sandbox up`, then `vpscluster probe --cluster FILE` (the measured facts: FLOP/s, link
+   matrix, all-reduce sweep);
+2. the plan for each strategy from that probe alone (`plan.api.make_plan`); the compute
+   efficiency of each model is measured once on a sandbox node (`plan --calibrate`, a few
+   single-node training steps — no distributed run) and reused;
+3. a short real training run, `vpscluster train --cluster FILE` (ddp, and diloco with a small H
+   so the run holds whole rounds), and rank 0's per-step metrics after a warm-up;
+4. predicted vs measured for rank 0's node: mean step seconds, mean communication seconds.
+
+Nothing measured in a training run feeds a prediction. The table, with the median and maximum
+absolute relative errors, goes to bench/results/ and to BENCHMARKS.md (`plan` section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX = "planbench"
+# One torch thread per rank: on a shared 2-core machine, two OpenMP threads per rank stall at
+# every barrier whenever another process holds a core, which is noise, not the model's cost.
+THREADS = 1
+RESULTS_DIR = Path("bench/results")
+MARK_START = "<!-- section: plan (vpscluster bench plan) -->"
+MARK_END = "<!-- end: plan -->"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    nodes: int
+    bandwidth: str  # one rate or one per node, as `sandbox up --bandwidth`
+    cpu: str  # one share or one per node
+    model: str
+    strategies: tuple[str, ...] = ("ddp", "diloco")
+
+    def label(self) -> str:
+        return f"{self.nodes}n {self.bandwidth} cpu {self.cpu} {self.model}"
+
+
+# 6 sandboxes x 2 strategies = 12 configurations; CPU shares sum to at most 1.8 of this
+# machine's 2 cores so the sandbox itself is not oversubscribed.
+SCENARIOS = (
+    Scenario(2, "20mbit", "0.6", "tiny"),
+    Scenario(2, "1gbit", "0.9,0.3", "small"),
+    Scenario(3, "100mbit", "0.45", "small"),
+    Scenario(3, "200mbit,500mbit,1gbit", "0.5", "tiny"),
+    Scenario(4, "50mbit", "0.45,0.45,0.3,0.3", "tiny"),
+    Scenario(4, "100mbit", "0.45", "small"),
+)
+QUICK = (Scenario(2, "100mbit", "0.5", "tiny"),)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="one small scenario (a smoke test), not written to BENCHMARKS.md")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per ddp run (default 8; diloco runs 3 rounds)")
+    parser.add_argument("--sync-every", type=int, default=3, help="diloco H in the short runs (default 3)")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from vpscluster.cli.output import console, emit_json
+    from vpscluster.cluster import sandbox
+    from vpscluster.errors import UserError
+
+    if args.steps < 4 or args.sync_every < 1:
+        raise UserError("--steps must be at least 4 and --sync-every at least 1")
+    out = console(args.json)
+    scenarios = QUICK if args.quick else SCENARIOS
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    work = RESULTS_DIR / f"plan-{stamp}"
+    work.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    calibrated: set[str] = set()
+    started = time.time()
+    total = sum(len(s.strategies) for s in scenarios)
+    with Progress(console=out, transient=False) as progress:
+        task = progress.add_task("plan vs measured", total=total)
+        for i, sc in enumerate(scenarios):
+            sandbox.down(SANDBOX)  # a leftover from an interrupted run
+            try:
+                info = sandbox.up(SANDBOX, nodes=sc.nodes, bandwidth=sc.bandwidth, cpu=sc.cpu)
+                probe_file = work / f"s{i}-probe.json"
+                progress.update(task, description=f"{sc.label()}: probe")
+                _cli(["probe", "--cluster", info.cluster_file, "--out", str(probe_file), "--json"],
+                     timeout_s=300)
+                for strategy in sc.strategies:
+                    progress.update(task, description=f"{sc.label()}: {strategy}")
+                    row = _one(sc, strategy, info.cluster_file, probe_file, work / f"s{i}-{strategy}", args,
+                               calibrate=sc.model not in calibrated)
+                    calibrated.add(sc.model)
+                    rows.append(row)
+                    progress.advance(task)
+                    out.print(_row_line(row))
+            finally:
+                sandbox.down(SANDBOX)
+    summary = summarize(rows)
+    doc = {"rows": rows, "summary": summary, "seconds": time.time() - started, "machine": _machine(),
+           "command": "vpscluster bench plan" + (" --quick" if args.quick else ""), "steps": args.steps,
+           "sync_every": args.sync_every}
+    (work / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    table = markdown(doc)
+    if not args.quick and not args.no_write:
+        write_benchmarks_section(Path("BENCHMARKS.md"), table)
+    if args.json:
+        emit_json(doc)
+    else:
+        out.print(table)
+    return 0
+
+
+def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_dir: Path, args, calibrate: bool) -> dict:
+    from vpscluster.plan.api import PlanRequest, make_plan
+
+    h = args.sync_every
+    steps = args.steps if strategy == "ddp" else 3 * h + h  # a warm-up round and three measured rounds
+    plan = make_plan(PlanRequest(model=sc.model, cluster=cluster_file, probe=str(probe_file), strategy=strategy,
+                                 sync_every=h, calibrate=calibrate, tokens=1e6, threads_per_rank=THREADS))
+    cfg = run_dir.with_suffix(".yaml")
+    cfg.write_text("eval_batches: 1\nwarmup_steps: 2\n")
+    report = _cli(["train", "--cluster", cluster_file, "--preset", sc.model, "--strategy", strategy,
+                   "--max-steps", str(steps), "--sync-every", str(h), "--checkpoint-every", str(steps),
+                   "--eval-every", str(steps), "--threads-per-rank", str(THREADS), "--config", str(cfg), "--run-dir", str(run_dir), "--json"],
+                  timeout_s=900)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    per_step = [m for m in metrics if "step_seconds" in m]
+    # Skip the warm-up (first steps: allocations, connections; for diloco the whole first round).
+    first = 3 if strategy == "ddp" else h + 1
+    measured = [m for m in per_step if m["step"] >= first]
+    rank0 = report.get("rank0_node")
+    node = next((n for n in plan["nodes"] if n["name"] == rank0), plan["nodes"][0])
+    # The machine is shared: other work stretches some steps' compute several-fold. The median
+    # compute per step resists those spikes; communication is a mean (DiLoCo's sits in 1 of H steps).
+    meas_comm = statistics.fmean(m["comm_seconds"] for m in measured)
+    meas_compute = statistics.median(m["compute_seconds"] for m in measured)
+    meas_step = meas_compute + meas_comm
+    pred_step, pred_comm = plan["step_seconds"], node["comm_seconds"]
+    return {
+        "scenario": sc.label(), "nodes": sc.nodes, "bandwidth": sc.bandwidth, "cpu": sc.cpu, "model": sc.model,
+        "strategy": strategy if strategy == "ddp" else f"diloco H={h}", "rank0_node": rank0,
+        "steps_measured": len(measured), "efficiency": plan["efficiency"],
+        "predicted_step_s": pred_step, "measured_step_s": meas_step, "step_error": _err(pred_step, meas_step),
+        "predicted_comm_s": pred_comm, "measured_comm_s": meas_comm, "comm_error": _err(pred_comm, meas_comm),
+        "comm_error_of_step": abs(pred_comm - meas_comm) / meas_step,
+        "predicted_compute_s": node["compute_seconds"],
+        "measured_compute_s": meas_compute,
+        "measured_mean_step_s": statistics.fmean(m["step_seconds"] for m in measured),
+        "probe_flops": {n["name"]: n["flops"] for n in plan["nodes"]},
+        "run_dir": str(run_dir),
+    }
+
+
+def _err(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured if measured > 0 else float("inf")
+
+
+def _cli(argv: list[str], timeout_s: float) -> dict:
+    """Run `vpscluster ARGV` and return its JSON document; fail with its last error line."""
+    from vpscluster.errors import UserError
+
+    try:
+        proc = subprocess.run([sys.executable, "-m", "vpscluster", *argv], capture_output=True, text=True,
+                              timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        raise UserError(f"bench plan: `vpscluster {argv[0]}` did not finish in {timeout_s:.0f} s") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"bench plan: `vpscluster {' '.join(argv[:3])}` failed: {last}")
+    return json.loads(proc.stdout)
+
+
+def summarize(rows: list[dict]) -> dict:
+    def stats(key):
+        values = [r[key] for r in rows]
+        return {"median": statistics.median(values), "max": max(values)} if values else {}
+
+    return {"configurations": len(rows), "step_error": stats("step_error"), "comm_error": stats("comm_error"),
+            "comm_error_of_step": stats("comm_error_of_step")}
+
+
+def _row_line(r: dict) -> str:
+    return (f"{r['scenario']:<38} {r['strategy']:<11} step {r['predicted_step_s']:.2f}/{r['measured_step_s']:.2f}s "
+            f"({r['step_error']:.0%})  comm {r['predicted_comm_s']:.2f}/{r['measured_comm_s']:.2f}s ({r['comm_error']:.0%})")
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def markdown(doc: dict) -> str:
+    s = doc["summary"]
+    lines = [
+        f"Command: `{doc['command']}` ({doc['steps']} ddp steps, diloco H={doc['sync_every']} for 4 rounds; "
+        f"took {doc['seconds'] / 60:.0f} min). Machine: {doc['machine']}, shared with other work.",
+        "",
+        "Predicted (from the probe and a one-node calibration only) vs measured on rank 0 after a warm-up: "
+        "step = median compute per step + mean communication per step (the median resists other jobs' "
+        "spikes on this shared machine; the plain mean step is in bench/results). One torch thread per rank. "
+        "Errors are |predicted − measured| / measured.",
+        "",
+        "| scenario | strategy | step pred | step meas | err | comm pred | comm meas | err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(f"| {r['scenario']} | {r['strategy']} | {r['predicted_step_s']:.2f} s | {r['measured_step_s']:.2f} s | "
+                     f"{r['step_error']:.0%} | {r['predicted_comm_s']:.2f} s | {r['measured_comm_s']:.2f} s | {r['comm_error']:.0%} |")
+    if s.get("step_error"):
+        lines += [
+            "",
+            f"Step time error: median {s['step_error']['median']:.0%}, max {s['step_error']['max']:.0%} "
+            f"(target ≤ 10% / ≤ 25%). Communication time error: median {s['comm_error']['median']:.0%}, "
+            f"max {s['comm_error']['max']:.0%}; as a share of the step: median {s['comm_error_of_step']['median']:.0%}, "
+            f"max {s['comm_error_of_step']['max']:.0%}.",
+        ]
+    return "\n".join(lines)
+
+
+def write_benchmarks_section(path: Path, body: str) -> None:
+    """Replace what lies between the plan section's markers (nothing else in the file)."""
+    text = path.read_text()
+    start, end = text.find(MARK_START), text.find(MARK_END)
+    if start < 0 or end < start:
+        from vpscluster.errors import UserError
+
+        raise UserError(f"{path}: the plan section markers are missing; restore `{MARK_START}` and `{MARK_END}`")
+    head = text[: start + len(MARK_START)]
+    path.write_text(head + "\n" + body.rstrip() + "\n" + text[end:])
