@@ -179,7 +179,7 @@ class LocalExecutor(Executor):
         except OSError as e:
             raise RemoteError(f"{self.node.name}: cannot start {to_shell(command)!r}: {e.strerror}") from None
         handle = LocalProcess(self.node.name, proc, on_line)
-        self._started.append(handle)
+        self._started = [h for h in self._started if h.returncode is None] + [handle]
         return handle
 
     async def put(self, local_path: str, remote_path: str, timeout_s: float = 300.0) -> None:

@@ -12,6 +12,10 @@ Every command runs on the node inside a small POSIX-sh wrapper (`_WRAPPER`) that
 - ends whatever the command left running in its group once it exits, as the local executor does.
 The command's own stdin is /dev/null, unless `run(input=...)` passes data.
 
+Connections: one per node, opened on first use, kept alive (keepalives every 15 s) and reused
+by every call; concurrent callers share one connect attempt and its failure. At most 8 short
+commands hold a channel at once (OpenSSH allows 10 per connection by default).
+
 Errors never carry key material: messages name files, hosts and reasons only.
 """
 
@@ -418,7 +422,7 @@ class SSHExecutor(Executor):
 
             raise RemoteError(channel_error_message(self.node, e)) from None
         handle = SSHProcess(self, proc, on_line)
-        self._started.append(handle)
+        self._started = [h for h in self._started if h.returncode is None] + [handle]
         return handle
 
     # --- files --------------------------------------------------------------------------------
