@@ -80,6 +80,7 @@ def test_node_without_torch_and_node_without_python(tmp_path):
     assert by["n1"]["reachable"] and by["n1"]["torch"] is None and by["n1"]["flops"] is None
     assert by["n1"]["cpu_count"] >= 1 and by["n1"]["disk_read_mb_s"] > 0  # the facts that need no torch
     assert not by["n2"]["reachable"] and "cannot be run" in by["n2"]["error"]
+    assert CONTRACT_NODE_KEYS <= set(by["n2"])  # the contract keys, even for a node with no facts
     # The two usable nodes were still measured, in both directions (the link tool needs no torch).
     assert sorted((l["src"], l["dst"]) for l in probe["links"]) == [("n0", "n1"), ("n1", "n0")]
     assert all(l["bandwidth_mbit"] > 100 for l in probe["links"])
