@@ -20,8 +20,7 @@ BLOCKING_CODES = frozenset({
 })
 
 
-_SHARE_SOURCES = {"cgroup": "cgroup CPU quota", "affinity": "CPU affinity",
-                  "measured": "measured while busy: a quota or busy neighbours"}
+_SHARE_SOURCES = {"cgroup": "cgroup quota", "affinity": "affinity", "measured": "measured"}
 
 
 @dataclass(frozen=True)
@@ -139,12 +138,14 @@ def _resources(up: list[dict], t: Thresholds) -> list[dict]:
         if offset is not None and abs(offset) > t.clock_offset_s:
             out.append(problem("warning", "clock_skew", f"{name}: clock is {offset:+.2f} s off the head node's",
                                [name], "enable time sync on every node (timedatectl set-ntp true, or chrony)"))
-        share, count = n.get("cpu_share"), n.get("cpu_count")
-        if share is not None and count and share < count:
-            out.append(problem("info", "cpu_limited",
-                               f"{name}: {share:g} of {count} CPU cores available "
-                               f"({_SHARE_SOURCES.get(n.get('cpu_share_source'), 'cgroup quota or affinity')})",
-                               [name], "nothing to do; the planner accounts for it through the measured FLOP/s"))
+    # One line for all CPU-limited nodes: on a cluster of capped VPS it is every node.
+    limited = [n for n in up if n.get("cpu_share") is not None and n.get("cpu_count") and n["cpu_share"] < n["cpu_count"]]
+    if limited:
+        listing = ", ".join(
+            f"{n['name']} {n['cpu_share']:g}/{n['cpu_count']} "
+            f"({_SHARE_SOURCES.get(n.get('cpu_share_source'), 'cgroup quota or affinity')})" for n in limited)
+        out.append(problem("info", "cpu_limited", f"CPU cores available: {listing}", [n["name"] for n in limited],
+                           "nothing to do; the planner accounts for it through the measured FLOP/s"))
     return out
 
 
