@@ -44,33 +44,46 @@ RESUME_FLAGS = ("max_steps", "time_budget")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vpscluster.train.config import TrainConfig  # light: no torch
+
+    import dataclasses
+
+    d = TrainConfig()  # help shows the real defaults, never a copy of them
+    s = d.strategy
+    keys = [f.name for f in dataclasses.fields(d) if f.name not in ("strategy", "timeouts")]
+    nested = {n: [f.name for f in dataclasses.fields(getattr(d, n))] for n in ("strategy", "timeouts")}
+    parser.epilog = (
+        "--config FILE.yaml takes these keys: " + ", ".join(keys) + "; "
+        + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
+        + ". Precedence: defaults < --config < flags."
+    )
     where = parser.add_argument_group("where to train")
     g = where.add_mutually_exclusive_group()
     g.add_argument("--cluster", metavar="FILE", help="cluster.yaml: train across its nodes over SSH (default: this machine)")
-    g.add_argument("--nodes", type=int, metavar="N", help="number of local worker processes when there is no cluster file (default 2)")
+    g.add_argument("--nodes", type=int, metavar="N", help=f"number of local worker processes when there is no cluster file (default {d.nodes})")
     where.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per cluster node (default: one per GPU, else one)")
     where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the node's CPUs / its ranks)")
 
     what = parser.add_argument_group("what to train")
-    what.add_argument("--preset", metavar="NAME", help="model shape: tiny (~1M, default), small (~10M); bigger ones are for `plan`")
+    what.add_argument("--preset", metavar="NAME", help=f"model shape: tiny (~1M), small (~10M); bigger ones are for `plan` (default {d.preset})")
     what.add_argument("--data", metavar="PATH", help="a text file or a folder of text files (default: the bundled King James Bible)")
-    what.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps to train (default 400)")
-    what.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly, with a checkpoint, after this much training time")
+    what.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train (default {d.max_steps})")
+    what.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly, with a checkpoint, after this much training time (per session)")
     what.add_argument("--batch-size", type=int, metavar="N", help="sequences per rank per step (default: the preset's)")
-    what.add_argument("--lr", type=float, help="peak learning rate (default 3e-3; warm-up then cosine decay)")
-    what.add_argument("--seed", type=int, help="seed for weights and data order (default 1337)")
-    what.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps (default 50)")
-    what.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (default 100; always one at the end)")
+    what.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr:g}; {d.warmup_steps} warm-up steps, then cosine decay)")
+    what.add_argument("--seed", type=int, help=f"seed for weights and data order (default {d.seed})")
+    what.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps (default {d.eval_every})")
+    what.add_argument("--checkpoint-every", type=int, metavar="N", help=f"checkpoint every N steps (default {d.checkpoint_every}; always one at the end)")
 
     strat = parser.add_argument_group("how ranks synchronise")
-    strat.add_argument("--strategy", choices=["ddp", "diloco", "auto"], help="ddp (default): all-reduce every step; diloco: sync every H steps; auto: let the planner choose")
-    strat.add_argument("--compress", choices=["none", "bf16", "powersgd"], help="ddp gradient compression on the wire (default none)")
-    strat.add_argument("--powersgd-rank", type=int, metavar="R", help="rank of PowerSGD's low-rank factors (default 4)")
-    strat.add_argument("--sync-every", type=int, metavar="H", help="diloco: inner steps between outer syncs (default 100)")
-    strat.add_argument("--outer-lr", type=float, help="diloco: outer Nesterov learning rate (default 0.7)")
-    strat.add_argument("--outer-momentum", type=float, help="diloco: outer Nesterov momentum (default 0.9)")
-    strat.add_argument("--wire-dtype", choices=["fp32", "bf16", "int8"], help="diloco: dtype of the pseudo-gradient on the wire (default fp32)")
-    strat.add_argument("--fragments", type=int, metavar="N", help="streaming diloco: fragments synced at staggered steps (default 1)")
+    strat.add_argument("--strategy", choices=["ddp", "diloco", "auto"], help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: let the planner choose (default {s.name})")
+    strat.add_argument("--compress", choices=["none", "bf16", "powersgd"], help=f"ddp gradient compression on the wire (default {s.compress})")
+    strat.add_argument("--powersgd-rank", type=int, metavar="R", help=f"rank of PowerSGD's low-rank factors (default {s.powersgd_rank})")
+    strat.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {s.sync_every})")
+    strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr})")
+    strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum})")
+    strat.add_argument("--wire-dtype", choices=["fp32", "bf16", "int8"], help=f"diloco: dtype of the pseudo-gradient on the wire (default {s.wire_dtype})")
+    strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
 
     run = parser.add_argument_group("run directory and configuration")
     run.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<UTC time>-<random>)")

@@ -46,7 +46,7 @@ class ProgressView:
         self.console.print(line, markup=False, highlight=False, style="yellow", soft_wrap=True)
 
     def _on_start(self, ev: dict[str, Any]) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         s = ev.get("strategy", {})
         details = ", ".join(f"{k}={v}" for k, v in s.items() if k not in ("name", "collective_busy_seconds"))
@@ -56,9 +56,10 @@ class ProgressView:
             f"{ev.get('backend')}, {ev.get('threads_per_rank')} thread(s)/rank -> {ev.get('run_dir')}"
         )
         self.close()
+        # Narrow enough for an 80-column terminal; the summary table has the wall time.
         self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console, transient=False,
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=12), TextColumn("{task.fields[stats]}"),
+            TextColumn("eta"), TimeRemainingColumn(compact=True), console=self.console, transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task(
@@ -68,11 +69,8 @@ class ProgressView:
     def _on_step(self, ev: dict[str, Any]) -> None:
         if self._progress is None:
             return
-        val = f"  val {self._val:.3f}" if self._val is not None else ""
-        stats = (
-            f"loss {ev['loss']:.3f}{val}  {ev.get('tokens_per_s', 0):,.0f} tok/s  "
-            f"comm {100 * ev.get('comm_share', 0):.0f}%"
-        )
+        val = f" val {self._val:.3f}" if self._val is not None else ""
+        stats = f"loss {ev['loss']:.3f}{val} {ev.get('tokens_per_s', 0):,.0f} tok/s comm {100 * ev.get('comm_share', 0):.0f}%"
         self._progress.update(self._task, completed=ev["step"], stats=stats)
 
     def _on_eval(self, ev: dict[str, Any]) -> None:

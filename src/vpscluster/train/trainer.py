@@ -298,7 +298,8 @@ class Trainer:
         }
 
     def close(self) -> None:
-        self.strategy.close() if hasattr(self, "strategy") else None
+        if hasattr(self, "strategy"):  # build() may have failed before it got this far
+            self.strategy.close()
         if hasattr(self, "metrics"):
             self.metrics.close()
         import torch.distributed as dist
