@@ -52,11 +52,11 @@ def test_train_cluster_completes_and_learns(sandbox3, cli, tmp_path):
     with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
         corpus.write_text(f.read(400_000))
     run_dir = tmp_path / "run"
-    r = cli("train", "--cluster", sandbox3.cluster_file, "--max-steps", "24", "--eval-every", "12",
+    r = cli("train", "--cluster", sandbox3.cluster_file, "--max-steps", "16", "--eval-every", "8",
             "--data", str(corpus), "--run-dir", str(run_dir), "--json", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
-    assert report["world_size"] == 3 and report["steps"] == 24
+    assert report["world_size"] == 3 and report["steps"] == 16
     assert len(report["bytes_sent"]) == 3 and all(b > 0 for b in report["bytes_sent"])
     # report.json and metrics.jsonl were fetched into the local run directory.
     assert json.loads((run_dir / "report.json").read_text())["world_size"] == 3
