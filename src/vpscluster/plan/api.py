@@ -89,7 +89,8 @@ def make_plan(req: PlanRequest) -> dict:
     res = gather_resources(cluster, probe, nodes=req.nodes, bandwidth_mbit=req.bandwidth_mbit, rtt_ms=req.rtt_ms,
                            flops=req.flops, memory_bytes=req.memory_bytes)
     threads = req.threads_per_rank or _probe_threads(probe)
-    eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster)
+    eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster,
+                         matmul_threads=_probe_threads(probe))
     assumptions += res.assumptions
     if eff.source == "assumed":
         assumptions.append(eff.describe())

@@ -53,14 +53,24 @@ def _torch_version() -> str:
         return "none"
 
 
-def _key(model: ModelSpec, threads: int) -> str:
+def _key(model: ModelSpec, threads: int, matmul_threads: int) -> str:
     s = model.shape
     shape = f"{s.d_model}x{s.n_layer}x{s.n_head}x{s.seq_len}x{s.vocab_size}x{s.d_ff}x{int(s.gated_mlp)}x{s.batch_size}"
-    return f"{shape}|threads={threads}|torch={_torch_version()}|cpu={_cpu_model()}"
+    return f"{shape}|threads={threads}/{matmul_threads}|torch={_torch_version()}|cpu={_cpu_model()}"
 
 
-def _matmul_flops(torch, seconds: float) -> float:
-    """FLOP/s of the probe's benchmark (1024^3 fp32 matmuls)."""
+def _matmul_flops(torch, seconds: float, threads: int | None = None) -> float:
+    """FLOP/s of the probe's benchmark (1024^3 fp32 matmuls) on `threads` threads."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _matmul_loop(torch, seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _matmul_loop(torch, seconds: float) -> float:
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.matmul(a, b)
@@ -74,8 +84,9 @@ def _matmul_flops(torch, seconds: float) -> float:
 
 
 def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int = 5, steps_per_round: int = 2,
-                       matmul_s: float = 0.5) -> float:
-    """Training FLOP/s / matmul FLOP/s for `model` at its batch size, on this machine."""
+                       matmul_s: float = 0.5, matmul_threads: int | None = None) -> float:
+    """Training FLOP/s (on `threads` threads) / the probe's matmul FLOP/s (on `matmul_threads`,
+    the probe's thread count) for `model` at its batch size, on this machine."""
     import torch
 
     from vpscluster.train.model import GPT
@@ -101,19 +112,20 @@ def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int
         flops_per_step = model.flops_per_token() * s.batch_size * s.seq_len
         ratios = []
         for _ in range(rounds):
-            mm = _matmul_flops(torch, matmul_s)
+            mm = _matmul_flops(torch, matmul_s, matmul_threads)
             t0 = time.perf_counter()
             for _ in range(steps_per_round):
                 step()
             train = flops_per_step * steps_per_round / (time.perf_counter() - t0)
-            mm = (mm + _matmul_flops(torch, matmul_s)) / 2  # bracket the steps
+            mm = (mm + _matmul_flops(torch, matmul_s, matmul_threads)) / 2  # bracket the steps
             ratios.append(train / mm)
         return statistics.median(ratios)
     finally:
         torch.set_num_threads(old_threads)
 
 
-def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, timeout_s: float = 600.0) -> float:
+def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, matmul_threads: int | None = None,
+                      timeout_s: float = 600.0) -> float:
     """Run `measure_efficiency` on the cluster's head node (its python must import vpscluster).
 
     On the node the benchmark sees the node's own CPU, quota and threads, as training will.
@@ -125,7 +137,7 @@ def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, tim
     from vpscluster.errors import RemoteError
 
     node = cluster.head_node
-    arg = json.dumps({"shape": asdict(model.shape), "threads": threads})
+    arg = json.dumps({"shape": asdict(model.shape), "threads": threads, "matmul_threads": matmul_threads})
 
     async def go():
         ex = executor_for(node, cluster)
@@ -145,7 +157,7 @@ def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, tim
 
 
 def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, threads: int | None = None,
-                   cluster=None) -> Efficiency:
+                   cluster=None, matmul_threads: int | None = None) -> Efficiency:
     """The calibrated efficiency for this model (measured now or cached), else the assumed one.
 
     With `calibrate` and a remote `cluster`, it is measured on the head node; otherwise here.
@@ -156,11 +168,13 @@ def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, th
         return Efficiency(ASSUMED_EFFICIENCY["ram"], "assumed")
     # torch's default: one thread per CPU this process may run on (the trainer does the same).
     threads = threads or len(os.sched_getaffinity(0))
-    key = _key(model, threads)
+    matmul_threads = matmul_threads or threads
+    key = _key(model, threads, matmul_threads)
     cache = _read_cache()
     if calibrate:
         remote = cluster is not None and not cluster.is_local
-        value = calibrate_on_node(cluster, model, threads) if remote else measure_efficiency(model, threads)
+        value = (calibrate_on_node(cluster, model, threads, matmul_threads) if remote
+                 else measure_efficiency(model, threads, matmul_threads=matmul_threads))
         cache[key] = {"efficiency": value, "measured_at_unix": time.time()}
         _write_cache(cache)
         return Efficiency(value, "calibrated")
@@ -195,4 +209,5 @@ if __name__ == "__main__":  # run on a node by `calibrate_on_node`: one JSON lin
 
     opts = json.loads(sys.argv[1])
     spec = ModelSpec("calibration", ModelShape(**opts["shape"]))
-    print(json.dumps({"efficiency": measure_efficiency(spec, opts.get("threads"))}), flush=True)
+    value = measure_efficiency(spec, opts.get("threads"), matmul_threads=opts.get("matmul_threads"))
+    print(json.dumps({"efficiency": value}), flush=True)
