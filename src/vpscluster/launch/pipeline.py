@@ -222,7 +222,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         root, manifest = local_side(item)
         results = await _interruptible(asyncio.gather(*(
             sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
-                     timeout_s=max(timeout_s, 300.0), manifest=manifest)
+                     timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say)
             for ex in executors)), interrupted)
         for r in results:
             synced[r.node][item.key] = _remote_of(item, r)

@@ -122,7 +122,7 @@ async def remote_hashes(executor, roots: list[str], paths: list[str], timeout_s:
 
 async def sync_dir(
     executor, local_root: str, remote_root: str, timeout_s: float = 600.0,
-    manifest: dict[str, str] | None = None, detect_shared: bool = True,
+    manifest: dict[str, str] | None = None, detect_shared: bool = True, say=None,
 ) -> SyncResult:
     """Make `remote_root` on the node hold `local_root`'s files (extra remote files are kept)."""
     node = executor.node
@@ -138,6 +138,9 @@ async def sync_dir(
     todo = changed_files(manifest, found.get(_expand_key(found, remote_root), {}))
     sent = 0
     if todo:
+        if say is not None:
+            size_mb = sum(os.path.getsize(os.path.join(local_root, p)) for p in todo) / 1e6
+            say(f"{node.name}: sending {len(todo)} changed of {len(paths)} files ({size_mb:.1f} MB) to {remote_root}")
         sent = await _ship(executor, local_root, todo, remote_root, timeout_s)
     return SyncResult(node.name, local_root, remote_root, len(paths), len(todo), sent, shared=False)
 
