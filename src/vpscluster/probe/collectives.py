@@ -10,6 +10,8 @@ least squares on relative error so small messages (which set α) count as much a
 
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -83,9 +85,6 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
     opts = {"sizes": list(settings.sizes), "min_time_s": settings.min_time_s, "max_iters": settings.max_iters,
             "max_size_s": settings.max_size_s, "budget_s": settings.budget_s,
             "timeout_s": settings.init_timeout_s, "backend": backend}
-    import asyncio
-    import json
-
     async def one(rank: int, node):
         env = {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": "0",
                "MASTER_ADDR": head.host, "MASTER_PORT": port}

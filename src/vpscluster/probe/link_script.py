@@ -204,10 +204,9 @@ def measure_bandwidth(host, port, streams, warmup_s, duration_s, timeout_s):
         t.start()
     for t in threads:
         t.join(warmup_s + duration_s + 2 * timeout_s + 15)
-    errors = [r["error"] for r in results if r is None or "error" in r] if any(
-        r is None or "error" in r for r in results) else []
-    if errors or any(r is None for r in results):
-        return {"bandwidth_error": (errors or ["a stream did not finish"])[0]}
+    errors = [(r or {}).get("error", "a stream did not finish in time") for r in results if r is None or "error" in r]
+    if errors:
+        return {"bandwidth_error": errors[0]}
     total_bits_per_s = sum(8.0 * r["bytes"] / r["seconds"] for r in results if r["seconds"] > 0)
     return {"bandwidth_mbit": total_bits_per_s / 1e6, "bytes": sum(r["bytes"] for r in results),
             "seconds": max(r["seconds"] for r in results), "streams": streams}
