@@ -64,7 +64,7 @@ def test_exec_on_three_nodes_and_a_dead_one(farm, cli, tmp_path) -> None:
     a, b, c = farm.nodes
     script = SCRIPT.format(b=b.port, c=c.port)
 
-    r = cli("exec", "--cluster", str(cluster_file), "--timeout", "8", "--", script, timeout=120)
+    r = cli("exec", "--cluster", str(cluster_file), "--timeout", "4", "--", script, timeout=120)
     assert r.returncode == 1, r.stderr
     out = r.stdout
     for name in ("node-a", "node-b", "node-c"):  # every line carries its node's name
@@ -73,10 +73,10 @@ def test_exec_on_three_nodes_and_a_dead_one(farm, cli, tmp_path) -> None:
     assert re.search(rf"^node-d \| cannot connect to 127\.0\.0\.1:{dead_port}: connection refused", out, re.M)
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^(node-\w)\s+│\s+(\S+)\s+│", out, re.M)}
     assert rows == {"node-a": "0", "node-b": "7", "node-c": "-", "node-d": "-"}, out
-    assert "timed out after 8 s" in out and "1/4 nodes succeeded" in out
+    assert "timed out after 4 s" in out and "1/4 nodes succeeded" in out
     assert "__VPSC_PGID__" not in out
 
-    r = cli("exec", "--cluster", str(cluster_file), "--timeout", "8", "--json", "--", script, timeout=120)
+    r = cli("exec", "--cluster", str(cluster_file), "--timeout", "4", "--json", "--", script, timeout=120)
     results = {x["node"]: x for x in json.loads(r.stdout)["results"]}
     assert r.returncode == 1
     assert list(results) == ["node-a", "node-b", "node-c", "node-d"]  # the file's order
@@ -84,7 +84,7 @@ def test_exec_on_three_nodes_and_a_dead_one(farm, cli, tmp_path) -> None:
     assert results["node-a"]["stderr"] == "to stderr\n"
     assert results["node-b"]["exit_status"] == 7 and results["node-b"]["error"] is None
     assert results["node-c"]["timed_out"] is True and results["node-c"]["exit_status"] is None
-    assert 7.5 < results["node-c"]["duration_s"] < 30
+    assert 3.5 < results["node-c"]["duration_s"] < 30
     assert results["node-d"]["exit_status"] is None and "connection refused" in results["node-d"]["error"]
     assert results["node-d"]["duration_s"] < 5
 
@@ -95,10 +95,9 @@ def test_exec_on_three_nodes_and_a_dead_one(farm, cli, tmp_path) -> None:
 
 @needs_sshd
 def test_exec_accept_new_host_keys_flag(farm, cli, tmp_path) -> None:
+    # (Refusal without the flag is covered in test_cluster_ssh.py and test_sandbox_exec.py.)
     known_hosts = tmp_path / "known_hosts"
     cluster_file = farm.cluster_yaml(tmp_path / "cluster.yaml", known_hosts)
-    r = cli("exec", "--cluster", str(cluster_file), "--", "true", timeout=120)
-    assert r.returncode == 1 and r.stdout.count("unknown host key") == 3 + 3  # live line + table row each
     r = cli("exec", "--cluster", str(cluster_file), "--accept-new-host-keys", "--", "true", timeout=120)
     assert r.returncode == 0, r.stdout
     assert sorted(known_hosts.read_text().splitlines()) == sorted(n.known_hosts_line().strip() for n in farm.nodes)
