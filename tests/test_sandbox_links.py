@@ -63,17 +63,28 @@ def test_tbf_parameters_scale_with_rate():
     assert int(large["limit"]) == 6_250_000 and int(small["limit"]) == 100 * 1024
 
 
+def within_rate(info, src: str, dst: str, rate_mbit: float) -> float:
+    """Measured src -> dst, required within ±10% of `rate_mbit`.
+
+    A reading under the band is taken once more: on a shared 2-core machine a starved iperf3 can
+    only ever measure less than the link gives, never more, so the upper bound stays strict.
+    """
+    measured = iperf_mbit(info, src, dst)
+    if measured < 0.9 * rate_mbit:
+        measured = max(measured, iperf_mbit(info, src, dst))
+    assert 0.9 * rate_mbit <= measured <= 1.1 * rate_mbit, f"{src} -> {dst}: {measured:.1f} Mbit/s, configured {rate_mbit}"
+    return measured
+
+
 @pytest.mark.slow
 def test_rate_and_min_rate_between_uneven_nodes(make_sandbox):
-    info = make_sandbox(nodes=3, bandwidth="50mbit,200mbit,200mbit")
+    info = make_sandbox(nodes=3, bandwidth="25mbit,100mbit,100mbit")
     measured = {
-        ("node-2", "node-3"): iperf_mbit(info, "node-2", "node-3"),  # 200 <-> 200: the configured rate
-        ("node-1", "node-2"): iperf_mbit(info, "node-1", "node-2"),  # slow node sending: its egress
-        ("node-2", "node-1"): iperf_mbit(info, "node-2", "node-1"),  # slow node receiving: its ingress
+        "node-2 -> node-3": within_rate(info, "node-2", "node-3", 100.0),  # 100 <-> 100: the configured rate
+        "node-1 -> node-2": within_rate(info, "node-1", "node-2", 25.0),  # slow node sending: its egress
+        "node-2 -> node-1": within_rate(info, "node-2", "node-1", 25.0),  # slow node receiving: its ingress
     }
-    expected = {("node-2", "node-3"): 200.0, ("node-1", "node-2"): 50.0, ("node-2", "node-1"): 50.0}
-    for link, rate in expected.items():
-        assert 0.9 * rate <= measured[link] <= 1.1 * rate, f"{link}: {measured[link]:.1f} Mbit/s, configured {rate}"
+    print("measured Mbit/s:", {link: round(v, 1) for link, v in measured.items()})
 
 
 @pytest.mark.slow
@@ -82,8 +93,7 @@ def test_set_rate_changes_a_running_link(make_sandbox):
 
     info = make_sandbox(nodes=2, bandwidth="200mbit")
     assert sandbox.set_rate(info.name, "node-2", "20mbit") == 20.0
-    measured = iperf_mbit(info, "node-1", "node-2")
-    assert 18.0 <= measured <= 22.0, f"{measured:.1f} Mbit/s after set_rate 20mbit"
+    within_rate(info, "node-1", "node-2", 20.0)
     assert sandbox.info(info.name).node("node-2").bandwidth_mbit == 20.0
     from vpscluster.cluster.inventory import load_cluster
 

@@ -80,6 +80,8 @@ def up(
     if not cgroup.available():
         raise UserError(f"sandbox: no cgroup-v1 cpu controller at {cgroup.CPU_ROOT}; mount it (mount -t cgroup -o cpu cpu {cgroup.CPU_ROOT})")
 
+    # The lock covers only the reservation (name, subnet, record, cgroups), so sandboxes being
+    # built or removed side by side do not wait for each other's sshd start-up and checks.
     with state.sandbox_lock():
         _refuse_existing(name)
         octet = state.choose_subnet_octet(name)
@@ -100,11 +102,17 @@ def up(
         try:
             root.mkdir(parents=True, mode=0o700)
             state.save_info(info)  # first, so a later `up` sees the subnet taken and `down` the record
-            _build(info, say)
+            for n in info.nodes:
+                cgroup.create(info.name, n.name, n.cpu, sandbox_nodes=len(info.nodes))
         except BaseException:
-            say("failed; removing what was built")
             _teardown(name)
             raise
+    try:
+        _build(info, say)
+    except BaseException:
+        say("failed; removing what was built")
+        _teardown(name)
+        raise
     return info
 
 
@@ -133,7 +141,7 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         say(f"{n.name}: namespace, {n.bandwidth_mbit:g} Mbit/s, cpu {n.cpu if n.cpu is not None else 'unlimited'}")
         node_dir = root / "nodes" / n.name
         Path(n.workdir).mkdir(parents=True, exist_ok=True)
-        cg = cgroup.create(info.name, n.name, n.cpu, sandbox_nodes=len(info.nodes))
+        cg = Path(n.cgroup)
         netns.create_node(n.namespace, n.veth, info.bridge, f"{n.address}/24")
         shaping.shape_node(n.namespace, n.veth, n.bandwidth_mbit, info.latency_ms)
         sshd.write_etc_hosts(n.namespace, n.name, {n.name: n.address, **hosts})
@@ -203,8 +211,10 @@ def down(name: str = DEFAULT_NAME) -> bool:
     """Remove sandbox `name` entirely; False when there was nothing to remove. Safe to repeat."""
     state.check_name(name)
     require_root()
-    with state.sandbox_lock():
-        return _teardown(name)
+    found = _teardown(name)
+    with state.sandbox_lock():  # not while another `up` is creating its cgroups under it
+        cgroup.remove_parent_if_empty()
+    return found
 
 
 def _teardown(name: str) -> bool:
@@ -248,7 +258,7 @@ def down_all() -> list[str]:
             if re.fullmatch(r"vps(br[0-9a-f]{6}|[0-9a-f]{6}n\d+)", link):
                 netns.delete_link(link)
         if parent.is_dir():
-            cgroup.remove_tree(parent)
+            cgroup.remove_tree(parent)  # and what is left below it
     return removed
 
 

@@ -86,9 +86,11 @@ def remove_tree(path: Path, timeout_s: float = 5.0) -> None:
                 if time.monotonic() > deadline:
                     raise UserError(f"sandbox: cannot remove cgroup {d}: {e.strerror}; tasks left: {tasks(d)}") from None
                 time.sleep(0.05)
-    parent = path.parent
-    if parent.name == "vpscluster":
-        try:
-            os.rmdir(parent)  # the shared parent goes when the last sandbox does
-        except OSError:
-            pass
+
+
+def remove_parent_if_empty() -> None:
+    """The shared /sys/fs/cgroup/cpu/vpscluster goes when the last sandbox does."""
+    try:
+        os.rmdir(CPU_ROOT / "vpscluster")
+    except OSError:  # absent, or another sandbox still lives in it
+        pass
