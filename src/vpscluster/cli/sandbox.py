@@ -66,8 +66,8 @@ def _up(args: argparse.Namespace) -> int:
     for n in info.nodes:
         table.add_row(n.name, n.address, n.namespace, _rate(n.bandwidth_mbit), _cpu(n.cpu))
     con.print(table)
-    con.print(f"cluster file: {info.cluster_file}")
-    con.print(f"try: vpscluster exec --cluster {info.cluster_file} -- hostname")
+    con.print(f"cluster file: {info.cluster_file}", soft_wrap=True)
+    con.print(f"try: vpscluster exec --cluster {info.cluster_file} -- hostname", soft_wrap=True)
     con.print(f"remove: vpscluster sandbox down --name {info.name}")
     return 0
 
@@ -113,7 +113,7 @@ def _status(args: argparse.Namespace) -> int:
             table.add_row(n["name"], n["address"], ns, _rate(n["bandwidth_mbit"]), _cpu(n["cpu"]), sshd)
         con.print(table)
         if rec.get("cluster_file"):
-            con.print(f"cluster file: {rec['cluster_file']}")
+            con.print(f"cluster file: {rec['cluster_file']}", soft_wrap=True)
         elif rec["state"] == "partial":
             con.print(f"half-built; remove it with: vpscluster sandbox down --name {rec['name']}")
     return 0
