@@ -175,3 +175,36 @@ def test_node_with_sshd_down_fails_within_timeout_naming_it(make_sandbox, cli, t
     assert len(err) == 1 and victim.name in err[0], r.stderr
     assert elapsed < 5 + 30 + 15, elapsed
     assert not any(training_leftovers(info).values())
+
+
+def test_train_from_copied_code_and_data_when_nothing_is_shared(sandbox3, tmp_path):
+    """As on real VPS nodes: package and data copied to each workdir, config paths rewritten."""
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.config import build
+    from vpscluster.launch.pipeline import launch
+    from vpscluster.launch.train import training_job
+    from vpscluster.train import rundir
+    from vpscluster.train.config import TrainConfig
+
+    corpus = tmp_path / "corpus.txt"
+    with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
+        corpus.write_text(f.read(200_000))
+    cfg = build(TrainConfig, {"max_steps": 3, "eval_every": 3, "data": str(corpus), "cluster": sandbox3.cluster_file})
+    run_dir = rundir.create(tmp_path / "copied")
+    rundir.write_config(cfg, run_dir)
+    lines, events = [], []
+    job = training_job(cfg, run_dir, load_cluster(sandbox3.cluster_file), say=lines.append, on_event=events.append)
+    job.detect_shared = False
+    result = launch(job)
+    assert result.ok, (result.error, lines[-20:])
+    assert [e["event"] for e in events][0] == "start" and events[-1]["event"] == "end"
+    assert json.loads((run_dir / "report.json").read_text())["world_size"] == 3
+    for n, outcome in zip(sandbox3.nodes, result.nodes):
+        code, data = outcome.sync
+        assert not code["shared"] and code["remote_path"] == f"{n.workdir}/code/src/vpscluster"
+        assert not data["shared"] and Path(n.workdir, "data", "corpus.txt").read_text() == corpus.read_text()
+        node_cfg = yaml.safe_load(Path(n.workdir, "runs", "copied", "config.yaml").read_text())
+        assert node_cfg["data"] == f"{n.workdir}/data/corpus.txt"
+        # The workers imported the copy (Python cached its bytecode there), not the launcher's tree.
+        assert list(Path(n.workdir, "code", "src", "vpscluster", "train", "__pycache__").glob("worker.*.pyc"))
+    assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}

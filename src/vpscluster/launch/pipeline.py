@@ -54,6 +54,8 @@ class Job:
     # Called before start with (executor, state, synced paths, node run dir).
     prepare: Callable[[Any, NodeState, dict[str, str], str], Awaitable[None]] | None = None
     force: bool = False
+    # False: always copy, even where a node sees the launcher's files at the same path.
+    detect_shared: bool = True
     rdzv_id: str | None = None
     rdzv_port: int | None = None
     on_event: Callable[[dict], None] | None = None
@@ -222,7 +224,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         root, manifest = local_side(item)
         results = await _interruptible(asyncio.gather(*(
             sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
-                     timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say)
+                     timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say,
+                     detect_shared=job.detect_shared)
             for ex in executors)), interrupted)
         for r in results:
             synced[r.node][item.key] = _remote_of(item, r)
