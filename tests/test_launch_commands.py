@@ -158,3 +158,17 @@ def test_run_without_command_is_one_line_error(tmp_path, cli):
     assert r.stderr.strip().count("\n") == 0 and "no command given" in r.stderr
     r = cli("run", "--cluster", str(cluster), "--dry-run", "--sync", str(SCRIPTS), "--", "python", "missing.py", timeout=60)
     assert r.returncode != 0 and "missing.py: no such script" in r.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--join-timeout", "0"], "--join-timeout must be a positive"),
+    (["--rdzv-port", "70000"], "--rdzv-port 70000 is not a port"),
+    (["--nproc-per-node", "-1"], "--nproc-per-node must be at least 1"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, cli, flags, message):
+    key = tmp_path / "k"
+    key.write_text("x")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    r = cli("run", "--cluster", str(cluster), "--dry-run", *flags, "--", "python", "x.py", timeout=60)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr

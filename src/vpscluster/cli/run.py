@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if args.nproc_per_node < 0:
         raise UserError("--nproc-per-node must be at least 1 (or 0 for one per GPU)")
+    if args.join_timeout <= 0:
+        raise UserError(f"--join-timeout must be a positive number of seconds, got {args.join_timeout:g}")
+    if args.rdzv_port is not None and not 1 <= args.rdzv_port <= 65535:
+        raise UserError(f"--rdzv-port {args.rdzv_port} is not a port (1-65535)")
     console = make_console(args.json)
     cluster = load(args)
     job = script_job(cluster, command, sync=args.sync, run_dir=args.run_dir, nproc_per_node=args.nproc_per_node,
