@@ -160,3 +160,40 @@ def _processes_mentioning(text: str) -> list[int]:
             if text in cmd:
                 found.append(int(pid))
     return found
+
+
+@pytest.mark.slow
+def test_dead_rank_fails_fast_with_one_line_and_nothing_left(tmp_path):
+    """kill -9 one worker mid-training: the launcher stops the job and says where the logs are."""
+    run = tmp_path / "run-dead"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--max-steps", "100000", "--run-dir", str(run)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and '"loss"' in metrics.read_text()):
+            time.sleep(0.2)
+        victims = [pid for pid in _processes_mentioning(str(run)) if _env(pid).get("RANK") == "1"]
+        assert len(victims) == 1, "rank 1 worker not found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    lines = [l for l in err.splitlines() if "error:" in l]
+    assert len(lines) == 1 and "training failed: local rank 1 was killed by SIGKILL" in lines[0], err
+    assert str(run / "logs") in lines[0]
+    assert "Traceback" not in err
+    time.sleep(0.5)
+    assert _processes_mentioning(str(run)) == []
+
+
+def _env(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)

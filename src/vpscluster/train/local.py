@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def launch_local(cfg: TrainConfig, run_dir: Path, *, resume: bool = False, view=
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
     reader.start()
     errors: list[str] = []
+    deaths: list[str] = []  # torchrun's own account of a worker that died without an error event
     started = False
     last_output = time.monotonic()
     try:
@@ -86,6 +88,9 @@ def launch_local(cfg: TrainConfig, run_dir: Path, *, resume: bool = False, view=
                 log.write(line)
                 ev = events.parse_event(line)
                 if ev is None:
+                    death = _worker_death(line)
+                    if death:
+                        deaths.append(death)
                     if line.lstrip().startswith("warning:") and view is not None:
                         view.log_line(line.rstrip())
                     continue
@@ -103,9 +108,24 @@ def launch_local(cfg: TrainConfig, run_dir: Path, *, resume: bool = False, view=
             view.close()
     _stop_group(proc)  # nothing of the group may outlive the launcher
     if rc != 0:
-        first = errors[0] if errors else f"torch.distributed.run exited with status {rc}"
+        # A rank killed by a signal is the root cause; its peers' errors (lost connection) follow from it.
+        killed = [d for d in deaths if "killed by" in d]
+        first = (killed or errors or deaths or [f"torch.distributed.run exited with status {rc}"])[0]
         raise TrainingFailed(f"training failed: {first}; logs in {run_dir / rundir.LOGS}")
     return rundir.read_report(run_dir)
+
+
+_DEATH = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def _worker_death(line: str) -> str | None:
+    """torchrun's 'failed (exitcode: -9) local_rank: 1' line, said for people."""
+    m = _DEATH.search(line)
+    if not m:
+        return None
+    code, local_rank = int(m.group(1)), m.group(2)
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exited with status {code}"
+    return f"local rank {local_rank} {how}"
 
 
 def _pump(stream, out: queue.Queue) -> None:
