@@ -43,16 +43,19 @@ def tagged_processes(launch_id: str) -> list[int]:
 @pytest.mark.slow
 def test_two_local_nodes_run_the_ddp_script(tmp_path):
     lines = []
+    # Two ranks per node: world size 4, global ranks spread over the two nodes.
     job = script_job(local_cluster(tmp_path), ["python", "ddp_tutorial.py", "--epochs", "1"], sync=str(SCRIPTS),
-                     run_dir=str(tmp_path / "run"), say=lines.append)
+                     run_dir=str(tmp_path / "run"), nproc_per_node=2, say=lines.append)
     result = launch(job)
     assert result.ok, result.error
     assert [o.exit_status for o in result.nodes] == [0, 0]
     text = "\n".join(lines)
-    hashes = dict(re.findall(r"STATE_SHA256 rank=(\d) world=2 ([0-9a-f]{64})", text))
-    assert sorted(hashes) == ["0", "1"] and len(set(hashes.values())) == 1
-    # Shown live with node/rank prefixes, and kept per node.
-    assert re.search(r"^n[01]/[01]: rank \d epoch 0 loss", text, re.M)
+    hashes = dict(re.findall(r"STATE_SHA256 rank=(\d) world=4 ([0-9a-f]{64})", text))
+    assert sorted(hashes) == ["0", "1", "2", "3"] and len(set(hashes.values())) == 1
+    # Shown live with node/rank prefixes (the prefix's rank is the line's own), and kept per node.
+    prefixed = re.findall(r"^(n[01])/(\d): rank (\d) epoch 0 loss", text, re.M)
+    assert len(prefixed) == 4 and all(a == b for _, a, b in prefixed)
+    assert {node for node, _, _ in prefixed} == {"n0", "n1"}
     assert "STATE_SHA256" in (tmp_path / "run" / "logs" / "n0.log").read_text() + (tmp_path / "run" / "logs" / "n1.log").read_text()
     # torchrun's own per-rank logs went to the node's run dir, not /tmp.
     assert list((tmp_path / "w0" / "runs" / "run" / "torchelastic").iterdir())
