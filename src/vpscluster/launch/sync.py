@@ -35,9 +35,9 @@ _REMOTE_HASH = r"""
 import hashlib, json, os, sys
 roots = json.loads(sys.argv[1]); paths = json.load(sys.stdin); out = {}
 for root in roots:
-    root = os.path.expanduser(root); found = {}
+    base = os.path.expanduser(root); found = {}
     for rel in paths:
-        p = os.path.join(root, rel)
+        p = os.path.join(base, rel)
         if os.path.isfile(p):
             h = hashlib.sha256()
             with open(p, 'rb') as f:
@@ -135,7 +135,7 @@ async def sync_dir(
     found = await remote_hashes(executor, roots, paths, timeout_s)
     if detect_shared and not changed_files(manifest, found.get(local_root, {})):
         return SyncResult(node.name, local_root, local_root, len(paths), 0, 0, shared=True)
-    todo = changed_files(manifest, found.get(_expand_key(found, remote_root), {}))
+    todo = changed_files(manifest, found.get(remote_root, {}))
     sent = 0
     if todo:
         if say is not None:
@@ -143,13 +143,6 @@ async def sync_dir(
             say(f"{node.name}: sending {len(todo)} changed of {len(paths)} files ({size_mb:.1f} MB) to {remote_root}")
         sent = await _ship(executor, local_root, todo, remote_root, timeout_s)
     return SyncResult(node.name, local_root, remote_root, len(paths), len(todo), sent, shared=False)
-
-
-def _expand_key(found: dict, root: str) -> str:
-    # The node expands "~"; its answer is keyed by the expanded path.
-    if root in found:
-        return root
-    return next((k for k in found if k.endswith(root.lstrip("~"))), root)
 
 
 async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: str, timeout_s: float) -> int:
