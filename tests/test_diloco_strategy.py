@@ -140,6 +140,33 @@ def test_streaming_offsets_spread_over_the_round():
     assert [sync_offset(f, 1, 5) for f in range(1)] == [0]
 
 
+# -- identical start -----------------------------------------------------------------------------
+
+
+def _start(rank, world):
+    import torch
+
+    out = []
+    for seed_of_rank in (lambda r: 0, lambda r: r):  # same seeds, then different ones
+        torch.manual_seed(seed_of_rank(rank))
+        from torch import nn
+
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        strategy = make_strategy(rank, world, sync_every=2)
+        strategy.setup(model)
+        out.append((digest(flat(model)), digest(torch.cat(strategy.global_flat)), strategy.comm.take()[1]))
+    return out
+
+
+def test_setup_gives_every_rank_rank0s_weights_and_sends_them_only_when_needed():
+    (same0, diff0), (same1, diff1) = run_ranks(_start, 2)
+    assert same0[0] == same1[0] == same0[1] and diff0[0] == diff1[0] == diff0[1]
+    assert same0[0] == diff0[0]  # rank 0's seed-0 weights everywhere
+    assert same0[2] < 1000  # only a digest went out
+    assert diff0[2] - same0[2] == 4 * (16 * 32 + 32 + 32 * 4 + 4)  # rank 0 also broadcast the weights
+    assert diff1[2] < 1000
+
+
 # -- H = 1, outer lr 1, no momentum: the outer step is plain averaging --------------------------
 
 

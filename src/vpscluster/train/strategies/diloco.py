@@ -13,7 +13,8 @@ leaves the rank). Every H steps:
     m     = μ·m + Δ;  θ_global −= lr·(Δ + μ·m) (SGD with Nesterov momentum, as torch.optim.SGD)
     θ_r   = θ_global on every rank
 
-θ_global and m live in fp32 on the CPU (one flat tensor per fragment). Δ crosses the wire in
+All ranks start from identical weights: a sha256 of the weights is compared at set-up, and rank
+0's weights are broadcast only when they differ. θ_global and m live in fp32 on the CPU (one flat tensor per fragment). Δ crosses the wire in
 fp32, bf16 or int8 (`wire.py`), always summed in fp32.
 
 Streaming: with F fragments (contiguous runs of parameters of about equal size, in model order,
@@ -107,21 +108,38 @@ class DiLoCoStrategy(Strategy):
         params = [p for p in model.parameters() if p.requires_grad]
         groups = split_fragments([p.numel() for p in params], self.config.fragments)
         self.fragment_params = [[params[i] for i in g] for g in groups]
-        for f in range(len(groups)):
-            flat = self._local_flat(f)
-            if self.ctx.is_distributed:
-                # All ranks start from rank 0's weights, whatever their seeds did.
+        flats = [self._local_flat(f) for f in range(len(groups))]
+        if self.ctx.is_distributed and not self._identical_everywhere(flats):
+            # All ranks start from rank 0's weights, whatever their seeds did. Usually the model
+            # is built from one seed and the hash check above saved sending it (43 MB for `small`).
+            for f, flat in enumerate(flats):
                 buf = flat.to(self.comm_device)
                 sent = flat.numel() * 4 * (self.ctx.world_size - 1) if self.ctx.rank == 0 else 0
                 with self.comm.timed(sent):
                     dist.broadcast(buf, src=0)  # start-up: the default group, long time-out
-                flat = buf.cpu()
-                self._write_local(f, flat)
+                flats[f] = buf.cpu()
+                self._write_local(f, flats[f])
+        for flat in flats:
             self.global_flat.append(flat.clone())
             self.momentum.append(torch.zeros_like(flat))
         self.steps_since_sync = [0] * len(groups)
         self.tokens_since_sync = [0.0] * len(groups)
         return model
+
+    def _identical_everywhere(self, flats: list["torch.Tensor"]) -> bool:
+        """Do all ranks hold bit-identical weights? One sha256 per rank is exchanged."""
+        import hashlib
+
+        import torch.distributed as dist
+
+        h = hashlib.sha256()
+        for flat in flats:
+            h.update(flat.numpy().tobytes())
+        digests: list = [None] * self.ctx.world_size
+        # all_gather_object: a size tensor, then the pickled 64-character digest, to every peer.
+        with self.comm.timed((self.ctx.world_size - 1) * (8 + 96)):
+            dist.all_gather_object(digests, h.hexdigest())
+        return len(set(digests)) == 1
 
     def _local_flat(self, f: int) -> "torch.Tensor":
         import torch
