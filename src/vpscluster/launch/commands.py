@@ -93,6 +93,7 @@ class NodeTarget:
     nproc: int = 1
     interface: str | None = None  # None: unknown (a dry run without probe data)
     env: tuple[tuple[str, str], ...] = ()  # extra variables, in order (PYTHONPATH for train, ...)
+    log_dir: str | None = None  # torchrun's per-rank log files (default: a temp dir left in /tmp)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,6 @@ class LaunchOptions:
     join_timeout_s: float = 600.0  # all nodes must join the rendezvous within this
     store_timeout_s: float = 300.0  # store reads while starting (generous over WAN)
     max_restarts: int = 0
-    log_dir: str | None = None  # torchrun's --log-dir, relative to each node's cwd
 
 
 @dataclass
@@ -175,8 +175,8 @@ def _node_command(
         # Tee every rank's stdout and stderr to the console with a "[rankN]:" prefix.
         "--tee", "3",
     ]
-    if options.log_dir:
-        argv += ["--log-dir", options.log_dir]
+    if t.log_dir:
+        argv += ["--log-dir", t.log_dir]
     argv += program.torchrun_args()
     env: dict[str, str] = {}
     if t.interface:

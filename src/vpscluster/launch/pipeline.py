@@ -112,6 +112,8 @@ def node_targets(job: Job, states: dict[str, NodeState], synced: dict[str, dict[
         targets.append(NodeTarget(
             name=node.name, address=st.address, python=node.python, cwd=cwd, nproc=nproc[node.name],
             interface=st.interface, env=tuple(env.items()),
+            # torchrun's own per-rank log files go into the node's run dir, never to /tmp.
+            log_dir=posixpath.join(job.node_run_dir(st.workdir), "torchelastic"),
         ))
     return targets
 
@@ -121,12 +123,7 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int) -> li
     options = LaunchOptions(rdzv_id=rdzv_id, rdzv_port=rdzv_port, join_timeout_s=job.join_timeout_s,
                             store_timeout_s=job.store_timeout_s)
     program = job.program_for(states) if job.program_for else job.program
-    commands = build_node_commands(node_targets(job, states, synced, nproc), job.cluster.head, program, options)
-    for c in commands:
-        # torchrun's own per-rank log files go into the node's run dir, never to /tmp.
-        c.argv[c.argv.index("--tee") + 2:c.argv.index("--tee") + 2] = [
-            "--log-dir", posixpath.join(job.node_run_dir(states[c.node].workdir), "torchelastic")]
-    return commands
+    return build_node_commands(node_targets(job, states, synced, nproc), job.cluster.head, program, options)
 
 
 def dry_run(job: Job) -> dict[str, Any]:
@@ -140,7 +137,8 @@ def dry_run(job: Job) -> dict[str, Any]:
         f = facts.get(node.name, {})
         gpus = f.get("gpus") or []
         states[node.name] = NodeState(node.name, node.host, node.workdir, interface=f.get("interface"),
-                                      gpus=len(gpus) if isinstance(gpus, list) else int(gpus))
+                                      gpus=len(gpus) if isinstance(gpus, list) else int(gpus),
+                                      cuda=bool(f.get("cuda_available")))
         synced[node.name] = {s.key: posixpath.join(node.workdir, s.remote_rel) for s in job.syncs}
     if any(s.interface is None for s in states.values()):
         notes.append("GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: found on each node at launch (`ip -o addr`); "
