@@ -258,3 +258,45 @@ def test_status_reports_a_dead_sshd(make_sandbox, cli):
     assert [n["sshd_alive"] for n in rec["nodes"]] == [True, False]
     table = cli("sandbox", "status", "--name", info.name)
     assert "dead" in table.stdout and "degraded" in table.stdout
+
+
+def test_down_all_removes_every_sandbox_and_orphan(monkeypatch, need_sandbox):
+    """`down --all` (CI's last step). Run under a private naming scheme, so that it cannot touch
+    the sandboxes of other test runs that share this machine."""
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.sandbox import cgroup, state
+
+    scheme = {"NETNS_PREFIX": "vpst.", "BRIDGE_PREFIX": "vptbr", "VETH_PREFIX": "vpt", "PEER_PREFIX": "vpq"}
+    for attr, value in scheme.items():
+        monkeypatch.setattr(state, attr, value)
+    # Not under /tmp: sshd refuses keys below a world-writable directory (StrictModes).
+    private_root = Path(f"/var/lib/vpscluster/test-{secrets.token_hex(3)}")
+    monkeypatch.setattr(state, "STATE_ROOT", private_root / "sandboxes")
+    monkeypatch.setattr(cgroup, "PARENT_NAME", f"vpscluster-test-{secrets.token_hex(3)}")
+
+    def traces() -> list[str]:
+        found = [f"netns {n}" for n in os.listdir("/run/netns") if n.startswith("vpst.")]
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
+        found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
+                  if line.split(":")[1].strip().startswith(("vptbr", "vpt", "vpq"))]
+        if cgroup.parent().exists():
+            found.append(str(cgroup.parent()))
+        if state.STATE_ROOT.exists():
+            found += [p.name for p in state.STATE_ROOT.iterdir() if p.name != ".lock"]
+        return found
+
+    try:
+        a = sandbox.up("all-a", nodes=2, bandwidth="1gbit", cpu=0.5)
+        sandbox.up("all-b", nodes=1, bandwidth="1gbit")
+        assert a.nodes[0].namespace == "vpst.all-a.node-1" and a.bridge.startswith("vptbr")
+        assert ssh_run(a, "node-2", "true").returncode == 0
+        # The remains of an `up` killed early: a namespace and a veth pair, no record at all.
+        subprocess.run(["ip", "netns", "add", "vpst.lost.node-1"], check=True, timeout=10)
+        subprocess.run(["ip", "link", "add", "vptabcdefn1", "type", "veth", "peer", "name", "vpqabcdefn1"], check=True, timeout=10)
+        assert len(traces()) > 5
+        assert sorted(sandbox.down_all()) == ["all-a", "all-b", "lost"]
+        assert traces() == []
+        assert sandbox.down_all() == []  # twice is fine
+    finally:
+        sandbox.down_all()
+        shutil.rmtree(private_root, ignore_errors=True)

@@ -142,7 +142,8 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         node_dir = root / "nodes" / n.name
         Path(n.workdir).mkdir(parents=True, exist_ok=True)
         cg = Path(n.cgroup)
-        netns.create_node(n.namespace, n.veth, info.bridge, f"{n.address}/24")
+        index = info.nodes.index(n) + 1
+        netns.create_node(n.namespace, n.veth, state.peer_name(info.name, index), info.bridge, f"{n.address}/24")
         shaping.shape_node(n.namespace, n.veth, n.bandwidth_mbit, info.latency_ms)
         sshd.write_etc_hosts(n.namespace, n.name, {n.name: n.address, **hosts})
         host_key = node_dir / "ssh_host_ed25519_key"
@@ -230,7 +231,8 @@ def _teardown(name: str) -> bool:
     if cg.exists():
         cgroup.remove_tree(cg)  # kills what escaped the namespace but not the cgroup
         found = True
-    for link in netns.list_links(state.bridge_name(name)) + netns.list_links(f"{state.VETH_PREFIX}{state.tag(name)}n"):
+    links = [state.bridge_name(name), f"{state.VETH_PREFIX}{state.tag(name)}n", f"{state.PEER_PREFIX}{state.tag(name)}n"]
+    for link in [found_link for prefix in links for found_link in netns.list_links(prefix)]:
         netns.delete_link(link)
         found = True
     root = state.state_dir(name)
@@ -249,13 +251,14 @@ def down_all() -> list[str]:
         names = set(state.known_names())
         for ns in netns.list_namespaces(state.NETNS_PREFIX):
             names.add(ns[len(state.NETNS_PREFIX):].split(".", 1)[0])
-        parent = cgroup.CPU_ROOT / "vpscluster"
+        parent = cgroup.parent()
         if parent.is_dir():
             names.update(p.name for p in parent.iterdir() if p.is_dir())
         removed = sorted(n for n in names if _teardown(n))
         # Links whose sandbox name is lost (state dir gone): recognisable by their shape alone.
-        for link in netns.list_links(state.VETH_PREFIX):
-            if re.fullmatch(r"vps(br[0-9a-f]{6}|[0-9a-f]{6}n\d+)", link):
+        shapes = re.compile(rf"{state.BRIDGE_PREFIX}[0-9a-f]{{6}}|({state.VETH_PREFIX}|{state.PEER_PREFIX})[0-9a-f]{{6}}n\d+")
+        for link in netns.list_links(""):
+            if shapes.fullmatch(link):
                 netns.delete_link(link)
         if parent.is_dir():
             cgroup.remove_tree(parent)  # and what is left below it

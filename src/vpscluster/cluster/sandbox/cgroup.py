@@ -15,6 +15,7 @@ from pathlib import Path
 from vpscluster.errors import UserError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+PARENT_NAME = "vpscluster"
 PERIOD_US = 20_000  # short periods: a quota-limited node runs smoothly, not 100 ms on / off
 DEFAULT_SHARES = 1024
 MAX_SHARES = 262_144
@@ -24,8 +25,13 @@ def available() -> bool:
     return (CPU_ROOT / "cpu.cfs_quota_us").exists()
 
 
+def parent() -> Path:
+    """The cgroup all sandboxes live under."""
+    return CPU_ROOT / PARENT_NAME
+
+
 def sandbox_cgroup(sandbox: str) -> Path:
-    return CPU_ROOT / "vpscluster" / sandbox
+    return parent() / sandbox
 
 
 def node_cgroup(sandbox: str, node: str) -> Path:
@@ -91,6 +97,6 @@ def remove_tree(path: Path, timeout_s: float = 5.0) -> None:
 def remove_parent_if_empty() -> None:
     """The shared /sys/fs/cgroup/cpu/vpscluster goes when the last sandbox does."""
     try:
-        os.rmdir(CPU_ROOT / "vpscluster")
+        os.rmdir(parent())
     except OSError:  # absent, or another sandbox still lives in it
         pass

@@ -50,9 +50,8 @@ def create_bridge(bridge: str, gateway_cidr: str) -> None:
     run_tool(["ip", "link", "set", bridge, "up"])
 
 
-def create_node(namespace: str, veth: str, bridge: str, address_cidr: str) -> None:
-    """A namespace with lo up and eth0 at `address_cidr`, its peer `veth` enslaved to `bridge`."""
-    peer = veth.replace("vps", "vpp", 1)  # temporary name until it is renamed eth0 inside
+def create_node(namespace: str, veth: str, peer: str, bridge: str, address_cidr: str) -> None:
+    """A namespace with lo up and eth0 at `address_cidr` (created as `peer`), `veth` enslaved to `bridge`."""
     run_tool(["ip", "netns", "add", namespace])
     run_tool(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer])
     run_tool(["ip", "link", "set", peer, "netns", namespace])

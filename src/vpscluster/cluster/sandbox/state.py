@@ -5,7 +5,7 @@ even after an `up` that died half-way (before or after the state file was writte
 
     network namespace   vpsc.<name>.<node>                  (e.g. vpsc.default.node-1)
     bridge              vpsbr<tag>                          (tag: 6 hex digits of sha1(name))
-    host-side veth      vps<tag>n<i>                        (node end is renamed eth0 in its namespace)
+    host-side veth      vps<tag>n<i>                        (node end vpp<tag>n<i>, renamed eth0 inside)
     cgroup (v1, cpu)    /sys/fs/cgroup/cpu/vpscluster/<name>/<node>
     state directory     /var/lib/vpscluster/sandboxes/<name>   (keys, sshd configs, cluster.yaml, workdirs)
 
@@ -30,6 +30,7 @@ STATE_ROOT = Path("/var/lib/vpscluster/sandboxes")
 NETNS_PREFIX = "vpsc."
 BRIDGE_PREFIX = "vpsbr"
 VETH_PREFIX = "vps"
+PEER_PREFIX = "vpp"  # the node end of a veth, until it is moved into its namespace and renamed eth0
 SUBNET_PREFIX = "10.231"
 MAX_NODES = 60
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,23}")
@@ -54,6 +55,10 @@ def bridge_name(name: str) -> str:
 
 def veth_name(name: str, index: int) -> str:
     return f"{VETH_PREFIX}{tag(name)}n{index}"
+
+
+def peer_name(name: str, index: int) -> str:
+    return f"{PEER_PREFIX}{tag(name)}n{index}"
 
 
 def netns_name(name: str, node: str) -> str:
