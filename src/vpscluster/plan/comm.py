@@ -13,8 +13,8 @@ travelling-salesman problem: exact by enumeration up to 8 nodes, widest-neighbou
 plus 2-opt above (maximising the weakest link first, then the sum of link rates).
 
 DDP overlap (Li et al., 2020, "PyTorch Distributed", VLDB): gradients are all-reduced in buckets
-(1 MiB first, then bucket_mb) as backward produces them, one collective after another, so only
-what is left after backward is exposed. Simulated here bucket by bucket.
+of bucket_mb MiB as backward produces them, one collective after another, so only what is left
+after backward is exposed. Simulated here bucket by bucket.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from vpscluster.plan.resources import LinkMatrix
 from vpscluster.plan.shapes import ModelSpec
 
 SOFTWARE_ALPHA_S = 2e-4  # per-message overhead of gloo/TCP on top of the one-way latency
-FIRST_BUCKET_BYTES = 1 * 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 EXACT_RING_MAX_NODES = 8
 
 
@@ -144,10 +143,12 @@ def grad_buckets(model: ModelSpec, grad_bytes_per_param: float, bucket_mb: float
     """DDP buckets in backward order: (bytes, fraction of backward done when the bucket is ready).
 
     As torch's reducer assigns them (after its first-iteration rebuild, by gradient ready
-    order): parameters in backward order fill a bucket until it reaches its cap, 1 MiB for the
-    first, then `bucket_mb` MiB.
+    order): parameters in backward order fill a bucket until it reaches its cap. torch 2.x uses
+    a 1 MiB first bucket only when `bucket_cap_mb` is left at its default; vpscluster's DDP
+    strategy always passes `bucket_mb`, so every bucket (the first too) is `bucket_mb` MiB, and a
+    model smaller than that is one bucket, reduced only after the whole backward.
     """
-    buckets, cap = [], FIRST_BUCKET_BYTES
+    buckets, cap = [], bucket_mb * 2**20
     size, ready = 0.0, 0.0
     for params, done in backward_params(model):
         size += params * grad_bytes_per_param
