@@ -76,7 +76,8 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     """Used by `vpscluster train --strategy auto`: a concrete StrategyConfig and the reason.
 
     H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps)
-    and leave enough outer steps in `max_steps`.
+    and leave enough outer steps in `max_steps`. Without `probe`, the cluster's last saved probe
+    is used when there is one.
     """
     from vpscluster.plan.calibrate import efficiency_for
     from vpscluster.plan.resources import gather_resources
@@ -86,8 +87,18 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     if cluster is None:
         res = gather_resources(None, probe, nodes=cfg.nodes, local=True)
     else:
+        if probe is None:
+            try:  # the cluster's last probe, when `vpscluster probe` has run
+                from vpscluster.probe.store import load_probe
+
+                probe = load_probe(cluster)
+            except ImportError:
+                probe = None
         res = gather_resources(cluster, probe)
-    eff = efficiency_for(model, res, calibrate=False)
+    probe_threads = next((n.get("torch_threads") for n in (probe or {}).get("nodes", [])
+                          if isinstance(n, dict) and isinstance(n.get("torch_threads"), int)), None)
+    eff = efficiency_for(model, res, calibrate=False, threads=cfg.threads_per_rank or probe_threads,
+                         matmul_threads=probe_threads)
     tokens = cfg.max_steps * model.shape.batch_size * model.shape.seq_len * res.world_size
     s = cfg.strategy
     base = Settings(compress=s.compress, powersgd_rank=s.powersgd_rank, bucket_mb=s.bucket_mb,
