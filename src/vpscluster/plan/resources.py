@@ -136,8 +136,8 @@ def gather_resources(
         else:
             mem, kind = float(ASSUMED_MEMORY_BYTES), "ram"
             assumptions.append(f"{name}: memory assumed {ASSUMED_MEMORY_BYTES / 2**30:.0f} GiB (no probe); run `vpscluster probe`")
-        if kind == "ram" and shared_local:
-            mem /= len(names)
+        if kind == "ram" and shared_local and memory_bytes is None:
+            mem /= len(names)  # local workers share this machine's RAM (a flag gives it per rank)
         result.append(NodeResources(
             name=name, flops=rank_flops, memory_bytes=mem, memory_kind=kind, ranks=ranks,
             disk_read_mb_s=facts.get("disk_read_mb_s") if _positive(facts.get("disk_read_mb_s")) else None,
