@@ -8,20 +8,19 @@
 
 Every node is a network namespace on this machine with its own sshd; the filesystem is shared,
 but commands reach the nodes through SSH exactly as on rented VPS nodes. The pieces live in
-netns.py (plumbing), shaping.py (tc), cgroup.py (CPU), sshd.py (servers, keys) and state.py
-(names and records). An `up` that fails half-way removes what it built before it re-raises.
+netns.py (plumbing), shaping.py (tc), cgroup.py (CPU), sshd.py (servers, keys), checks.py
+(does it work), clusterfile.py and state.py (names and records). An `up` that fails half-way removes what it built before it re-raises.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from vpscluster.cluster.sandbox import cgroup, netns, shaping, sshd, state
+from vpscluster.cluster.sandbox import cgroup, checks, netns, shaping, sshd, state
+from vpscluster.cluster.sandbox.checks import ssh_command
 from vpscluster.cluster.sandbox.clusterfile import write_cluster_file
 from vpscluster.cluster.sandbox.state import SandboxInfo, SandboxNode
 from vpscluster.cluster.sandbox.system import require_root, require_sandbox_support
@@ -31,7 +30,6 @@ from vpscluster.units import parse_list, parse_rate_mbit
 __all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
-CHECK_TIMEOUT_S = 10.0
 Progress = Callable[[str], None]
 
 
@@ -137,12 +135,11 @@ def _build(info: SandboxInfo, say: Progress) -> None:
     netns.create_bridge(info.bridge, f"{info.gateway}/24")
     hosts = {n.name: n.address for n in info.nodes}
     known_hosts = []
-    for n in info.nodes:
+    for index, n in enumerate(info.nodes, start=1):
         say(f"{n.name}: namespace, {n.bandwidth_mbit:g} Mbit/s, cpu {n.cpu if n.cpu is not None else 'unlimited'}")
         node_dir = root / "nodes" / n.name
         Path(n.workdir).mkdir(parents=True, exist_ok=True)
         cg = Path(n.cgroup)
-        index = info.nodes.index(n) + 1
         netns.create_node(n.namespace, n.veth, state.peer_name(info.name, index), info.bridge, f"{n.address}/24")
         shaping.shape_node(n.namespace, n.veth, n.bandwidth_mbit, info.latency_ms)
         sshd.write_etc_hosts(n.namespace, n.name, {n.name: n.address, **hosts})
@@ -156,56 +153,9 @@ def _build(info: SandboxInfo, say: Progress) -> None:
     say("checking ssh to every node and node-to-node links")
     for n in info.nodes:
         sshd.wait_listening(n.address)
-    _check_ssh(info)
-    _check_node_to_node(info)
+    checks.check_ssh(info)
+    checks.check_node_to_node(info)
     state.save_info(info)
-
-
-def _check_ssh(info: SandboxInfo) -> None:
-    """A real ssh login to every node with the generated key and known_hosts (strict checking)."""
-    procs = {n.name: subprocess.Popen(ssh_command(info, n, "true"), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in info.nodes}
-    _collect(procs, "ssh login from this machine")
-
-
-def ssh_command(info: SandboxInfo, node: SandboxNode, command: str) -> list[str]:
-    """`ssh` argv that logs in to a sandbox node the way the cluster file describes (for tests and debugging)."""
-    return ["ssh", "-F", "/dev/null", "-i", info.identity_file, "-o", "IdentitiesOnly=yes",
-            "-o", f"UserKnownHostsFile={info.known_hosts}", "-o", "StrictHostKeyChecking=yes",
-            "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(CHECK_TIMEOUT_S)}", f"root@{node.address}", command]
-
-
-def _check_node_to_node(info: SandboxInfo) -> None:
-    """Each node opens TCP to the next one's sshd: bridged traffic is not dropped by a firewall."""
-    if len(info.nodes) < 2:
-        return
-    procs = {}
-    for i, n in enumerate(info.nodes):
-        peer = info.nodes[(i + 1) % len(info.nodes)]
-        code = f"import socket; socket.create_connection(({peer.address!r}, 22), {CHECK_TIMEOUT_S / 2}).close()"
-        procs[f"{n.name} -> {peer.name}"] = subprocess.Popen(
-            ["ip", "netns", "exec", n.namespace, sys.executable, "-S", "-c", code],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _collect(procs, "node-to-node TCP (if bridged traffic is filtered: sysctl net.bridge.bridge-nf-call-iptables=0 "
-                    f"or allow forwarding on {info.bridge})")
-
-
-def _collect(procs: dict[str, subprocess.Popen], what: str) -> None:
-    failures = []
-    for label, p in procs.items():
-        try:
-            _, err = p.communicate(timeout=CHECK_TIMEOUT_S + 5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            failures.append(f"{label}: no answer within {CHECK_TIMEOUT_S + 5:.0f} s")
-            continue
-        if p.returncode != 0:
-            lines = err.strip().splitlines()
-            failures.append(f"{label}: {lines[-1] if lines else f'exit status {p.returncode}'}")
-    if failures:
-        raise UserError(f"sandbox: {what} failed: {'; '.join(failures)}")
 
 
 def down(name: str = DEFAULT_NAME) -> bool:
