@@ -278,7 +278,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     # collect: the report and metrics from the node that ran rank 0.
     fetched = []
     rank0 = router.rank0_node or job.cluster.head
-    if job.fetch and not was_interrupted:
+    if job.fetch and not was_interrupted and failed is None and silent_s is None:
         fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, timeout_s)
 
     if was_interrupted:
@@ -289,7 +289,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     elif failed is not None:
         failed = _culprit(failed, outcomes)
         o = outcomes[failed]
-        error = f"node {failed} failed (exit status {o.exit_status})" + (f": {o.first_error}" if o.first_error else "")
+        why = o.first_error or ("the SSH connection to it was lost" if o.exit_status in (255, None) else None)
+        error = f"node {failed} failed (exit status {o.exit_status})" + (f": {why}" if why else "")
         status = 1
     else:
         status = 0

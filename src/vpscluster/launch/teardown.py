@@ -77,6 +77,7 @@ async def reap_node(executor, launch_id: str, grace_s: float = 6.0, kill_wait_s:
     )
     if not result.ok:
         why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["?"])[-1])
+        why = why[len(node.name) + 2:] if why.startswith(f"{node.name}: ") else why
         return ReapResult(node.name, [], [], error=why)
     try:
         doc = json.loads(result.stdout.strip().splitlines()[-1])
