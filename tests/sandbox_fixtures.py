@@ -100,9 +100,5 @@ def ns_popen(info, node: str, argv: Sequence[str], **kwargs) -> subprocess.Popen
     """Start `argv` inside node `node`'s network namespace and CPU cgroup (no ssh in between)."""
     n = info.node(node)
     procs = os.path.join(n.cgroup, "cgroup.procs")
-
-    def enter_cgroup() -> None:
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-
-    return subprocess.Popen(["ip", "netns", "exec", n.namespace, *argv], preexec_fn=enter_cgroup, **kwargs)
+    return subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, "ip", "netns", "exec", n.namespace, *argv],
+                            **kwargs)

@@ -77,16 +77,13 @@ def remove_etc_hosts(namespace: str) -> None:
 def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path) -> int:
     """Start sshd (it daemonizes) in `namespace` and `cgroup`; return the daemon's pid."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-    procs = str(cgroup / "cgroup.procs")
-
-    def enter_cgroup() -> None:  # runs in the child before exec: all descendants inherit it
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-
-    argv = ["ip", "netns", "exec", namespace, "unshare", "--uts", "--", "sh", "-c",
+    # The shell joins the cgroup before it becomes `ip netns exec ... sshd`, so sshd and all it
+    # spawns are in it from the first instruction (and no Python runs between fork and exec).
+    argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
+            "ip", "netns", "exec", namespace, "unshare", "--uts", "--", "sh", "-c",
             'hostname "$0" && exec "$1" -f "$2" -E "$3"', hostname, SSHD, str(config), str(log)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=enter_cgroup, start_new_session=True, text=True)
+                            start_new_session=True, text=True)
     try:
         out, _ = proc.communicate(timeout=START_TIMEOUT_S)
     except subprocess.TimeoutExpired:
