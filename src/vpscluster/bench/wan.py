@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
     from vpscluster.cluster import sandbox
-    from vpscluster.errors import UserError
+    from vpscluster.errors import RemoteError, UserError
     from vpscluster.train.presets import get_preset
 
     if args.quick:
@@ -97,12 +97,21 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"sandbox {args.name}: {args.nodes} nodes x {args.bandwidth}, CPU {args.cpu} each")
     info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, progress=lambda m: con.print(f"  {m}"))
     runs: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
     try:
         for name in names:
             before = _tx_bytes(info)
             t0 = time.perf_counter()
-            with con.status(f"[bold]{name}[/]: launching and training ({args.budget_s:g} s budget; log {out / name}.log)"):
-                result = _run_baseline(args, info, shape, corpus, out) if name == "baseline" else _run_train(args, info, name, out)
+            try:
+                with con.status(f"[bold]{name}[/]: launching and training ({args.budget_s:g} s budget; log {out / name}.log)"):
+                    result = _run_baseline(args, info, shape, corpus, out) if name == "baseline" else _run_train(args, info, name, out)
+            except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+                # One failed strategy must not cost the others' results: record it and go on.
+                failed[name] = str(e).splitlines()[0][:300]
+                con.print(f"  [red]{name} failed[/]: {failed[name]}")
+                if name == "baseline":
+                    raise UserError(f"the baseline failed, so nothing can be compared: {failed[name]}") from None
+                continue
             result["elapsed_s"] = time.perf_counter() - t0
             result["interface_tx_bytes"] = [a - b for a, b in zip(_tx_bytes(info), before)]
             runs[name] = result
@@ -110,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             con.print(f"  {name}: {result['steps']} steps, {result['tokens']} tokens, val {result['final_val_loss']:.4f}")
     finally:
         sandbox.down(args.name)
-    rows = compare(runs)
+    rows = compare(runs) + [{"strategy": name, "failed": why} for name, why in failed.items()]
     doc = {
         "command": "vpscluster bench wan " + " ".join(_argv_of(args)),
         "scenario": {"nodes": args.nodes, "bandwidth": args.bandwidth, "cpu": args.cpu, "preset": args.preset,
@@ -122,12 +131,14 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     (out / "table.md").write_text(markdown_table(rows) + "\n")
+    if failed:
+        con.print(f"[red]failed[/]: {', '.join(failed)} (see their logs in {out})")
     if args.json:
         emit_json(doc)
     else:
         _print_table(con, rows)
         con.print(f"results: {out}")
-    return 0
+    return 1 if failed else 0
 
 
 # -- running one strategy ---------------------------------------------------------------------
@@ -279,6 +290,8 @@ COLUMNS = [  # (key, header, format)
 
 def _cell(row, key, fmt) -> str:
     v = row.get(key)
+    if key == "strategy" and row.get("failed"):
+        return f"{v} (failed)"
     return "—" if v is None else fmt.format(v)
 
 
