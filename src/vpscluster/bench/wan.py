@@ -173,7 +173,9 @@ def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
     # report's own figure divides by wall time, evaluation pauses included (kept as well).
     ranks = report["per_rank"]
     util = sum(r["compute_seconds"] / max(1e-9, r["compute_seconds"] + r["comm_seconds"]) for r in ranks) / len(ranks)
+    compute_per_step = sum(r["compute_seconds"] for r in ranks) / len(ranks) / max(1, report["steps"])
     return {
+        "compute_s_per_step": compute_per_step,
         "name": name, "steps": report["steps"], "tokens": report["tokens"], "wall_seconds": report["wall_seconds"],
         "tokens_per_s": report["tokens_per_s"], "compute_utilization": util,
         "compute_utilization_of_wall": report["compute_utilization"],
@@ -196,6 +198,7 @@ def _run_baseline(args, info, shape, corpus: Path, out: Path) -> dict[str, Any]:
     _cli(argv, out / "baseline.log", args.budget_s + 900)
     r = json.loads(result_file.read_text())
     return {
+        "compute_s_per_step": (r["compute_seconds_estimate"] / r["steps"]) if r["compute_seconds_estimate"] else None,
         "name": "baseline", "steps": r["steps"], "tokens": r["tokens"], "wall_seconds": r["wall_seconds"],
         "tokens_per_s": r["tokens_per_s"],
         # DDP overlaps its all-reduce with backward, so compute is estimated from timed no_sync()
@@ -266,7 +269,7 @@ def compare(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         bpt = sum(r["interface_tx_bytes"]) / max(1, r["tokens"])
         rows.append({
             "strategy": name, "steps": r["steps"], "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"],
-            "compute_utilization": r["compute_utilization"],
+            "compute_utilization": r["compute_utilization"], "compute_s_per_step": r.get("compute_s_per_step"),
             "iface_mb_per_node": sum(r["interface_tx_bytes"]) / n / 1e6,
             "counted_mb_per_node": (sum(r["strategy_bytes_sent"]) / len(r["strategy_bytes_sent"]) / 1e6) if r["strategy_bytes_sent"] else None,
             "iface_bytes_per_token": bpt, "bytes_per_token_reduction": base_bpt / bpt if bpt else None,
