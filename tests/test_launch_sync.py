@@ -93,3 +93,14 @@ def test_single_file_manifest(tmp_path):
 def test_not_a_directory(tmp_path):
     with pytest.raises(UserError, match="not a directory"):
         local_manifest(str(tmp_path / "missing"))
+
+
+def test_symlinked_files_travel_as_their_content(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (tmp_path / "outside.txt").write_text("real content")
+    (src / "link.txt").symlink_to(tmp_path / "outside.txt")
+    dest = tmp_path / "node"
+    r = asyncio.run(sync_dir(executor(), str(src), str(dest), detect_shared=False))
+    assert r.changed == 1
+    assert not (dest / "link.txt").is_symlink() and (dest / "link.txt").read_text() == "real content"
