@@ -149,7 +149,7 @@ async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: st
     node = executor.node
     with tempfile.TemporaryDirectory(prefix="vpsc-sync-") as tmp:
         archive = os.path.join(tmp, "files.tar.gz")
-        with tarfile.open(archive, "w:gz", dereference=True) as t:
+        with tarfile.open(archive, "w:gz", compresslevel=1, dereference=True) as t:
             for rel in rel_paths:
                 t.add(os.path.join(local_root, rel), arcname=rel, recursive=False)
         size = os.path.getsize(archive)
