@@ -12,6 +12,7 @@ itself, a shared file system, the sandbox), nothing is copied and that path is u
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -149,9 +150,8 @@ async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: st
     node = executor.node
     with tempfile.TemporaryDirectory(prefix="vpsc-sync-") as tmp:
         archive = os.path.join(tmp, "files.tar.gz")
-        with tarfile.open(archive, "w:gz", compresslevel=1, dereference=True) as t:
-            for rel in rel_paths:
-                t.add(os.path.join(local_root, rel), arcname=rel, recursive=False)
+        # In a thread: compressing big data must not stall the other nodes' transfers.
+        await asyncio.to_thread(_pack, archive, local_root, rel_paths)
         size = os.path.getsize(archive)
         remote_archive = posixpath.join(posixpath.dirname(remote_root.rstrip("/")) or ".",
                                         f".vpsc-sync-{os.getpid()}-{posixpath.basename(remote_root.rstrip('/'))}.tar.gz")
@@ -163,6 +163,12 @@ async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: st
     if not result.ok:
         raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {_why(result)}")
     return size
+
+
+def _pack(archive: str, local_root: str, rel_paths: list[str]) -> None:
+    with tarfile.open(archive, "w:gz", compresslevel=1, dereference=True) as t:
+        for rel in rel_paths:
+            t.add(os.path.join(local_root, rel), arcname=rel, recursive=False)
 
 
 def _why(result) -> str:
