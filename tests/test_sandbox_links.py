@@ -29,7 +29,7 @@ def iperf_mbit(info, src: str, dst: str) -> float:
     server = ns_popen(info, dst, ["iperf3", "-s", "-B", info.node(dst).address, "-p", str(PORT)],
                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while True:  # the server needs a moment to listen; the client fails fast until it does
             client = ns_popen(info, src, ["iperf3", "-c", info.node(dst).address, "-p", str(PORT), "-t", str(SECONDS),
                                           "-O", "1", "-J", "--connect-timeout", "2000"],
@@ -41,10 +41,12 @@ def iperf_mbit(info, src: str, dst: str) -> float:
                 client.communicate()
                 raise AssertionError(f"iperf3 {src} -> {dst} did not finish") from None
             doc = json.loads(out) if out.strip().startswith("{") else {}
-            if client.returncode == 0 and "end" in doc:
-                return doc["end"]["sum_received"]["bits_per_second"] / 1e6
+            received = doc.get("end", {}).get("sum_received")
+            if client.returncode == 0 and received:
+                return received["bits_per_second"] / 1e6
+            # Not listening yet, or a test cut short (iperf3 then reports an "error"): try again.
             if time.monotonic() > deadline:
-                raise AssertionError(f"iperf3 {src} -> {dst} failed: {doc.get('error') or err.strip()}")
+                raise AssertionError(f"iperf3 {src} -> {dst} failed: {doc.get('error') or err.strip() or out[-300:]}")
             time.sleep(0.2)
     finally:
         server.kill()
