@@ -44,7 +44,8 @@ def test_diloco_keeps_global_copy_momentum_and_sync_buffers():
     dl = memory.estimate(model, "diloco", 4, mixed_precision=False).components
     assert dl["diloco_global_weights"] == 4 * p and dl["diloco_outer_momentum"] == 4 * p
     assert dl["diloco_sync_buffers"] == 4 * p  # fp32 pseudo-gradient, reduced in place
-    assert ddp["ddp_buckets"] == 4 * p
+    assert "ddp_buckets" not in ddp  # gradient_as_bucket_view: buckets are the gradients
+    assert memory.estimate(model, "ddp", 4, mixed_precision=False, compress="bf16").components["ddp_wire_buffers"] == 2 * p
     int8 = memory.estimate(model, "diloco", 4, mixed_precision=False, wire_dtype="int8").components
     assert int8["diloco_sync_buffers"] == (4 + 4 * 1) * p  # + every rank's int8 copy
     two_frag = memory.estimate(model, "diloco", 4, mixed_precision=False, fragments=2).components

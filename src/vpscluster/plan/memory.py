@@ -15,8 +15,9 @@ token when attention scores are materialised). The output head keeps logits and 
 log-softmax: s*b*V*(act_bytes + 4). Full activation checkpointing keeps only each layer's input
 (h per token) plus one layer's activations during recomputation.
 
-Strategy buffers: DDP copies gradients into its buckets (gradient_as_bucket_view off), PowerSGD
-keeps an error-feedback copy of them; DiLoCo keeps fp32 global weights and outer momentum (8 bytes
+Strategy buffers: DDP's buckets are views of the gradients (vpscluster sets
+gradient_as_bucket_view), bf16 compression adds a half-size wire copy, PowerSGD keeps an
+error-feedback copy of the gradients; DiLoCo keeps fp32 global weights and outer momentum (8 bytes
 per parameter, Douillard et al., 2023), a pseudo-gradient and its wire buffers (for int8,
 all_gather receives every rank's quantized tensor: n bytes per parameter).
 """
@@ -107,7 +108,9 @@ def estimate(model: ModelSpec, strategy: str, world_size: int, *, mixed_precisio
     comp["activations"] = activation_bytes(model, micro, act_bytes, option.checkpointing)
     grad_bytes = states["gradients"] / divisor[1]
     if strategy == "ddp" and n > 1 and option.sharding == "none":
-        comp["ddp_buckets"] = grad_bytes
+        # vpscluster's DDP uses gradient_as_bucket_view: the buckets are the gradients, no copy.
+        if compress == "bf16":
+            comp["ddp_wire_buffers"] = grad_bytes / 2  # the bf16 copy of a bucket being sent
         if compress == "powersgd":
             comp["powersgd_error_feedback"] = 4.0 * p  # fp32 residual per gradient element
     if strategy == "diloco":

@@ -72,6 +72,16 @@ def render(doc: dict, console) -> None:
     comp = doc["memory"]["components"]
     console.print("[bold]Memory per rank[/]: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in comp.items())
                   + f" = {format_bytes(doc['memory_bytes_per_node'])}")
+    by_strategy = []
+    for strategy in ("ddp", "diloco"):
+        opts = [o for o in doc["memory"]["options"] if o["strategy"] == strategy]
+        if opts:
+            first_fit = next((o for o in opts if o["fits"]), None)
+            by_strategy.append(f"{strategy} {format_bytes(opts[0]['memory_bytes_per_node'])}"
+                               + ("" if opts[0]["fits"] else
+                                  f" (fits with {first_fit['layout']}: {format_bytes(first_fit['memory_bytes_per_node'])})"
+                                  if first_fit else " (no layout fits)"))
+    console.print("[bold]Memory per rank by strategy[/]: " + "; ".join(by_strategy))
     if "fix" in doc["memory"]:
         console.print(f"[red]Does not fit.[/] To fit: {doc['memory']['fix']}")
     for w in doc["egress"]["warnings"]:
