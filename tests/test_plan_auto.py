@@ -157,3 +157,20 @@ def test_choose_for_training_on_the_local_cluster_without_probe_picks_ddp():
     cfg = build(TrainConfig, {"preset": "tiny", "strategy": {"name": "auto"}, "nodes": 2})
     strategy, reason = auto.choose_for_training(cfg, None, None)
     assert strategy.name == "ddp" and "communication" in reason
+
+
+def test_gpu_nodes_plan_gpu_memory_and_precision_as_asked(tmp_path):
+    import json
+
+    probe = probe_doc(n=2)
+    for node in probe["nodes"]:
+        node.update(gpus=[{"name": "H100", "memory_bytes": 80e9}], flops_device="cuda", flops=400e12)
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    p = load_model("1.3b").num_params()
+    fp32 = make_plan(PlanRequest(model="1.3b", tokens=1e9, probe=str(tmp_path / "probe.json"), strategy="ddp"))
+    mixed = make_plan(PlanRequest(model="1.3b", tokens=1e9, probe=str(tmp_path / "probe.json"), strategy="ddp",
+                                  mixed_precision=True))
+    assert fp32["nodes"][0]["memory_kind"] == "gpu" and fp32["nodes"][0]["memory_available_bytes"] == 80e9
+    assert fp32["memory"]["components"]["weights"] == 4 * p  # vpscluster trains in fp32
+    assert mixed["memory"]["components"]["weights"] == 2 * p and mixed["memory"]["components"]["optimizer"] == 12 * p
+    assert mixed["memory_bytes_per_node"] < fp32["memory_bytes_per_node"]

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtt-ms", type=float, metavar="MS", help="assume this round-trip time on every link")
     parser.add_argument("--flops", metavar="GFLOPS", type=float, help="assume this fp32 GFLOP/s per rank instead of the probe's")
     parser.add_argument("--memory", metavar="SIZE", help="assume this memory per rank (e.g. 32GB) instead of the probe's")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="plan bf16 mixed precision on GPU nodes (vpscluster's trainer itself trains in fp32)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure here how much of matmul FLOP/s this model's training step reaches (a few seconds)")
     parser.add_argument("--threads-per-rank", type=_positive_int, metavar="N",
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         rtt_ms=args.rtt_ms, flops=args.flops * 1e9 if args.flops else None, memory_bytes=memory_bytes,
         compress=args.compress, powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
         wire_dtype=args.wire_dtype, fragments=args.fragments, calibrate=args.calibrate,
-        threads_per_rank=args.threads_per_rank,
+        threads_per_rank=args.threads_per_rank, mixed_precision=args.mixed_precision,
         checkpoint_load_s=args.checkpoint_load_s,
     )
     out = console(args.json)

@@ -48,6 +48,7 @@ class PlanRequest:
     calibrate: bool = False
     threads_per_rank: int | None = None  # torch threads per rank in training (default: the probe's)
     checkpoint_load_s: float = 60.0
+    mixed_precision: bool = False  # plan bf16 mixed precision on GPU nodes (vpscluster trains fp32)
 
 
 def load_probe_file(path: str) -> dict:
@@ -88,6 +89,7 @@ def make_plan(req: PlanRequest) -> dict:
             assumptions.append("no probe of this cluster found; run `vpscluster probe --cluster FILE` for measured figures")
     res = gather_resources(cluster, probe, nodes=req.nodes, bandwidth_mbit=req.bandwidth_mbit, rtt_ms=req.rtt_ms,
                            flops=req.flops, memory_bytes=req.memory_bytes)
+    res.mixed_precision = req.mixed_precision
     threads = req.threads_per_rank or _probe_threads(probe)
     eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster,
                          matmul_threads=_probe_threads(probe))
@@ -175,7 +177,7 @@ def _memory_doc(model, res, chosen: Prediction) -> dict:
         for opt in memory.candidate_options(model, strategy, res.world_size):
             fits_all, need = True, 0.0
             for node in res.nodes:
-                est = memory.estimate(model, strategy, res.world_size, mixed_precision=node.memory_kind == "gpu",
+                est = memory.estimate(model, strategy, res.world_size, mixed_precision=res.mixed_on(node),
                                       memory_kind=node.memory_kind, option=opt,
                                       **(kw if strategy == s.name else {}))
                 need = max(need, est.total_bytes)

@@ -57,8 +57,8 @@ def checkpoint_bytes(model: ModelSpec, strategy: str) -> float:
 
 
 def guidance(model: ModelSpec, res: Resources, strategy: str, efficiency: float, load_within_s: float) -> dict:
-    mixed = any(n.memory_kind == "gpu" for n in res.nodes)
-    kind = "gpu" if mixed else "ram"
+    kind = "gpu" if any(n.memory_kind == "gpu" for n in res.nodes) else "ram"
+    mixed = res.mixed_precision and kind == "gpu"
     least, how = memory.least_memory_bytes(model, strategy, res.world_size, mixed_precision=mixed, memory_kind=kind)
     as_configured = memory.estimate(model, strategy, res.world_size, mixed_precision=mixed,
                                     memory_kind=kind).total_bytes / memory.HEADROOM

@@ -210,7 +210,7 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
     step = slowest.seconds + exposed
     tokens_per_step = compute.tokens_per_rank_step(model) * n
     steps = max(1, math.ceil(tokens / tokens_per_step))
-    mixed = {node.name: node.memory_kind == "gpu" for node in res.nodes}
+    mixed = {node.name: res.mixed_on(node) for node in res.nodes}
 
     node_preds = []
     for node, c in zip(res.nodes, computes):
@@ -226,7 +226,7 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
         _egress(np_, step, steps * step)
         node_preds.append(np_)
     mem = max(node_preds, key=lambda p: p.memory_bytes)
-    est0 = memory.estimate(model, settings.name, n, mixed_precision=mem.memory_kind == "gpu", memory_kind=mem.memory_kind,
+    est0 = memory.estimate(model, settings.name, n, mixed_precision=mixed[mem.name], memory_kind=mem.memory_kind,
                            compress=settings.compress, wire_dtype=settings.wire_dtype, fragments=settings.fragments)
     return Prediction(
         settings=settings, step_seconds=step, compute_seconds=slowest.seconds, comm_seconds=exposed,

@@ -66,6 +66,11 @@ class Resources:
     collective_fit: dict[str, float] | None = None  # {"world_size", "alpha_s", "beta_bytes_s"}
     assumptions: list[str] = field(default_factory=list)
     measured: bool = False  # a probe was used
+    # vpscluster's trainer keeps everything in fp32; True plans bf16 mixed precision on GPUs.
+    mixed_precision: bool = False
+
+    def mixed_on(self, node: NodeResources) -> bool:
+        return self.mixed_precision and node.memory_kind == "gpu"
 
     @property
     def world_size(self) -> int:
