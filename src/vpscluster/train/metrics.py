@@ -24,6 +24,7 @@ class Totals:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     bytes_sent: int = 0
+    initial_val_loss: float | None = None  # before step 1 of the first session
 
     def add_step(self, tokens: int, step_s: float, comm_s: float, nbytes: int) -> None:
         self.steps += 1

@@ -197,8 +197,9 @@ class Trainer:
             strategy=self.strategy.describe(), preset=cfg.preset, num_params=self.num_params,
             backend=self.ctx.backend, threads_per_rank=self.threads, run_dir=str(self.run_dir),
         )
-        initial_val = self.evaluate() if start_step == 0 else None
-        val_loss, val_step = initial_val, 0
+        if start_step == 0:
+            self.totals.initial_val_loss = self.evaluate()
+        val_loss, val_step = self.totals.initial_val_loss, 0
         stopped_by = "max_steps"
         session_start = time.perf_counter()
         wall_before = self.totals.wall_seconds
@@ -250,13 +251,13 @@ class Trainer:
             val_loss, val_step = self.evaluate(), self.step
         if self.step > start_step or not _has_checkpoint(self.run_dir, self.step):
             self.save_checkpoint()
-        report = self.build_report(val_loss, initial_val, stopped_by, start_step)
+        report = self.build_report(val_loss, stopped_by, start_step)
         if report is not None:
             rundir.write_json_atomic(self.run_dir / rundir.REPORT, report)
             self.events.emit("end", report=report)
         return report
 
-    def build_report(self, val_loss: float, initial_val: float | None, stopped_by: str, start_step: int):
+    def build_report(self, val_loss: float, stopped_by: str, start_step: int):
         """Gather every rank's totals; rank 0 returns the report (contract keys first)."""
         t = self.totals
         mine = {**t.to_dict(), "collective_busy_seconds": self.strategy.describe().get("collective_busy_seconds")}
@@ -280,7 +281,7 @@ class Trainer:
             "final_val_loss": val_loss,
             "bytes_sent": [r["bytes_sent"] for r in per_rank],
             # Beyond the contract: what the run was and how it ended.
-            "initial_val_loss": initial_val,
+            "initial_val_loss": t.initial_val_loss,
             "resumed_from_step": start_step or None,
             "stopped_by": stopped_by,
             "preset": self.cfg.preset,

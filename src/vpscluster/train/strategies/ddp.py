@@ -23,7 +23,9 @@ What is measured, per step, on this rank:
   moment the last gradient bucket became ready (all backward compute done) and the moment the
   last all-reduce finished. DDP's backward only returns once every bucket is reduced, so this is
   exactly the part of the step spent waiting on the network; communication hidden under the
-  backward of later layers costs nothing and is not counted. Hence
+  backward of later layers costs nothing and is not counted. Work a hook does after the last
+  bucket is ready (bf16 casts, PowerSGD's factorisation and orthogonalisation) is part of
+  synchronising and counts as communication too. Hence
   compute_seconds = step_seconds - comm_seconds is honest and compute_utilization =
   compute / wall.
 - busy seconds (`collective_busy_seconds` in `describe()`): the union of the intervals during
