@@ -158,8 +158,8 @@ def _start(rank, world):
     return out
 
 
-def test_setup_gives_every_rank_rank0s_weights_and_sends_them_only_when_needed():
-    (same0, diff0), (same1, diff1) = run_ranks(_start, 2)
+def test_setup_gives_every_rank_rank0s_weights_and_sends_them_only_when_needed(scenarios):
+    (same0, diff0), (same1, diff1) = scenarios["start"]
     assert same0[0] == same1[0] == same0[1] and diff0[0] == diff1[0] == diff0[1]
     assert same0[0] == diff0[0]  # rank 0's seed-0 weights everywhere
     assert same0[2] < 1000  # only a digest went out
@@ -199,8 +199,8 @@ def _h1_average(rank, world):
     return errors, digest(flat(model))
 
 
-def test_h1_lr1_no_momentum_equals_weight_average():
-    results = run_ranks(_h1_average, 2)
+def test_h1_lr1_no_momentum_equals_weight_average(scenarios):
+    results = scenarios["h1"]
     for errors, _ in results:
         assert max(errors) < 1e-6, errors
     assert results[0][1] == results[1][1]
@@ -234,15 +234,10 @@ def _agreement_cases(rank, world):
     return [_agreement(rank, world, *case) for case in AGREEMENT_CASES]
 
 
-@pytest.fixture(scope="module")
-def agreement_runs():
-    rank0, rank1 = run_ranks(_agreement_cases, 2)
-    return dict(zip(AGREEMENT_CASES, zip(rank0, rank1)))
-
-
 @pytest.mark.parametrize("wire_dtype,fragments", AGREEMENT_CASES)
-def test_all_ranks_hold_identical_weights_after_every_outer_step(agreement_runs, wire_dtype, fragments):
-    (log0, outer0, bytes0), (log1, outer1, bytes1) = agreement_runs[(wire_dtype, fragments)]
+def test_all_ranks_hold_identical_weights_after_every_outer_step(scenarios, wire_dtype, fragments):
+    rank0, rank1 = scenarios["agreement"]
+    (log0, outer0, bytes0), (log1, outer1, bytes1) = dict(zip(AGREEMENT_CASES, zip(rank0, rank1)))[(wire_dtype, fragments)]
     assert outer0 == outer1 == 3 * fragments
     assert bytes0 > 0 and bytes1 > 0
     diverged = 0
@@ -290,10 +285,10 @@ def _weighted(rank, world, tokens_per_step):
     return start, target, flat(model).clone()
 
 
-def test_pseudo_gradients_are_weighted_by_tokens():
+def test_pseudo_gradients_are_weighted_by_tokens(scenarios):
     import torch
 
-    (start, t0, out0), (_, t1, out1) = (map(torch.from_numpy, r) for r in run_ranks(_weighted, 2, [300, 100]))
+    (start, t0, out0), (_, t1, out1) = (map(torch.from_numpy, r) for r in scenarios["weighted"])
 
     expected = 0.75 * t0 + 0.25 * t1  # 300 and 100 tokens: weights 3/4 and 1/4, not 1/2
     torch.testing.assert_close(out0, expected, rtol=0, atol=1e-6)
@@ -338,9 +333,30 @@ def _straight_and_resumed(rank, world, fragments):
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
-def test_resume_mid_round_equals_uninterrupted_run(fragments):
-    (straight0, resumed0), (straight1, resumed1) = run_ranks(_straight_and_resumed, 2, fragments)
+def test_resume_mid_round_equals_uninterrupted_run(scenarios, fragments):
+    (straight0, resumed0), (straight1, resumed1) = scenarios[f"resume{fragments}"]
     assert straight0[:2] == straight1[:2]  # ranks agree
     assert resumed0[:2] == straight0[:2]  # and stopping at step 6 and resuming changed nothing
     assert resumed0[2] == resumed1[2]  # finalize at step 6 left identical weights everywhere
     assert resumed0[2] != straight0[0]
+
+
+# -- every scenario above in one pair of processes (a spawn costs seconds of imports) -------------
+
+
+def _all_scenarios(rank, world):
+    return {
+        "start": _start(rank, world),
+        "h1": _h1_average(rank, world),
+        "agreement": _agreement_cases(rank, world),
+        "weighted": _weighted(rank, world, [300, 100]),
+        "resume1": _straight_and_resumed(rank, world, 1),
+        "resume2": _straight_and_resumed(rank, world, 2),
+    }
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    """{scenario: [rank 0's result, rank 1's result]} from one run of 2 gloo ranks."""
+    rank0, rank1 = run_ranks(_all_scenarios, 2)
+    return {key: [rank0[key], rank1[key]] for key in rank0}
