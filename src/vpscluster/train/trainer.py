@@ -246,7 +246,13 @@ class Trainer:
                 val_loss, val_step = self.evaluate(), self.step
             if self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
+        t_final = time.perf_counter()
         strategy.finalize(self.step)
+        # A last sync (DiLoCo ending mid-round) is communication too: count it, and its time.
+        final_s, final_bytes = strategy.comm.take()
+        self.totals.comm_seconds += final_s
+        self.totals.bytes_sent += final_bytes
+        self.totals.wall_seconds += time.perf_counter() - t_final
         if val_step != self.step or val_loss is None:
             val_loss, val_step = self.evaluate(), self.step
         if self.step > start_step or not _has_checkpoint(self.run_dir, self.step):
