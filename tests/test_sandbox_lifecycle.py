@@ -79,11 +79,15 @@ def test_up_json_contract_ssh_and_clean_down(cli, need_sandbox):
             assert quota_us / period_us == 0.5
         # A real login with the generated key and strict host-key checking; the node has its own
         # hostname, resolving to its own address, and what runs there lives in its cgroup.
-        r2 = ssh_run(info, "node-2", "hostname; getent hosts $(hostname); cat /proc/self/cgroup; ip -4 -o addr show dev eth0")
+        r2 = ssh_run(info, "node-2", "hostname; getent hosts $(hostname); cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us "
+                                     "/sys/fs/cgroup/cpu/cpu.cfs_period_us; sleep 30 >/dev/null 2>&1 & echo $!")
         assert r2.returncode == 0, r2.stderr
-        assert r2.stdout.splitlines()[0] == "node-2"
-        assert info.node("node-2").address in r2.stdout.splitlines()[1]
-        assert f"cpu:/vpscluster/{name}/node-2" in r2.stdout
+        lines = r2.stdout.splitlines()
+        assert lines[0] == "node-2"
+        assert info.node("node-2").address in lines[1]
+        assert int(lines[2]) / int(lines[3]) == 0.5  # the node sees its own share, as in a container
+        sleeper = int(lines[4])  # started over ssh, still running: it must be in the node's cgroup
+        assert str(sleeper) in Path(info.node("node-2").cgroup, "cgroup.procs").read_text().split()
         # The cluster file is the format the inventory loads.
         from vpscluster.cluster.inventory import load_cluster
 

@@ -5,10 +5,11 @@ its address port 22, accepting the sandbox's generated client key for root (keys
 launcher trusts exactly these host keys through the sandbox's known_hosts file, so host-key
 verification stays on, as on real nodes.
 
-sshd runs in three namespaces of the node: network (its eth0), UTS (its own hostname, the node
-name) and the mount namespace that `ip netns exec` makes, where /etc/netns/<namespace>/hosts is
-bound over /etc/hosts so the node's hostname resolves to its own address — tools that pick an
-interface from the hostname (gloo, torch.distributed) then behave as on a real VPS.
+sshd runs in four namespaces of the node: network (its eth0), UTS (its own hostname, the node
+name), cgroup (its CPU cgroup is its root) and the mount namespace that `ip netns exec` makes,
+where /etc/netns/<namespace>/hosts is bound over /etc/hosts so the node's hostname resolves to
+its own address — tools that pick an interface from the hostname (gloo, torch.distributed) then
+behave as on a real VPS — and where /sys/fs/cgroup/cpu shows the node's own quota.
 """
 
 from __future__ import annotations
@@ -79,9 +80,15 @@ def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path) 
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     # The shell joins the cgroup before it becomes `ip netns exec ... sshd`, so sshd and all it
     # spawns are in it from the first instruction (and no Python runs between fork and exec).
+    # With a cgroup namespace the node sees its own cgroup as the root, as a container or VPS
+    # does: /sys/fs/cgroup/cpu/cpu.cfs_quota_us inside the node is its CPU share. That view is
+    # a convenience; where it cannot be mounted the quota still applies, so sshd starts anyway.
+    own_view = os.path.exists("/proc/self/ns/cgroup")
+    view = ('{ mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu '
+            '&& mount -t cgroup -o cpu cpu /sys/fs/cgroup/cpu; } >/dev/null 2>&1; ') if own_view else ""
     argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
-            "ip", "netns", "exec", namespace, "unshare", "--uts", "--", "sh", "-c",
-            'hostname "$0" && exec "$1" -f "$2" -E "$3"', hostname, SSHD, str(config), str(log)]
+            "ip", "netns", "exec", namespace, "unshare", "--uts", *(["--cgroup"] if own_view else []), "--", "sh", "-c",
+            'hostname "$0" && ' + view + 'exec "$1" -f "$2" -E "$3"', hostname, SSHD, str(config), str(log)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
     try:
