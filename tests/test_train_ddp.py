@@ -67,6 +67,24 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             losses.append(loss.item())
             nbytes.append(sent)
             exposed.append(seconds)
+        if compress == "powersgd":
+            # error feedback and warm-start factors survive a checkpoint round trip
+            import io
+
+            buf = io.BytesIO()
+            torch.save(strategy.state_dict(), buf)
+            buf.seek(0)
+            again = DDPStrategy(strategy.config, ctx)
+            again.setup(build_model(shape, seed=0))
+            again.load_state_dict(torch.load(buf, weights_only=False))
+            saved, loaded = strategy._powersgd, again._powersgd
+            result["powersgd_state"] = {
+                "iter": (saved.iter, loaded.iter),
+                "n_errors": len(saved.error_dict),
+                "equal": all(torch.equal(t, loaded.error_dict[k]) for k, t in saved.error_dict.items())
+                and all(torch.equal(t, loaded.q_memory_dict[k]) for k, t in saved.q_memory_dict.items()),
+            }
+            again.close()
         result[compress] = {
             "losses": losses, "bytes": nbytes, "exposed": sum(exposed),
             "busy": strategy.busy_seconds, "num_params": sum(p.numel() for p in strategy.unwrap().parameters()),
@@ -133,3 +151,10 @@ def test_exposed_comm_within_busy_time(ddp_results):
     for r in ddp_results:
         for compress in ("none", "bf16", "powersgd"):
             assert 0 < r[compress]["exposed"] <= r[compress]["busy"] + 1e-9
+
+
+def test_powersgd_state_round_trips(ddp_results):
+    for r in ddp_results:
+        st = r["powersgd_state"]
+        assert st["iter"][0] == st["iter"][1] == STEPS
+        assert st["n_errors"] >= 1 and st["equal"]
