@@ -1,0 +1,11 @@
+"""Plan: predict memory, step time, traffic and time to train before launching; choose a strategy.
+
+    shapes      the model: a preset or a Hugging Face config.json
+    resources   nodes and links from the probe, the cluster file and flags (assumptions stated)
+    memory      per-rank memory by strategy and layout (ZeRO accounting, Korthikanti activations)
+    compute     step compute from measured FLOP/s; calibrate: the model's share of matmul FLOP/s
+    comm        ring order, α–β collectives, DDP bucket overlap
+    predict     one strategy's step time, utilization, egress; auto: the choice and its reason
+    guidance    least memory, link rate for 90% DDP utilization, disk speed for checkpoints
+    api         make_plan (the `vpscluster plan --json` document); report renders it
+"""
