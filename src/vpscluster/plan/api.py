@@ -100,8 +100,6 @@ def make_plan(req: PlanRequest) -> dict:
     if tokens is None:
         tokens = CHINCHILLA_TOKENS_PER_PARAM * model.num_params()
         assumptions.append(f"tokens: {tokens:.3g} ({CHINCHILLA_TOKENS_PER_PARAM} per parameter, compute-optimal); set --tokens")
-    if res.world_size > 1:
-        assumptions.append("ranks sit on the ring in the order shown (best order); another order is no faster")
 
     base = Settings(compress=req.compress, powersgd_rank=req.powersgd_rank, bucket_mb=req.bucket_mb,
                     sync_every=req.sync_every, wire_dtype=req.wire_dtype, fragments=req.fragments)
@@ -132,6 +130,11 @@ def make_plan(req: PlanRequest) -> dict:
         assumptions=assumptions,
         measured=res.measured,
     )
+    worst = doc["ring"]["worst_order_weakest_link_mbit"]
+    if worst is not None and doc["ring"]["weakest_link_mbit"] and worst < doc["ring"]["weakest_link_mbit"]:
+        assumptions.append(
+            f"ranks form the ring in the order shown; the launcher's rendezvous assigns ranks, and a bad order "
+            f"would run the ring at {worst:g} Mbit/s instead of {doc['ring']['weakest_link_mbit']:g}")
     if res.collective_fit and res.world_size > 1:
         doc["collective_fit_check"] = _fit_check(model, res, ring)
     return doc
