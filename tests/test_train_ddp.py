@@ -80,6 +80,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             saved, loaded = strategy._powersgd, again._powersgd
             result["powersgd_state"] = {
                 "iter": (saved.iter, loaded.iter),
+                "restart": loaded.start_powerSGD_iter,
                 "n_errors": len(saved.error_dict),
                 "equal": all(torch.equal(t, loaded.error_dict[k]) for k, t in saved.error_dict.items())
                 and all(torch.equal(t, loaded.q_memory_dict[k]) for k, t in saved.q_memory_dict.items()),
@@ -157,4 +158,5 @@ def test_powersgd_state_round_trips(ddp_results):
     for r in ddp_results:
         st = r["powersgd_state"]
         assert st["iter"][0] == st["iter"][1] == STEPS
+        assert st["restart"] == STEPS + 2  # two plain steps while DDP rebuilds its buckets
         assert st["n_errors"] >= 1 and st["equal"]

@@ -305,12 +305,19 @@ class Trainer:
         }
 
     def close(self) -> None:
+        import gc
+
+        import torch.distributed as dist
+
         if hasattr(self, "strategy"):  # build() may have failed before it got this far
             self.strategy.close()
         if hasattr(self, "metrics"):
             self.metrics.close()
-        import torch.distributed as dist
-
+        # Whatever holds the process groups (DDP's reducer, PowerSGD's state, the context) must be
+        # gone before the groups are destroyed; destroyed under them, the process can abort at exit.
+        for name in ("model", "strategy", "optimizer", "ctx", "coll"):
+            self.__dict__.pop(name, None)
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -32,6 +32,9 @@ What is measured, per step, on this rank:
   which at least one all-reduce was in flight (from its hook call to its completion), overlap
   included — the total time the network was in use.
 
+Resume: `compress: none` and `bf16` resume bit-exactly; `powersgd` keeps its error feedback and
+factors but runs two uncompressed steps after a resume (see `load_state_dict`).
+
 Not counted: DDP's one-off broadcast of the initial weights in its constructor (before step 1).
 At world size 1 there is nothing to synchronise: no wrapper, no hook, no bytes.
 """
@@ -199,6 +202,12 @@ class DDPStrategy(Strategy):
         s.iter = saved["iter"]
         s.error_dict, s.p_memory_dict, s.q_memory_dict = saved["error_dict"], saved["p_memory_dict"], saved["q_memory_dict"]
         s.rng.set_state(saved["rng"])
+        # A new process's DDP lays its buckets out in parameter order for the first iteration and
+        # rebuilds them in gradient-ready order after it; the saved error and factors are in the
+        # rebuilt layout. Plain all-reduce for two steps lets the rebuild happen before PowerSGD
+        # uses them again (else the residual would be added at the wrong positions). A resumed
+        # powersgd run therefore differs from an uninterrupted one by those two exact steps.
+        s.start_powerSGD_iter = max(s.start_powerSGD_iter, s.iter + 2)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "compress": self.config.compress}
@@ -211,3 +220,6 @@ class DDPStrategy(Strategy):
         global _ACTIVE
         if _ACTIVE is self:
             _ACTIVE = None
+        # Drop the wrapper and PowerSGD's state (both hold the process group) before it is destroyed.
+        self._ddp = None
+        self._powersgd = None
