@@ -118,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
             (out / f"{name}.json").write_text(json.dumps(result, indent=1))
             con.print(f"  {name}: {result['steps']} steps, {result['tokens']} tokens, val {result['final_val_loss']:.4f}")
     finally:
-        sandbox.down(args.name)
+        try:
+            sandbox.down(args.name)
+        except OSError as e:  # someone removed it under us: say so, keep the results
+            con.print(f"[yellow]warning[/]: sandbox {args.name} teardown: {e}")
     rows = compare(runs) + [{"strategy": name, "failed": why} for name, why in failed.items()]
     doc = {
         "command": "vpscluster bench wan " + " ".join(_argv_of(args)),
