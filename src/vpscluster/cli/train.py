@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", metavar="FILE", help="cluster.yaml: train across its nodes over SSH (default: this machine)")
     g.add_argument("--nodes", type=int, metavar="N", help=f"number of local worker processes when there is no cluster file (default {d.nodes})")
     where.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per cluster node (default: one per GPU, else one)")
-    where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the node's CPUs / its ranks)")
+    where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the CPUs the node really grants, cgroup quota included, divided among its ranks)")
 
     what = parser.add_argument_group("what to train")
     what.add_argument("--preset", metavar="NAME", help=f"model shape: tiny (~1M), small (~10M); bigger ones are for `plan` (default {d.preset})")

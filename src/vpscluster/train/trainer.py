@@ -68,11 +68,27 @@ def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device, group=group)
 
 
+def available_cpus() -> int:
+    """CPUs this process may really use: its affinity, capped by a cgroup CPU quota.
+
+    A container or VPS slice limited to 0.45 of a core still shows every host core in
+    os.cpu_count(); running that many intra-op threads only burns the quota faster and gets
+    the process throttled mid-matmul, so the quota (rounded up) caps the thread count.
+    """
+    from vpscluster.probe.facts_script import cpu_quota_cores  # stdlib only
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota_cores()
+    if quota:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
 def _set_threads(cfg: TrainConfig) -> int:
     import torch
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
+    threads = cfg.threads_per_rank or max(1, available_cpus() // local_ranks)
     torch.set_num_threads(threads)
     return threads
 

@@ -1,0 +1,45 @@
+"""The default thread count follows the CPU the node really grants (cgroup quota included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+def _needs_cgroup_v1() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a cgroup with a CPU quota")
+    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+        pytest.skip("needs the cgroup-v1 cpu controller at /sys/fs/cgroup/cpu")
+
+
+@pytest.mark.parametrize("quota_cores, expected", [(0.45, 1), (1.5, 2), (None, None)])
+def test_available_cpus_respects_quota(quota_cores, expected):
+    _needs_cgroup_v1()
+    group = CPU_CGROUP / f"vpsc-test-threads-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        period = int((group / "cpu.cfs_period_us").read_text())
+        if quota_cores is not None:
+            (group / "cpu.cfs_quota_us").write_text(str(int(quota_cores * period)))
+        code = "from vpscluster.train.trainer import available_cpus; print(available_cpus())"
+        # The child joins the cgroup before exec, so everything it runs is under the quota.
+        out = subprocess.run(
+            ["sh", "-c", f'echo $$ > {group}/tasks && exec "{sys.executable}" -c "{code}"'],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout
+        got = int(out.strip())
+        if expected is None:
+            expected = len(os.sched_getaffinity(0))
+        assert got == min(expected, len(os.sched_getaffinity(0)))
+    finally:
+        for pid in (group / "tasks").read_text().split():
+            subprocess.run(["kill", "-9", pid], check=False)
+        group.rmdir()
