@@ -31,25 +31,35 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(available_only: bool = True) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vpscluster",
         description="Turn a handful of rented machines into a cluster that trains language models together.",
     )
     parser.add_argument("--version", action="version", version=f"vpscluster {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_subcommands(parser, COMMANDS, dest="command", metavar="COMMAND", attr="_module")
+    return parser
+
+
+def add_subcommands(parser: argparse.ArgumentParser, registry: dict[str, tuple[str, str]],
+                    dest: str, metavar: str, attr: str) -> None:
+    """One sub-parser per registry entry; each module fills its own arguments.
+
+    The chosen module is stored on the namespace as `attr`. A module that does not exist (not
+    built in this checkout) is simply not offered; any other import error is a real bug.
+    """
+    sub = parser.add_subparsers(dest=dest, metavar=metavar)
     sub.required = True
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, (module_name, help_text) in registry.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if available_only and e.name == module_name:
-                continue  # a command not built yet is simply not offered
+            if e.name == module_name:
+                continue
             raise
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         module.add_arguments(p)
-        p.set_defaults(_module=module)
-    return parser
+        p.set_defaults(**{attr: module})
 
 
 def main(argv: list[str] | None = None) -> int:
