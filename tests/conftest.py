@@ -34,6 +34,15 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str 
     )
 
 
+def pid_alive(pid: int) -> bool:
+    """Running and not a zombie (zombies are dead; only reaping is pending)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -10,15 +10,7 @@ import pytest
 
 from vpscluster.cluster.inventory import local_cluster, open_executors
 from vpscluster.cluster.local import copy_path, group_alive
-
-
-def pid_alive(pid: int) -> bool:
-    """Running and not a zombie (zombies are dead; only reaping is pending)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
+from conftest import pid_alive
 
 
 def run(coro):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster_sshd import SSHDFarm, free_port, sshd_unavailable_reason
+from conftest import pid_alive
 from vpscluster.cluster.inventory import load_cluster, open_executors
 from vpscluster.cluster.node import Node
 from vpscluster.errors import RemoteError
@@ -24,14 +25,6 @@ from vpscluster.errors import RemoteError
 pytestmark = pytest.mark.skipif(sshd_unavailable_reason() is not None, reason=sshd_unavailable_reason() or "")
 
 TIMEOUT_S = 30.0  # generous: CI machines are shared; tests that time things use their own
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 async def wait_until(predicate, timeout_s: float) -> bool:

@@ -10,14 +10,7 @@ from pathlib import Path
 import pytest
 
 from vpscluster.cluster.ssh import _StderrFilter, kill_group_command, remote_cd, wrap_command
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
+from conftest import pid_alive
 
 
 def wait_gone(pids, timeout_s: float = 10.0) -> bool:
