@@ -1,112 +1,94 @@
-"""Typed configuration built from plain mappings (YAML, JSON, CLI flags), validated on build.
+"""Typed configuration built from plain mappings (YAML, JSON, CLI flags), validated by pydantic v2.
 
 One source of truth: a configuration is built from defaults, then a file, then flags, in that
 order, by `merge` + `build`. Nothing reads environment variables behind the user's back.
-Unknown keys and wrong types raise `UserError` naming where the value came from and the field.
+Configurations are plain dataclasses whose types pydantic checks when they are built from a
+mapping (`build`); pydantic is imported only then, so `vpscluster --help` stays instant. Their
+cross-field rules live in each class's `validate`, which `__post_init__` runs. Every problem
+becomes ONE `UserError` line naming where the value came from, the key as a dotted path
+(`strategy.sync_every`, `nodes[2].port`) and what is expected: pydantic's multi-line
+`ValidationError` is turned into that line by `one_line`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Callable, TypeVar, Union, get_args, get_origin
 
 from vpscluster.errors import UserError
 
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter, ValidationError
+
 T = TypeVar("T")
 
-
-def build(cls: type[T], data: dict[str, Any] | None, where: str = "config") -> T:
-    """Build dataclass `cls` from `data`, recursing into nested dataclasses."""
-    data = dict(data or {})
-    if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise UserError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(fields)}")
-    kwargs = {name: _coerce(hints[name], data[name], f"{where}.{name}") for name in fields if name in data}
-    try:
-        obj = cls(**kwargs)
-    except TypeError as e:  # a required field is missing
-        raise UserError(f"{where}: {e}") from None
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        validate()
-    return obj
+# `__pydantic_config__` of every configuration class: unknown keys are refused (a typo must not
+# be ignored), and so are NaN and infinity.
+STRICT_KEYS = {"extra": "forbid", "allow_inf_nan": False}
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except UserError as e:
-                errors.append(str(e))
-        raise UserError(errors[0] if errors else f"{where}: invalid value {value!r}")
-    if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
-        return value
-    if origin in (list, tuple):
-        (item,) = get_args(tp)[:1] or (Any,)
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise UserError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        return build(tp, value, where)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise UserError(f"{where}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        try:
-            return int(str(value).replace("_", ""))
-        except ValueError:
-            raise UserError(f"{where}: expected an integer, got {value!r}") from None
-    if tp is float:
-        if isinstance(value, bool):
-            raise UserError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{where}: expected a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise UserError(f"{where}: expected text, got {value!r}")
-        return str(value)
-    if tp is Path:
-        return Path(str(value))
+class Before:
+    """`Annotated` marker: run `fn` on the raw value before pydantic checks the type.
+
+    Built into the schema only when pydantic builds it (no pydantic import at module load).
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_before_validator_function(self.fn, handler(source))
+
+    def __repr__(self) -> str:
+        return f"Before({self.fn.__name__})"
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic's lax mode reads `true` as 1: `max_steps: yes` must be an error, not one step.
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
     return value
+
+
+def shorthand(key: str) -> Before:
+    """A nested section may be written as one word: `strategy: diloco` = `strategy: {name: diloco}`."""
+
+    def expand(value: Any) -> Any:
+        return {key: value} if isinstance(value, str) else value
+
+    expand.__name__ = f"shorthand_{key}"
+    return Before(expand)
+
+
+Int = Annotated[int, Before(_not_bool)]
+Float = Annotated[float, Before(_not_bool)]
+
+
+@functools.cache
+def _adapter(cls: type) -> "TypeAdapter":
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls)
+
+
+def build(cls: type[T], data: Any, where: str = "config") -> T:
+    """Build configuration class `cls` from a mapping; one `UserError` line on any problem.
+
+    Field problems are prefixed with `where` (the file, or "train" for flags); the cross-field
+    rules' messages (from `validate`) already name their keys and stand as they are.
+    """
+    from pydantic import ValidationError
+
+    try:
+        return _adapter(cls).validate_python({} if data is None else data)
+    except ValidationError as e:
+        raise UserError(one_line(e, where, cls)) from None
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -125,21 +107,145 @@ def to_dict(obj: Any) -> dict[str, Any]:
 
 
 def load_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """Read a YAML file that must hold a non-empty mapping; one `UserError` line otherwise."""
     import yaml
 
     p = Path(path)
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as e:
         raise UserError(f"{what} {p}: cannot read it ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {p}: not a text file (not UTF-8); give a YAML file") from None
+    if "\x00" in text:
+        raise UserError(f"{what} {p}: not a text file (it holds NUL bytes); give a YAML file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise UserError(f"{what} {p}: not valid YAML{at}; fix the syntax") from None
+    except RecursionError:  # absurdly deep nesting
+        raise UserError(f"{what} {p}: nested too deeply to be a configuration; fix the file") from None
     if data is None:
-        return {}
+        raise UserError(f"{what} {p}: the file is empty; write its keys as a YAML mapping (key: value)")
     if not isinstance(data, dict):
-        raise UserError(f"{what} {p}: expected a mapping at the top level")
+        raise UserError(f"{what} {p}: expected a mapping at the top level (key: value), got {_kind(data)}")
     return data
+
+
+# --- one line from a ValidationError ------------------------------------------------------------
+
+_EXPECTED = {
+    "int": "an integer", "float": "a number", "bool": "true or false", "string": "text",
+    "list": "a list", "dict": "a mapping", "none_required": "nothing (null)",
+    "finite_number": "a finite number",
+}
+
+
+def one_line(error: "ValidationError", where: str, root: type) -> str:
+    """The first problem of `error` as one line: `where: key.path: what is expected, got X`."""
+    errors = error.errors(include_url=False)
+    line = _describe(errors[0], root)
+    more = len(errors) - 1
+    text = f"{where}: {line}" + (f" (and {more} more)" if more else "")
+    return " ".join(text.splitlines())  # belt and braces: user text never breaks the line
+
+
+def _describe(err: dict, root: type) -> str:
+    loc, kind = tuple(err.get("loc", ())), err.get("type", "")
+    got = err.get("input")
+    if kind in ("extra_forbidden", "unexpected_keyword_argument", "invalid_key"):
+        parent, key = loc[:-1], loc[-1] if loc else "?"
+        valid = _keys(_type_at(root, parent))
+        return _at(parent) + f"unknown key {key!r}" + (f"; valid keys: {', '.join(valid)}" if valid else "")
+    if kind in ("dataclass_type", "model_type", "dataclass_args_type", "model_attributes_type"):
+        valid = _keys(_type_at(root, loc))
+        return _at(loc) + f"expected a mapping of {', '.join(valid)}, got {_show(got)}"
+    if kind == "missing":
+        return _at(loc) + "missing; this key is required"
+    if kind in ("value_error", "assertion_error"):
+        cause = (err.get("ctx") or {}).get("error")
+        return _at(loc) + (str(cause) if cause is not None else err.get("msg", "invalid value"))
+    if kind == "literal_error":
+        choices = (err.get("ctx") or {}).get("expected", "")
+        return _at(loc) + f"{_show(got)} is not one of {choices}"
+    for prefix, expected in _EXPECTED.items():
+        if kind.startswith(prefix + "_") or kind == prefix:
+            extra = " with no fraction" if kind == "int_from_float" else ""
+            return _at(loc) + f"expected {expected}{extra}, got {_show(got)}"
+    return _at(loc) + f"{err.get('msg', 'invalid value')}, got {_show(got)}"
+
+
+def _at(loc: tuple) -> str:
+    if not loc:
+        return ""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            part = str(part)
+            name = part if part.isidentifier() else repr(part)
+            out += ("." if out else "") + name
+    return out + ": "
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = repr(value)
+    return text if len(text) <= limit else f"{_kind(value)} {text[:limit - 3]}..."
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "text", bool: "true/false", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None`, `Annotated[X, ...]`, `Optional[X]` -> X (the first non-None member)."""
+    while True:
+        origin = get_origin(tp)
+        if origin is Annotated:
+            tp = get_args(tp)[0]
+        elif origin in (Union, types.UnionType):
+            members = [a for a in get_args(tp) if a is not type(None)]
+            if not members:
+                return tp
+            tp = members[0]
+        else:
+            return tp
+
+
+def _fields(tp: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp, include_extras=True)
+        return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(tp) if f.init}
+    model_fields = getattr(tp, "model_fields", None)
+    if isinstance(model_fields, dict):
+        return {name: f.annotation for name, f in model_fields.items()}
+    return {}
+
+
+def _keys(tp: Any) -> list[str]:
+    return list(_fields(tp))
+
+
+def _type_at(root: type, loc: tuple) -> Any:
+    """The declared type at `loc` inside `root` (for the list of valid keys), or None."""
+    tp: Any = root
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(part, int) and get_origin(tp) in (list, tuple):
+            args = get_args(tp)
+            tp = args[0] if args else Any
+        elif isinstance(part, str) and part in _fields(tp):
+            tp = _fields(tp)[part]
+        else:
+            return None
+    return _unwrap(tp)

@@ -30,23 +30,33 @@ def _tokens(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Choices and defaults come from the strategy registry and the typed config, never copied.
+    from vpscluster.train.config import StrategyConfig, strategy_choices
+    from vpscluster.train.strategies import AUTO
+
+    s = StrategyConfig()
     parser.add_argument("--model", required=True, metavar="PRESET|config.json",
                         help="a preset (tiny, small, 125m, 350m, 1.3b, 7b) or a Hugging Face config.json")
     parser.add_argument("--tokens", type=_tokens, metavar="N",
                         help="tokens to train on, e.g. 2B (default: 20 per parameter)")
     parser.add_argument("--cluster", metavar="FILE", help="cluster file (its last probe is used when there is one)")
     parser.add_argument("--probe", metavar="FILE", help="a probe JSON (`vpscluster probe --out FILE`)")
-    parser.add_argument("--strategy", default="auto", choices=("auto", "ddp", "diloco"),
-                        help="plan this strategy, or let auto choose (default)")
+    parser.add_argument("--strategy", default=AUTO, choices=strategy_choices("name"),
+                        help=f"plan this strategy, or let {AUTO} choose (default)")
     parser.add_argument("--nodes", type=_positive_int, metavar="N",
                         help="without a cluster file: plan N local worker processes")
     parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="sequences per rank per step")
     parser.add_argument("--seq-len", type=_positive_int, metavar="T", help="tokens per sequence (default: the model's)")
-    parser.add_argument("--compress", choices=("none", "bf16", "powersgd"), default="none", help="ddp: gradient compression")
-    parser.add_argument("--powersgd-rank", type=_positive_int, default=4, help="ddp+powersgd: rank of the factors")
-    parser.add_argument("--sync-every", type=_positive_int, default=100, metavar="H", help="diloco: inner steps per sync")
-    parser.add_argument("--wire-dtype", choices=("fp32", "bf16", "int8"), default="fp32", help="diloco: pseudo-gradient encoding")
-    parser.add_argument("--fragments", type=_positive_int, default=1, help="diloco: streaming fragments")
+    parser.add_argument("--compress", choices=strategy_choices("compress"), default=s.compress,
+                        help=f"ddp: gradient compression (default {s.compress})")
+    parser.add_argument("--powersgd-rank", type=_positive_int, default=s.powersgd_rank,
+                        help=f"ddp+powersgd: rank of the factors (default {s.powersgd_rank})")
+    parser.add_argument("--sync-every", type=_positive_int, default=s.sync_every, metavar="H",
+                        help=f"diloco: inner steps per sync (default {s.sync_every})")
+    parser.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), default=s.wire_dtype,
+                        help=f"diloco: pseudo-gradient encoding (default {s.wire_dtype})")
+    parser.add_argument("--fragments", type=_positive_int, default=s.fragments,
+                        help=f"diloco: streaming fragments (default {s.fragments})")
     parser.add_argument("--bandwidth", metavar="RATE", help="assume this rate on every link (e.g. 100mbit) instead of the probe's")
     parser.add_argument("--rtt-ms", type=float, metavar="MS", help="assume this round-trip time on every link")
     parser.add_argument("--flops", metavar="GFLOPS", type=float, help="assume this fp32 GFLOP/s per rank instead of the probe's")

@@ -44,19 +44,13 @@ RESUME_FLAGS = ("max_steps", "time_budget")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from vpscluster.train.config import TrainConfig  # light: no torch
+    # light: no torch. Defaults and choices are read from the typed config and the strategy
+    # registry, never copied here.
+    from vpscluster.train.config import TrainConfig, config_keys, strategy_choices
 
-    import dataclasses
-
-    d = TrainConfig()  # help shows the real defaults, never a copy of them
+    d = TrainConfig()
     s = d.strategy
-    keys = [f.name for f in dataclasses.fields(d) if f.name not in ("strategy", "timeouts")]
-    nested = {n: [f.name for f in dataclasses.fields(getattr(d, n))] for n in ("strategy", "timeouts")}
-    parser.epilog = (
-        "--config FILE.yaml takes these keys: " + ", ".join(keys) + "; "
-        + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
-        + ". Precedence: defaults < --config < flags."
-    )
+    parser.epilog = f"--config FILE.yaml takes these keys: {config_keys()}. Precedence: defaults < --config < flags."
     where = parser.add_argument_group("where to train")
     g = where.add_mutually_exclusive_group()
     g.add_argument("--cluster", metavar="FILE", help="cluster.yaml: train across its nodes over SSH (default: this machine)")
@@ -76,13 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--checkpoint-every", type=int, metavar="N", help=f"checkpoint every N steps (default {d.checkpoint_every}; always one at the end)")
 
     strat = parser.add_argument_group("how ranks synchronise")
-    strat.add_argument("--strategy", choices=["ddp", "diloco", "auto"], help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: let the planner choose (default {s.name})")
-    strat.add_argument("--compress", choices=["none", "bf16", "powersgd"], help=f"ddp gradient compression on the wire (default {s.compress})")
+    strat.add_argument("--strategy", choices=strategy_choices("name"), help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: let the planner choose (default {s.name})")
+    strat.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {s.compress})")
     strat.add_argument("--powersgd-rank", type=int, metavar="R", help=f"rank of PowerSGD's low-rank factors (default {s.powersgd_rank})")
     strat.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {s.sync_every})")
     strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr})")
     strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum})")
-    strat.add_argument("--wire-dtype", choices=["fp32", "bf16", "int8"], help=f"diloco: dtype of the pseudo-gradient on the wire (default {s.wire_dtype})")
+    strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {s.wire_dtype})")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
 
     run = parser.add_argument_group("run directory and configuration")
@@ -110,15 +104,16 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_config(args: argparse.Namespace):
-    """The TrainConfig for a new run: defaults < --config YAML < given flags."""
-    from vpscluster.config import build, load_yaml, merge
-    from vpscluster.train.config import TrainConfig
+    """The TrainConfig for a new run: defaults < --config YAML < given flags.
 
-    mapping: dict[str, Any] = {}
-    if args.config:
-        mapping = load_yaml(args.config, "--config")
-        build(TrainConfig, mapping, args.config)  # errors name the file and the key
-    return build(TrainConfig, merge(mapping, _nest(_given(args))), "train")
+    Reads only (the config file, the cluster file, the data path's existence): a refused
+    command has created nothing when this raises.
+    """
+    from vpscluster.train.config import resolve
+
+    cfg = resolve(args.config, _nest(_given(args)))
+    _check_cluster_file(cfg)
+    return cfg
 
 
 def resolve_resume(args: argparse.Namespace):
@@ -133,7 +128,15 @@ def resolve_resume(args: argparse.Namespace):
         raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps and --time-budget may change)")
     cfg = read_config(args.resume)
     overrides = _nest({d: v for d, v in _given(args).items() if d in RESUME_FLAGS})
-    return build(TrainConfig, merge(to_dict(cfg), overrides), "train")
+    cfg = build(TrainConfig, merge(to_dict(cfg), overrides), "flags")
+    _check_cluster_file(cfg)
+    return cfg
+
+
+def _check_cluster_file(cfg) -> None:
+    """Refuse a bad cluster file now, before a run directory exists (the launch reads it again)."""
+    if cfg.cluster:
+        _import_optional("vpscluster.cluster.inventory", "--cluster").load_cluster(cfg.cluster)
 
 
 def _import_optional(module: str, feature: str):

@@ -21,8 +21,11 @@ from vpscluster.plan.guidance import guidance
 from vpscluster.plan.predict import Prediction, Settings, predict, ring_for, risk_label
 from vpscluster.plan.resources import gather_resources
 from vpscluster.plan.shapes import load_model
+from vpscluster.train.config import StrategyConfig
+from vpscluster.train.strategies import AUTO, CHOICES, STRATEGIES
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al., 2022: compute-optimal tokens per parameter
+_STRATEGY = StrategyConfig()  # the strategy knobs' defaults, read from the typed config
 
 
 @dataclass
@@ -31,7 +34,7 @@ class PlanRequest:
     tokens: float | None = None
     cluster: str | None = None
     probe: str | None = None
-    strategy: str = "auto"
+    strategy: str = AUTO
     batch_size: int | None = None
     seq_len: int | None = None
     nodes: int | None = None
@@ -39,12 +42,12 @@ class PlanRequest:
     rtt_ms: float | None = None
     flops: float | None = None
     memory_bytes: float | None = None
-    compress: str = "none"
-    powersgd_rank: int = 4
-    bucket_mb: float = 25.0
-    sync_every: int = 100
-    wire_dtype: str = "fp32"
-    fragments: int = 1
+    compress: str = _STRATEGY.compress
+    powersgd_rank: int = _STRATEGY.powersgd_rank
+    bucket_mb: float = _STRATEGY.bucket_mb
+    sync_every: int = _STRATEGY.sync_every
+    wire_dtype: str = _STRATEGY.wire_dtype
+    fragments: int = _STRATEGY.fragments
     calibrate: bool = False
     threads_per_rank: int | None = None  # torch threads per rank in training (default: the probe's)
     checkpoint_load_s: float = 60.0
@@ -64,8 +67,8 @@ def load_probe_file(path: str) -> dict:
 
 
 def make_plan(req: PlanRequest) -> dict:
-    if req.strategy not in ("auto", "ddp", "diloco"):
-        raise UserError(f"--strategy {req.strategy!r}: choose ddp, diloco or auto")
+    if req.strategy not in CHOICES:
+        raise UserError(f"--strategy {req.strategy!r}: choose one of {', '.join(CHOICES)}")
     if req.tokens is not None and req.tokens <= 0:
         raise UserError(f"--tokens must be positive, got {req.tokens:g}")
     if req.checkpoint_load_s <= 0:
@@ -104,7 +107,7 @@ def make_plan(req: PlanRequest) -> dict:
     base = Settings(compress=req.compress, powersgd_rank=req.powersgd_rank, bucket_mb=req.bucket_mb,
                     sync_every=req.sync_every, wire_dtype=req.wire_dtype, fragments=req.fragments)
     auto_pred, auto_reason, preds = auto.choose(model, res, tokens, eff.value, auto.candidates(res.world_size, base=base))
-    if req.strategy == "auto":
+    if req.strategy == AUTO:
         chosen, reason = auto_pred, auto_reason
     else:
         settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if req.strategy == "ddp" else "none")
@@ -176,7 +179,7 @@ def _memory_doc(model, res, chosen: Prediction) -> dict:
     s = chosen.settings
     kw = dict(compress=s.compress, wire_dtype=s.wire_dtype, fragments=s.fragments)
     options = []
-    for strategy in ("ddp", "diloco"):
+    for strategy in STRATEGIES:
         for opt in memory.candidate_options(model, strategy, res.world_size):
             fits_all, need = True, 0.0
             for node in res.nodes:

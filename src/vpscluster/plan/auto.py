@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
+from vpscluster.train.config import strategy_choices
+from vpscluster.train.strategies import STRATEGIES
 
 if TYPE_CHECKING:
     from vpscluster.cluster.node import Cluster
@@ -26,14 +28,16 @@ MAX_RISK = 3.0  # "medium" at most, unless nothing else exists
 SYNC_EVERY_CHOICES = (5, 10, 20, 25, 50, 100, 200, 500)
 
 
-def candidates(world_size: int, sync_every_choices=SYNC_EVERY_CHOICES, strategies=("ddp", "diloco"),
-               base: Settings = Settings()) -> list[Settings]:
+def candidates(world_size: int, sync_every_choices=SYNC_EVERY_CHOICES, strategies=tuple(STRATEGIES),
+               base: Settings | None = None) -> list[Settings]:
+    """Every registered strategy over its typed choices (compress, wire dtype) and the H values."""
+    base = base or Settings()
     out = []
     if "ddp" in strategies:
-        out += [dataclasses.replace(base, name="ddp", compress=c) for c in ("none", "bf16", "powersgd")]
+        out += [dataclasses.replace(base, name="ddp", compress=c) for c in strategy_choices("compress")]
     if "diloco" in strategies and world_size > 1:
         for h in sync_every_choices:
-            for wire in ("fp32", "bf16", "int8"):
+            for wire in strategy_choices("wire_dtype"):
                 out.append(dataclasses.replace(base, name="diloco", compress="none", sync_every=h, wire_dtype=wire,
                                                fragments=1))
     return out
@@ -101,8 +105,7 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
                          matmul_threads=probe_threads)
     tokens = cfg.max_steps * model.shape.batch_size * model.shape.seq_len * res.world_size
     s = cfg.strategy
-    base = Settings(compress=s.compress, powersgd_rank=s.powersgd_rank, bucket_mb=s.bucket_mb,
-                    sync_every=s.sync_every, wire_dtype=s.wire_dtype, fragments=1)
+    base = Settings.of(s, name="ddp", fragments=1)  # the user's knobs; the candidates vary name, compress, H, wire
     hs = [h for h in SYNC_EVERY_CHOICES if cfg.checkpoint_every % h == 0 and h <= max(1, cfg.max_steps // 4)]
     chosen, reason, _ = choose(model, res, tokens, eff.value, candidates(res.world_size, hs or [1], base=base))
     c = chosen.settings

@@ -12,28 +12,26 @@ all_to_all and all-gathered, in fp32, bf16 or int8 with per-block scales). The m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from vpscluster.plan import comm, compute, memory
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
+from vpscluster.train.config import StrategyConfig
 
 INT8_BLOCK = 1024  # elements per fp32 absmax scale when DiLoCo sends int8 (train/strategies/wire.py)
 DAY_S = 86400.0
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The knobs of a strategy that change cost (mirrors train.config.StrategyConfig)."""
+class Settings(StrategyConfig):
+    """A strategy's settings as the planner sees them: StrategyConfig itself (the same fields,
+    defaults and rules, never a copy), plus the planner's label, quality risk and JSON."""
 
-    name: str = "ddp"
-    compress: str = "none"  # ddp: none | bf16 | powersgd
-    powersgd_rank: int = 4
-    bucket_mb: float = 25.0
-    sync_every: int = 100  # diloco H
-    wire_dtype: str = "fp32"  # diloco: fp32 | bf16 | int8
-    fragments: int = 1
+    @classmethod
+    def of(cls, config: StrategyConfig, **changes) -> "Settings":
+        return cls(**{**dataclasses.asdict(config), **changes})
 
     def label(self) -> str:
         if self.name == "ddp":
@@ -173,8 +171,6 @@ def ring_for(res: Resources) -> comm.Ring:
     ring = comm.best_ring(res.links)
     fit, n = res.collective_fit, res.world_size
     if fit and n > 1 and fit["alpha_s"] > 0:
-        import dataclasses
-
         ring = dataclasses.replace(ring, alpha_s=max(ring.alpha_s, fit["alpha_s"] / (2 * (n - 1))))
     return ring
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vpscluster.train.strategies import STRATEGIES
 from vpscluster.units import format_bytes, format_rate_mbit
 
 
@@ -73,7 +74,7 @@ def render(doc: dict, console) -> None:
     console.print("[bold]Memory per rank[/]: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in comp.items())
                   + f" = {format_bytes(doc['memory_bytes_per_node'])}")
     by_strategy = []
-    for strategy in ("ddp", "diloco"):
+    for strategy in STRATEGIES:
         opts = [o for o in doc["memory"]["options"] if o["strategy"] == strategy]
         if opts:
             first_fit = next((o for o in opts if o["fits"]), None)

@@ -1,41 +1,55 @@
 """The training configuration: one typed tree, built from defaults, `--config FILE.yaml`, then flags.
 
-Cross-field rules live in `validate` methods, in one place. Derived values (the batch size a
-preset implies, the run directory) are computed by methods, never stored twice.
+The classes are dataclasses whose field types pydantic checks when a configuration is built from
+a mapping (`vpscluster.config.build`, used by `resolve` and `rundir.read_config`); each class's
+`validate` holds the cross-field rules, in one place, and runs on every construction. Derived values (the batch size a preset implies, the run
+directory) are computed by methods, never stored twice. Strategy names come from the registry
+(`train/strategies`), the compress and wire choices from `StrategyConfig`'s field types: the
+CLI, the planner and the loader read them there (`strategy_choices`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
 
+from vpscluster.config import STRICT_KEYS, Float, Int, build, load_yaml, merge, shorthand
 from vpscluster.errors import UserError
+from vpscluster.train.strategies import CHOICES, STRATEGIES
 
-StrategyName = Literal["ddp", "diloco", "auto"]
+StrategyName = Literal[CHOICES]  # the registry's names and "auto"
+Compress = Literal["none", "bf16", "powersgd"]  # ddp: gradients on the wire
+WireDtype = Literal["fp32", "bf16", "int8"]  # diloco: the pseudo-gradient on the wire
 
 
 @dataclass
 class StrategyConfig:
     """How ranks keep their models in agreement (see `train/strategies/`)."""
 
-    name: str = "ddp"
+    __pydantic_config__ = STRICT_KEYS
+
+    name: StrategyName = "ddp"
     # ddp: gradient compression through a DDP communication hook.
-    compress: Literal["none", "bf16", "powersgd"] = "none"
-    powersgd_rank: int = 4
+    compress: Compress = "none"
+    powersgd_rank: Int = 4
     # PowerSGD (Vogels et al., 2019) runs plain all-reduce for its first steps: DDP rebuilds its
     # buckets after step 1 and a short uncompressed warm-up protects accuracy. Must be >= 2.
-    powersgd_start_step: int = 10
-    bucket_mb: float = 25.0
+    powersgd_start_step: Int = 10
+    bucket_mb: Float = 25.0
     # diloco (Douillard et al., 2023): H inner steps, then an outer Nesterov-SGD step on the
     # token-weighted average pseudo-gradient.
-    sync_every: int = 100
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    wire_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    sync_every: Int = 100
+    outer_lr: Float = 0.7
+    outer_momentum: Float = 0.9
+    wire_dtype: WireDtype = "fp32"
     # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
     # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
-    fragments: int = 1
+    fragments: Int = 1
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         if self.powersgd_rank < 1:
@@ -63,9 +77,14 @@ class StrategyConfig:
 class TimeoutConfig:
     """Every blocking distributed call has a time-out: generous while starting, short after."""
 
-    rendezvous_s: float = 600.0  # all nodes join (slow SSH start, package imports on cold disks)
-    startup_collective_s: float = 300.0  # first collectives (weight broadcast over a slow link)
-    train_collective_s: float = 180.0  # once training runs: a dead peer is noticed this fast
+    __pydantic_config__ = STRICT_KEYS
+
+    rendezvous_s: Float = 600.0  # all nodes join (slow SSH start, package imports on cold disks)
+    startup_collective_s: Float = 300.0  # first collectives (weight broadcast over a slow link)
+    train_collective_s: Float = 180.0  # once training runs: a dead peer is noticed this fast
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         for name in ("rendezvous_s", "startup_collective_s", "train_collective_s"):
@@ -75,33 +94,39 @@ class TimeoutConfig:
 
 @dataclass
 class TrainConfig:
+    __pydantic_config__ = STRICT_KEYS
+
     preset: str = "tiny"
     data: str | None = None  # a text file or folder; None = the bundled corpus
-    val_fraction: float = 0.05
-    batch_size: int = 0  # sequences per rank per step; 0 = the preset's default
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    max_steps: int = 250  # the demo: ~75 s of training on 2 local ranks of an idle 2-core machine
+    val_fraction: Float = 0.05
+    batch_size: Int = 0  # sequences per rank per step; 0 = the preset's default
+    lr: Float = 3e-3
+    min_lr_ratio: Float = 0.1
+    warmup_steps: Int = 20
+    weight_decay: Float = 0.1
+    grad_clip: Float = 1.0
+    max_steps: Int = 250  # the demo: ~75 s of training on 2 local ranks of an idle 2-core machine
     # The cosine schedule's horizon. 0 = max_steps of the first run: the CLI fixes it in the
     # stored config, so `--resume --max-steps N` extends a run without changing its schedule.
-    lr_decay_steps: int = 0
-    time_budget_s: float | None = None
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    log_every: int = 1
-    seed: int = 1337
-    nodes: int = 2  # local worker processes when there is no cluster file
-    nproc_per_node: int = 0  # 0 = one per GPU, else one
-    threads_per_rank: int = 0  # 0 = the node's CPUs divided among its ranks
+    lr_decay_steps: Int = 0
+    time_budget_s: Float | None = None
+    eval_every: Int = 50
+    eval_batches: Int = 8
+    checkpoint_every: Int = 100
+    keep_checkpoints: Int = 3
+    log_every: Int = 1
+    seed: Int = 1337
+    nodes: Int = 2  # local worker processes when there is no cluster file
+    nproc_per_node: Int = 0  # 0 = one per GPU, else one
+    threads_per_rank: Int = 0  # 0 = the node's CPUs divided among its ranks
     cluster: str | None = None
     run_dir: str | None = None
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    # `strategy: diloco` is what users write; it means `strategy: {name: diloco}`.
+    strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         from vpscluster.train.presets import get_preset
@@ -126,6 +151,17 @@ class TrainConfig:
             raise UserError(f"warmup_steps must not be negative, got {self.warmup_steps}")
         if self.nodes < 1:
             raise UserError(f"nodes must be at least 1, got {self.nodes}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserError(f"min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise UserError(f"weight_decay must not be negative, got {self.weight_decay}")
+        if self.grad_clip <= 0:
+            raise UserError(f"grad_clip must be positive, got {self.grad_clip}")
+        for name in ("nproc_per_node", "threads_per_rank"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must not be negative (0 = automatic), got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"seed must be between 0 and 2**32 - 1, got {self.seed}")
         cpus = os.cpu_count() or 1
         if self.cluster is None and self.nodes > max(8, 4 * cpus):
             raise UserError(
@@ -140,11 +176,8 @@ class TrainConfig:
         if self.data is not None and not os.path.exists(self.data):
             raise UserError(f"--data {self.data}: no such file or folder")
         s = self.strategy
-        if s.name not in ("ddp", "diloco", "auto"):
-            from vpscluster.train.strategies import STRATEGIES
-
-            if s.name not in STRATEGIES:
-                raise UserError(f"unknown strategy {s.name!r}; choose one of: {', '.join(STRATEGIES)}, auto")
+        if s.name not in CHOICES:  # a name assigned after construction (e.g. by the planner)
+            raise UserError(f"unknown strategy {s.name!r}; choose one of: {', '.join(CHOICES)}")
         if s.compress != "none" and s.name == "diloco":
             raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
         if s.name == "diloco" and self.checkpoint_every % s.sync_every:
@@ -160,3 +193,44 @@ class TrainConfig:
         from vpscluster.train.presets import get_preset
 
         return self.batch_size or get_preset(self.preset).batch_size
+
+
+def strategy_choices(key: str) -> tuple[str, ...]:
+    """The values `strategy.<key>` accepts, read from StrategyConfig's field type (e.g. "compress")."""
+    tp = next(f.type for f in fields(StrategyConfig) if f.name == key)
+    return get_args(globals()[tp] if isinstance(tp, str) else tp)
+
+
+def config_keys() -> str:
+    """The keys a config file takes, for help texts (read from the classes, never copied)."""
+    top = [f.name for f in fields(TrainConfig) if f.name not in ("strategy", "timeouts")]
+    nested = {n: [f.name for f in fields(c)] for n, c in (("strategy", StrategyConfig), ("timeouts", TimeoutConfig))}
+    return ", ".join(top) + "; " + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
+
+
+def resolve(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The TrainConfig for a new run: defaults < `config_file` (YAML) < `overrides` (nested mapping).
+
+    Only reads: nothing is created, so a refused configuration leaves nothing behind. Problems
+    with the file's keys and types name the file; rules across keys are checked once the
+    overrides are applied (a flag may fix what the file alone gets wrong).
+    """
+    mapping: dict[str, Any] = {}
+    file_rule: UserError | None = None
+    where = str(config_file)
+    if config_file is not None:
+        mapping = load_yaml(config_file, "--config")
+        try:
+            build(TrainConfig, mapping, where)
+        except UserError as e:
+            if str(e).startswith(where + ": "):  # a key or type problem in the file itself
+                raise
+            file_rule = e  # a rule across keys: a flag may still fix it
+        if isinstance(mapping.get("strategy"), str):
+            mapping = {**mapping, "strategy": {"name": mapping["strategy"]}}  # so flags merge into it
+    try:
+        return build(TrainConfig, merge(mapping, overrides or {}), "flags")
+    except UserError as e:
+        if file_rule is not None and str(e) == str(file_rule):
+            raise UserError(f"{where}: {e}") from None  # the file's values break it, not the flags
+        raise

@@ -1,4 +1,8 @@
-"""Sync strategies by name. Each lives in its own module and is imported only when chosen."""
+"""Sync strategies by name. Each lives in its own module and is imported only when chosen.
+
+This registry is the one list of strategy names: the typed config (`StrategyConfig.name`), the
+CLI's choices, the planner's candidates and the YAML loader all read it from here.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ STRATEGIES: dict[str, str] = {
     "ddp": "vpscluster.train.strategies.ddp:DDPStrategy",
     "diloco": "vpscluster.train.strategies.diloco:DiLoCoStrategy",
 }
+# Not a strategy: asks the planner (`plan/auto.py`) to choose one of STRATEGIES before training.
+AUTO = "auto"
+# What a user may write for `strategy.name` / `--strategy`.
+CHOICES: tuple[str, ...] = (*STRATEGIES, AUTO)
 
 
 def get_strategy_class(name: str) -> type["Strategy"]:
