@@ -138,6 +138,7 @@ def load_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
 
 # --- one line from a ValidationError ------------------------------------------------------------
 
+_UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument", "invalid_key")
 _EXPECTED = {
     "int": "an integer", "float": "a number", "bool": "true or false", "string": "text",
     "list": "a list", "dict": "a mapping", "none_required": "nothing (null)",
@@ -148,16 +149,18 @@ _EXPECTED = {
 def one_line(error: "ValidationError", where: str, root: type) -> str:
     """The first problem of `error` as one line: `where: key.path: what is expected, got X`."""
     errors = error.errors(include_url=False)
+    # An unknown key first: a misspelt key is the likeliest cause of what else is wrong.
+    errors.sort(key=lambda e: e.get("type") not in _UNKNOWN_KEY)
     line = _describe(errors[0], root)
     more = len(errors) - 1
     text = f"{where}: {line}" + (f" (and {more} more)" if more else "")
-    return " ".join(text.splitlines())  # belt and braces: user text never breaks the line
+    return text  # UserError keeps it on one line whatever user text it quotes
 
 
 def _describe(err: dict, root: type) -> str:
     loc, kind = tuple(err.get("loc", ())), err.get("type", "")
     got = err.get("input")
-    if kind in ("extra_forbidden", "unexpected_keyword_argument", "invalid_key"):
+    if kind in _UNKNOWN_KEY:
         parent, key = loc[:-1], loc[-1] if loc else "?"
         valid = _keys(_type_at(root, parent))
         return _at(parent) + f"unknown key {key!r}" + (f"; valid keys: {', '.join(valid)}" if valid else "")

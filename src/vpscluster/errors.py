@@ -7,9 +7,16 @@ non-zero exit status. Its message names the problem *and* the fix, e.g.
 
 
 class UserError(Exception):
-    """A problem with the user's input or environment, reported as one line."""
+    """A problem with the user's input or environment, reported as one line.
+
+    The line is guaranteed: a message that quotes user text holding line breaks (a file name, a
+    value) has them replaced by spaces, so no input can split the error over several lines.
+    """
 
     exit_code = 2
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(" ".join(a.splitlines()) if isinstance(a, str) else a for a in args))
 
 
 class RemoteError(UserError):

@@ -23,22 +23,22 @@ import contextlib
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from vpscluster.cluster.node import Cluster, Node
+from vpscluster.config import STRICT_KEYS, Before, build
 from vpscluster.errors import UserError
 
-_TOP_KEYS = ("head", "known_hosts", "accept_new_host_keys", "connect_timeout_s", "command_timeout_s", "defaults", "nodes")
-_NODE_KEYS = ("name", "host", "port", "user", "identity_file", "python", "workdir", "labels",
-              "advertised_bandwidth", "egress_quota")
-_DEFAULT_KEYS = tuple(k for k in _NODE_KEYS if k not in ("name", "host"))
 # Names end up in log prefixes, file names and torchrun arguments: keep them plain.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# Missing values are checked too (a node without a host is refused by the host's own rule).
+_FILE_CONFIG = {**STRICT_KEYS, "validate_default": True}
 
 
 def load_cluster(path: str | os.PathLike) -> Cluster:
-    """Read and validate a cluster file; raise `UserError` on the first problem."""
+    """Read and validate a cluster file; raise `UserError` (one line) on the first problem."""
     from vpscluster.config import load_yaml
 
     p = Path(path).expanduser()
@@ -49,55 +49,195 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
     return cluster_from_mapping(data, where, base_dir=p.resolve().parent)
 
 
-def cluster_from_mapping(data: dict[str, Any], where: str, base_dir: Path) -> Cluster:
-    """Validate the parsed YAML of a cluster file (`where` names it in messages)."""
-    _check_keys(data, _TOP_KEYS, where)
-    defaults = data.get("defaults") or {}
-    if not isinstance(defaults, dict):
-        raise UserError(f"{where}: defaults: expected a mapping of node fields, got {defaults!r}")
-    _check_keys(defaults, _DEFAULT_KEYS, f"{where}: defaults")
-    raw_nodes = data.get("nodes")
-    if not isinstance(raw_nodes, list) or not raw_nodes:
-        raise UserError(f"{where}: nodes: expected a list with at least one node (name, host)")
+def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
+    """Validate the parsed YAML of a cluster file (`where` names it in messages).
 
-    nodes: list[Node] = []
-    seen_names: dict[str, int] = {}
-    seen_addrs: dict[tuple[str, int], int] = {}
-    for i, raw in enumerate(raw_nodes):
-        at = f"{where}: nodes[{i}]"
-        if not isinstance(raw, dict):
-            raise UserError(f"{at}: expected a mapping with at least name and host, got {raw!r}")
-        _check_keys(raw, _NODE_KEYS, at)
-        node = _build_node({**defaults, **raw}, at, base_dir)
-        if node.name in seen_names:
-            raise UserError(f"{at}.name: duplicate node name {node.name!r} (also nodes[{seen_names[node.name]}]); names must be unique")
-        addr = (node.host.lower(), node.port)
-        if addr in seen_addrs:
-            raise UserError(f"{at}.host: duplicate address {node.host}:{node.port} (also nodes[{seen_addrs[addr]}]); "
-                            "each node needs its own host:port")
-        seen_names[node.name] = i
-        seen_addrs[addr] = i
-        nodes.append(node)
-
-    head = data.get("head", nodes[0].name)
-    if head not in seen_names:
-        raise UserError(f"{where}: head: {head!r} is not a node; use one of {', '.join(seen_names)}")
-    known_hosts = data.get("known_hosts")
-    if known_hosts is None:
-        known_hosts_path = Path("~/.ssh/known_hosts").expanduser()
-    else:
-        if not isinstance(known_hosts, str) or not known_hosts.strip():
-            raise UserError(f"{where}: known_hosts: expected a file path, got {known_hosts!r}")
-        known_hosts_path = _resolve(known_hosts, base_dir)
+    pydantic checks every key and type against `ClusterFile` (rules across keys in its
+    `__post_init__`); then each node's values are merged over `defaults` and files resolved.
+    """
+    spec = build(ClusterFile, data, where)
+    nodes = []
+    for i, entry in enumerate(spec.nodes):
+        given = {k: v for k, v in vars(spec.defaults).items() if v is not None}
+        given.update({k: v for k, v in vars(entry).items() if v is not None})
+        identity_file = given.pop("identity_file", None)
+        if identity_file is not None:
+            key_path = _resolve(identity_file, base_dir)
+            if not key_path.is_file():
+                raise UserError(f"{where}: nodes[{i}].identity_file: {key_path} does not exist; "
+                                "create the key (ssh-keygen -t ed25519) or fix the path")
+            given["identity_file"] = str(key_path)
+        rate = given.pop("advertised_bandwidth", None)
+        quota = given.pop("egress_quota", None)
+        # Node's own defaults (port 22, user root, ...) fill what neither the node nor `defaults` set.
+        nodes.append(Node(**given, advertised_bandwidth_mbit=rate,
+                          egress_quota_bytes=quota[0] if quota else None,
+                          egress_quota_period_s=quota[1] if quota else None))
+    known_hosts = Path("~/.ssh/known_hosts").expanduser() if spec.known_hosts is None else _resolve(spec.known_hosts, base_dir)
     return Cluster(
         nodes=tuple(nodes),
-        head=str(head),
+        head=spec.head or nodes[0].name,
         source=where,
-        known_hosts=str(known_hosts_path),
-        accept_new_host_keys=_bool(data.get("accept_new_host_keys", False), f"{where}: accept_new_host_keys"),
-        connect_timeout_s=_seconds(data.get("connect_timeout_s", 10.0), f"{where}: connect_timeout_s"),
-        command_timeout_s=_seconds(data.get("command_timeout_s", 60.0), f"{where}: command_timeout_s"),
+        known_hosts=str(known_hosts),
+        accept_new_host_keys=spec.accept_new_host_keys,
+        connect_timeout_s=spec.connect_timeout_s,
+        command_timeout_s=spec.command_timeout_s,
     )
+
+
+# --- the file's schema: types and one-line rules per key (pydantic runs them) --------------------
+
+
+def _name(value: Any) -> Any:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a node name; use letters, digits, '.', '_' or '-' (at most 63)")
+    return value
+
+
+def _host(value: Any) -> Any:
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
+        raise ValueError(f"{value!r} is not a host; give an IP address or DNS name")
+    return value.strip()
+
+
+def _port(value: Any) -> Any:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535):
+        raise ValueError(f"{value!r} is not a port (1-65535)")
+    return value
+
+
+def _user(value: Any) -> Any:
+    if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):
+        raise ValueError(f"{value!r} is not a user name")
+    return value
+
+
+def _path(value: Any) -> Any:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ValueError(f"expected a non-empty path, got {value!r}")
+    return value.strip() if isinstance(value, str) else value
+
+
+def _labels(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or any(isinstance(v, (dict, list)) for v in value.values()):
+        raise ValueError("expected a flat mapping like {region: fra, provider: hetzner}")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _units(parse, what: str, example: str):
+    """A units parser as a field rule: its message without the key (the path names it)."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"{value!r} is not a {what}; write e.g. {example}")
+        try:
+            return parse(value)
+        except UserError as e:
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+    check.__name__ = what
+    return check
+
+
+def _rate(value: Any) -> Any:
+    from vpscluster.units import parse_rate_mbit
+
+    return _units(parse_rate_mbit, "rate", "100mbit or 1gbit")(value)
+
+
+def _quota(value: Any) -> Any:
+    from vpscluster.units import parse_quota
+
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a quota; write a size per day, week or month, e.g. 2TB/month")
+    return _units(parse_quota, "quota", "2TB/month")(value)
+
+
+def _flag(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _seconds(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _known_hosts(value: Any) -> Any:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ValueError(f"expected a file path, got {value!r}")
+    return value
+
+
+def _node_list(value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise ValueError("expected a list with at least one node (name, host)")
+    return value
+
+
+def _mapping_or_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+@dataclass
+class NodeSettings:
+    """What `defaults:` may set for every node (None: not set here)."""
+
+    __pydantic_config__ = _FILE_CONFIG
+    port: Annotated[int | None, Before(_port)] = None
+    user: Annotated[str | None, Before(_user)] = None
+    identity_file: Annotated[str | None, Before(_path)] = None
+    python: Annotated[str | None, Before(_path)] = None  # the interpreter on that node
+    workdir: Annotated[str | None, Before(_path)] = None
+    labels: Annotated[dict[str, str] | None, Before(_labels)] = None
+    advertised_bandwidth: Annotated[float | None, Before(_rate)] = None  # written 1gbit, held in Mbit/s
+    egress_quota: Annotated[tuple[float, float] | None, Before(_quota)] = None  # written 20TB/month: (bytes, period s)
+
+
+@dataclass
+class NodeEntry(NodeSettings):
+    """One entry of `nodes:`: a name and a host, and any of the defaults' keys."""
+
+    name: Annotated[str | None, Before(_name)] = None
+    host: Annotated[str | None, Before(_host)] = None
+
+
+@dataclass
+class ClusterFile:
+    """The whole cluster file."""
+
+    __pydantic_config__ = _FILE_CONFIG
+    head: Annotated[str | None, Before(lambda v: v if v is None else _name(v))] = None  # default: the first node
+    known_hosts: Annotated[str | None, Before(_known_hosts)] = None  # default ~/.ssh/known_hosts
+    accept_new_host_keys: Annotated[bool, Before(_flag)] = False  # trust on first use
+    connect_timeout_s: Annotated[float, Before(_seconds)] = 10.0
+    command_timeout_s: Annotated[float, Before(_seconds)] = 60.0
+    defaults: Annotated[NodeSettings, Before(_mapping_or_empty)] = field(default_factory=NodeSettings)
+    nodes: Annotated[list[NodeEntry], Before(_node_list)] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Rules across nodes; ValueError so that pydantic reports them like any other key."""
+        names: dict[str, int] = {}
+        addrs: dict[tuple[str, int], int] = {}
+        port = self.defaults.port or Node.__dataclass_fields__["port"].default
+        for i, n in enumerate(self.nodes):
+            if n.name in names:
+                raise ValueError(f"nodes[{i}].name: duplicate node name {n.name!r} (also nodes[{names[n.name]}]); "
+                                 "names must be unique")
+            addr = (str(n.host).lower(), n.port or port)
+            if addr in addrs:
+                raise ValueError(f"nodes[{i}].host: duplicate address {n.host}:{addr[1]} (also nodes[{addrs[addr]}]); "
+                                 "each node needs its own host:port")
+            names[str(n.name)] = i
+            addrs[addr] = i
+        if self.head is not None and self.head not in names:
+            raise ValueError(f"head: {self.head!r} is not a node; use one of {', '.join(names)}")
 
 
 def local_cluster() -> Cluster:
@@ -134,89 +274,6 @@ async def open_executors(cluster: Cluster) -> AsyncIterator[list]:
         await asyncio.gather(*(ex.close() for ex in executors), return_exceptions=True)
 
 
-# --- field validation -------------------------------------------------------------------------
-
-
-def _check_keys(mapping: dict, allowed: tuple[str, ...], at: str) -> None:
-    for key in mapping:
-        if key not in allowed:
-            raise UserError(f"{at}: unknown key {key!r}; valid keys: {', '.join(allowed)}")
-
-
-def _build_node(raw: dict[str, Any], at: str, base_dir: Path) -> Node:
-    name = raw.get("name")
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise UserError(f"{at}.name: {name!r} is not a node name; use letters, digits, '.', '_' or '-' (at most 63)")
-    host = raw.get("host")
-    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host.strip()):
-        raise UserError(f"{at}.host: {host!r} is not a host; give an IP address or DNS name")
-    port = raw.get("port", 22)
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise UserError(f"{at}.port: {port!r} is not a port (1-65535)")
-    user = raw.get("user", "root")
-    if not isinstance(user, str) or not user or any(c.isspace() for c in user):
-        raise UserError(f"{at}.user: {user!r} is not a user name")
-    identity_file = raw.get("identity_file")
-    if identity_file is not None:
-        if not isinstance(identity_file, str) or not identity_file:
-            raise UserError(f"{at}.identity_file: expected a file path, got {identity_file!r}")
-        key_path = _resolve(identity_file, base_dir)
-        if not key_path.is_file():
-            raise UserError(f"{at}.identity_file: {key_path} does not exist; create the key (ssh-keygen -t ed25519) or fix the path")
-        identity_file = str(key_path)
-    labels = raw.get("labels") or {}
-    if not isinstance(labels, dict) or any(isinstance(v, (dict, list)) for v in labels.values()):
-        raise UserError(f"{at}.labels: expected a flat mapping like {{region: fra, provider: hetzner}}")
-    bandwidth_mbit = quota_bytes = quota_period_s = None
-    if raw.get("advertised_bandwidth") is not None:
-        from vpscluster.units import parse_rate_mbit
-
-        bandwidth_mbit = _reword(lambda: parse_rate_mbit(raw["advertised_bandwidth"], "advertised_bandwidth"), at)
-    if raw.get("egress_quota") is not None:
-        from vpscluster.units import parse_quota
-
-        quota_bytes, quota_period_s = _reword(lambda: parse_quota(raw["egress_quota"], "egress_quota"), at)
-    return Node(
-        name=name,
-        host=host.strip(),
-        port=port,
-        user=user,
-        identity_file=identity_file,
-        python=_text(raw.get("python", "python3"), f"{at}.python"),
-        workdir=_text(raw.get("workdir", "~/vpscluster"), f"{at}.workdir"),
-        labels={str(k): str(v) for k, v in labels.items()},
-        advertised_bandwidth_mbit=bandwidth_mbit,
-        egress_quota_bytes=quota_bytes,
-        egress_quota_period_s=quota_period_s,
-    )
-
-
-def _reword(parse, at: str):
-    """Units errors say 'advertised_bandwidth: ...'; prefix them with the file and node."""
-    try:
-        return parse()
-    except UserError as e:
-        raise UserError(f"{at}.{e}") from None
-
-
 def _resolve(path: str, base_dir: Path) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() else (base_dir / p)
-
-
-def _text(value: Any, at: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise UserError(f"{at}: expected a non-empty path, got {value!r}")
-    return value.strip()
-
-
-def _bool(value: Any, at: str) -> bool:
-    if not isinstance(value, bool):
-        raise UserError(f"{at}: expected true or false, got {value!r}")
-    return value
-
-
-def _seconds(value: Any, at: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise UserError(f"{at}: expected a positive number of seconds, got {value!r}")
-    return float(value)
