@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,15 @@ from vpscluster.errors import UserError
 from vpscluster.train.config import StrategyConfig, TimeoutConfig, TrainConfig
 
 CHECKS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-WORK = Path(tempfile.mkdtemp(prefix="vpsc-loaders-"))  # one file rewritten per example
-(WORK / "id_ed25519").write_text("not a key; the loader only checks that it exists\n")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """One folder for the property tests; their file is rewritten for every example."""
+    folder = tmp_path_factory.mktemp("loaders")
+    (folder / "id_ed25519").write_text("not a key; the loader only checks that it exists\n")
+    return folder
+
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12))
 keys = st.one_of(st.text(max_size=10), st.integers(), st.booleans())
@@ -42,8 +48,8 @@ def section(cls, extra=()):
     return st.dictionaries(st.sampled_from(names(cls) + list(extra)), values, max_size=4)
 
 
-def write(doc) -> Path:
-    path = WORK / "doc.yaml"
+def write(folder: Path, doc) -> Path:
+    path = folder / "doc.yaml"
     if isinstance(doc, bytes):
         path.write_bytes(doc)
     else:
@@ -82,16 +88,16 @@ train_docs = st.one_of(
 
 @CHECKS
 @given(doc=train_docs)
-def test_train_config_refuses_anything_wrong_in_one_line(doc):
+def test_train_config_refuses_anything_wrong_in_one_line(work, doc):
     if isinstance(doc, dict) and isinstance(doc.get("cluster"), str):
-        doc["cluster"] = str(WORK / "no-such-cluster.yaml")  # that message names the cluster file
-    refused_in_one_line(load_train, write(doc), names_file=not (isinstance(doc, dict) and "cluster" in doc))
+        doc["cluster"] = str(work / "no-such-cluster.yaml")  # that message names the cluster file
+    refused_in_one_line(load_train, write(work, doc), names_file=not (isinstance(doc, dict) and "cluster" in doc))
 
 
 @CHECKS
 @given(junk=st.binary(max_size=64))
-def test_both_loaders_refuse_binary_junk_in_one_line(junk):
-    path = write(junk)
+def test_both_loaders_refuse_binary_junk_in_one_line(work, junk):
+    path = write(work, junk)
     refused_in_one_line(load_train, path, names_file=False)
     refused_in_one_line(load_cluster, path)
 
@@ -109,7 +115,7 @@ node_changes = section(NodeEntry, extra=["hostname"])
 @CHECKS
 @given(doc=values, top=top_changes, defaults=st.one_of(values, node_changes), node=node_changes,
        index=st.integers(0, 1), shape=st.integers(0, 3))
-def test_cluster_file_refuses_anything_wrong_in_one_line(doc, top, defaults, node, index, shape):
+def test_cluster_file_refuses_anything_wrong_in_one_line(work, doc, top, defaults, node, index, shape):
     if shape > 0:  # a valid file with wrong types or unknown keys at known places
         doc = valid_cluster()
         if shape == 1:
@@ -118,10 +124,9 @@ def test_cluster_file_refuses_anything_wrong_in_one_line(doc, top, defaults, nod
             doc["defaults"] = defaults
         else:
             doc["nodes"][index].update(node)
-    cluster = None
-    message = refused_in_one_line(load_cluster, write(doc))
-    if message is None:
-        cluster = load_cluster(write(doc))
+    path = write(work, doc)
+    if refused_in_one_line(load_cluster, path) is None:
+        cluster = load_cluster(path)
         assert cluster.nodes and cluster.head in [n.name for n in cluster.nodes]
 
 

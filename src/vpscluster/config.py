@@ -28,7 +28,7 @@ T = TypeVar("T")
 
 # `__pydantic_config__` of every configuration class: unknown keys are refused (a typo must not
 # be ignored), and so are NaN and infinity.
-STRICT_KEYS = {"extra": "forbid", "allow_inf_nan": False}
+PYDANTIC_CONFIG = {"extra": "forbid", "allow_inf_nan": False}
 
 
 class Before:

@@ -11,7 +11,8 @@
          python: /opt/venv/bin/python, workdir: /srv/vpscluster, labels: {region: fra},
          advertised_bandwidth: 1gbit, egress_quota: 20TB/month}
 
-Every problem is one `UserError` line naming the file and the field, e.g.
+pydantic checks the file against `ClusterFile` (every key's type and rule, unknown keys, rules
+across nodes); every problem is one `UserError` line naming the file and the field, e.g.
 "cluster.yaml: nodes[1].port: 70000 is not a port (1-65535)". Relative paths (identity files,
 known_hosts) are relative to the file's folder; `~` expands. With no file, commands use
 `local_cluster()`: one node, processes on this machine.
@@ -28,13 +29,13 @@ from pathlib import Path
 from typing import Annotated, Any, AsyncIterator
 
 from vpscluster.cluster.node import Cluster, Node
-from vpscluster.config import STRICT_KEYS, Before, build
+from vpscluster.config import PYDANTIC_CONFIG, Before, build
 from vpscluster.errors import UserError
 
 # Names end up in log prefixes, file names and torchrun arguments: keep them plain.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 # Missing values are checked too (a node without a host is refused by the host's own rule).
-_FILE_CONFIG = {**STRICT_KEYS, "validate_default": True}
+_FILE_CONFIG = {**PYDANTIC_CONFIG, "validate_default": True}
 
 
 def load_cluster(path: str | os.PathLike) -> Cluster:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from vpscluster.config import STRICT_KEYS, Float, Int, build, load_yaml, merge, shorthand
+from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, load_yaml, merge, shorthand
 from vpscluster.errors import UserError
 from vpscluster.train.strategies import CHOICES, STRATEGIES
 
@@ -28,7 +28,7 @@ WireDtype = Literal["fp32", "bf16", "int8"]  # diloco: the pseudo-gradient on th
 class StrategyConfig:
     """How ranks keep their models in agreement (see `train/strategies/`)."""
 
-    __pydantic_config__ = STRICT_KEYS
+    __pydantic_config__ = PYDANTIC_CONFIG
 
     name: StrategyName = "ddp"
     # ddp: gradient compression through a DDP communication hook.
@@ -77,7 +77,7 @@ class StrategyConfig:
 class TimeoutConfig:
     """Every blocking distributed call has a time-out: generous while starting, short after."""
 
-    __pydantic_config__ = STRICT_KEYS
+    __pydantic_config__ = PYDANTIC_CONFIG
 
     rendezvous_s: Float = 600.0  # all nodes join (slow SSH start, package imports on cold disks)
     startup_collective_s: Float = 300.0  # first collectives (weight broadcast over a slow link)
@@ -94,7 +94,7 @@ class TimeoutConfig:
 
 @dataclass
 class TrainConfig:
-    __pydantic_config__ = STRICT_KEYS
+    __pydantic_config__ = PYDANTIC_CONFIG
 
     preset: str = "tiny"
     data: str | None = None  # a text file or folder; None = the bundled corpus
