@@ -216,3 +216,13 @@ def test_refused_train_creates_nothing(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "runs").exists()  # no run directory left behind
+
+
+def test_huge_file_is_refused_without_reading_it_whole(tmp_path):
+    from vpscluster.config import MAX_FILE_BYTES
+
+    path = tmp_path / "weights.yaml"
+    with path.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES * 4)  # sparse: costs no disk
+    message = refused_in_one_line(load_train, path)
+    assert message is not None and "not a configuration" in message

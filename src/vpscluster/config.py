@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pydantic import TypeAdapter, ValidationError
 
 T = TypeVar("T")
+MAX_FILE_BYTES = 4 << 20  # far above any real configuration or cluster file
 
 # `__pydantic_config__` of every configuration class: unknown keys are refused (a typo must not
 # be ignored), and so are NaN and infinity.
@@ -112,9 +113,12 @@ def load_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
 
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        with p.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)  # a model file passed by mistake is not read whole
     except OSError as e:
         raise UserError(f"{what} {p}: cannot read it ({e.strerror})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise UserError(f"{what} {p}: larger than {MAX_FILE_BYTES >> 20} MiB, not a configuration; give the YAML file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
