@@ -226,3 +226,35 @@ def test_huge_file_is_refused_without_reading_it_whole(tmp_path):
         f.truncate(MAX_FILE_BYTES * 4)  # sparse: costs no disk
     message = refused_in_one_line(load_train, path)
     assert message is not None and "not a configuration" in message
+
+
+# --- one source of strategy names, defaults and choices ------------------------------------------
+
+
+def _choices(add_arguments) -> dict[str, tuple]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
+
+
+def test_cli_choices_and_planner_read_the_registry_and_the_typed_config():
+    from vpscluster.cli import plan as plan_cli
+    from vpscluster.cli import train as train_cli
+    from vpscluster.plan.api import PlanRequest
+    from vpscluster.plan.auto import candidates
+    from vpscluster.plan.predict import Settings
+    from vpscluster.train.config import strategy_choices
+    from vpscluster.train.strategies import AUTO, STRATEGIES
+
+    assert strategy_choices("name") == (*STRATEGIES, AUTO)
+    for add_arguments in (train_cli.add_arguments, plan_cli.add_arguments):
+        choices = _choices(add_arguments)
+        for key in ("strategy", "compress", "wire_dtype"):
+            assert choices[key] == strategy_choices("name" if key == "strategy" else key)
+    assert Settings() == Settings.of(StrategyConfig()) and isinstance(Settings(), StrategyConfig)
+    request = PlanRequest(model="tiny")
+    assert all(getattr(request, k) == getattr(StrategyConfig(), k)
+               for k in ("compress", "powersgd_rank", "bucket_mb", "sync_every", "wire_dtype", "fragments"))
+    seen = {(s.name, s.compress, s.wire_dtype) for s in candidates(4, sync_every_choices=(10,))}
+    assert {c for n, c, _ in seen if n == "ddp"} == set(strategy_choices("compress"))
+    assert {w for n, _, w in seen if n == "diloco"} == set(strategy_choices("wire_dtype"))
