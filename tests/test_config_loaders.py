@@ -258,3 +258,18 @@ def test_cli_choices_and_planner_read_the_registry_and_the_typed_config():
     seen = {(s.name, s.compress, s.wire_dtype) for s in candidates(4, sync_every_choices=(10,))}
     assert {c for n, c, _ in seen if n == "ddp"} == set(strategy_choices("compress"))
     assert {w for n, _, w in seen if n == "diloco"} == set(strategy_choices("wire_dtype"))
+
+
+def _alias_bomb() -> str:
+    lines = ['a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]  # 9**9 items when expanded
+    return "\n".join(lines) + "\nstrategy: *a8\ntimeouts: *a8\nnodes: *a8\ndefaults: *a8\nlabels: *a8\n"
+
+
+@pytest.mark.parametrize("text", [_alias_bomb(), "strategy: &x {name: *x}\nnodes: &y [*y]\ndefaults: &z {labels: *z}\n"])
+def test_aliases_that_expand_or_loop_are_refused_quickly(tmp_path, text):
+    path = tmp_path / "alias.yaml"
+    path.write_text(text)
+    for load in (load_train, load_cluster):
+        message = refused_in_one_line(load, path)
+        assert message is not None and len(message) < 1000, message

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -81,8 +82,8 @@ def _adapter(cls: type) -> "TypeAdapter":
 def build(cls: type[T], data: Any, where: str = "config") -> T:
     """Build configuration class `cls` from a mapping; one `UserError` line on any problem.
 
-    Field problems are prefixed with `where` (the file, or "train" for flags); the cross-field
-    rules' messages (from `validate`) already name their keys and stand as they are.
+    Field problems are prefixed with `where` (the file, or "flags"); the cross-field rules'
+    messages (from `validate`) already name their keys and stand as they are.
     """
     from pydantic import ValidationError
 
@@ -167,7 +168,7 @@ def _describe(err: dict, root: type) -> str:
     if kind in _UNKNOWN_KEY:
         parent, key = loc[:-1], loc[-1] if loc else "?"
         valid = _keys(_type_at(root, parent))
-        return _at(parent) + f"unknown key {key!r}" + (f"; valid keys: {', '.join(valid)}" if valid else "")
+        return _at(parent) + f"unknown key {show(key)}" + (f"; valid keys: {', '.join(valid)}" if valid else "")
     if kind in ("dataclass_type", "model_type", "dataclass_args_type", "model_attributes_type"):
         valid = _keys(_type_at(root, loc))
         return _at(loc) + f"expected a mapping of {', '.join(valid)}, got {_show(got)}"
@@ -195,18 +196,28 @@ def _at(loc: tuple) -> str:
             out += f"[{part}]"
         else:
             part = str(part)
-            name = part if part.isidentifier() else repr(part)
+            name = part if part.isidentifier() else show(part)
             out += ("." if out else "") + name
     return out + ": "
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def _show(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    text = repr(value)
-    return text if len(text) <= limit else f"{_kind(value)} {text[:limit - 3]}..."
+    return show(value)
+
+
+_REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 2, 3, 3, 3, 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 40
+
+
+def show(value: Any) -> str:
+    """A user's value for a message: short and bounded, whatever it is (YAML aliases can make a
+    small file expand to a structure whose full repr would never finish)."""
+    return _REPR.repr(value)
 
 
 def _kind(value: Any) -> str:

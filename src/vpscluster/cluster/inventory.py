@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Annotated, Any, AsyncIterator
 
 from vpscluster.cluster.node import Cluster, Node
-from vpscluster.config import PYDANTIC_CONFIG, Before, build
+from vpscluster.config import PYDANTIC_CONFIG, Before, build, show
 from vpscluster.errors import UserError
 
 # Names end up in log prefixes, file names and torchrun arguments: keep them plain.
@@ -91,31 +91,31 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
 
 def _name(value: Any) -> Any:
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        raise ValueError(f"{value!r} is not a node name; use letters, digits, '.', '_' or '-' (at most 63)")
+        raise ValueError(f"{show(value)} is not a node name; use letters, digits, '.', '_' or '-' (at most 63)")
     return value
 
 
 def _host(value: Any) -> Any:
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
-        raise ValueError(f"{value!r} is not a host; give an IP address or DNS name")
+        raise ValueError(f"{show(value)} is not a host; give an IP address or DNS name")
     return value.strip()
 
 
 def _port(value: Any) -> Any:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535):
-        raise ValueError(f"{value!r} is not a port (1-65535)")
+        raise ValueError(f"{show(value)} is not a port (1-65535)")
     return value
 
 
 def _user(value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):
-        raise ValueError(f"{value!r} is not a user name")
+        raise ValueError(f"{show(value)} is not a user name")
     return value
 
 
 def _path(value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ValueError(f"expected a non-empty path, got {value!r}")
+        raise ValueError(f"expected a non-empty path, got {show(value)}")
     return value.strip() if isinstance(value, str) else value
 
 
@@ -134,7 +134,7 @@ def _units(parse, what: str, example: str):
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ValueError(f"{value!r} is not a {what}; write e.g. {example}")
+            raise ValueError(f"{show(value)} is not a {what}; write e.g. {example}")
         try:
             return parse(value)
         except UserError as e:
@@ -154,25 +154,25 @@ def _quota(value: Any) -> Any:
     from vpscluster.units import parse_quota
 
     if value is not None and not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a quota; write a size per day, week or month, e.g. 2TB/month")
+        raise ValueError(f"{show(value)} is not a quota; write a size per day, week or month, e.g. 2TB/month")
     return _units(parse_quota, "quota", "2TB/month")(value)
 
 
 def _flag(value: Any) -> Any:
     if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
+        raise ValueError(f"expected true or false, got {show(value)}")
     return value
 
 
 def _seconds(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"expected a positive number of seconds, got {value!r}")
+        raise ValueError(f"expected a positive number of seconds, got {show(value)}")
     return float(value)
 
 
 def _known_hosts(value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ValueError(f"expected a file path, got {value!r}")
+        raise ValueError(f"expected a file path, got {show(value)}")
     return value
 
 
@@ -229,7 +229,7 @@ class ClusterFile:
         port = self.defaults.port or Node.__dataclass_fields__["port"].default
         for i, n in enumerate(self.nodes):
             if n.name in names:
-                raise ValueError(f"nodes[{i}].name: duplicate node name {n.name!r} (also nodes[{names[n.name]}]); "
+                raise ValueError(f"nodes[{i}].name: duplicate node name {show(n.name)} (also nodes[{names[n.name]}]); "
                                  "names must be unique")
             addr = (str(n.host).lower(), n.port or port)
             if addr in addrs:
@@ -238,7 +238,7 @@ class ClusterFile:
             names[str(n.name)] = i
             addrs[addr] = i
         if self.head is not None and self.head not in names:
-            raise ValueError(f"head: {self.head!r} is not a node; use one of {', '.join(names)}")
+            raise ValueError(f"head: {show(self.head)} is not a node; use one of {', '.join(names)}")
 
 
 def local_cluster() -> Cluster:
