@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, load_yaml, merge, shorthand
 from vpscluster.errors import UserError
-from vpscluster.train.strategies import CHOICES, STRATEGIES
+from vpscluster.train.strategies import CHOICES
 
 StrategyName = Literal[CHOICES]  # the registry's names and "auto"
 Compress = Literal["none", "bf16", "powersgd"]  # ddp: gradients on the wire
