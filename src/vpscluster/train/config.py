@@ -2,8 +2,9 @@
 
 The classes are dataclasses whose field types pydantic checks when a configuration is built from
 a mapping (`vpscluster.config.build`, used by `resolve` and `rundir.read_config`); each class's
-`validate` holds the cross-field rules, in one place, and runs on every construction. Derived values (the batch size a preset implies, the run
-directory) are computed by methods, never stored twice. Strategy names come from the registry
+`validate` holds the cross-field rules, in one place, and runs on every construction. Derived
+values (the batch size a preset implies, the run directory) are computed by methods, never
+stored twice. Strategy names come from the registry
 (`train/strategies`), the compress and wire choices from `StrategyConfig`'s field types: the
 CLI, the planner and the loader read them there (`strategy_choices`).
 """
