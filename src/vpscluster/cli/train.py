@@ -44,8 +44,8 @@ RESUME_FLAGS = ("max_steps", "time_budget")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # light: no torch. Defaults and choices are read from the typed config and the strategy
-    # registry, never copied here.
+    # light: no torch, no pydantic. Defaults, keys and choices are read from the typed config and
+    # the strategy registry: help shows the real ones, never a copy of them.
     from vpscluster.train.config import TrainConfig, config_keys, strategy_choices
 
     d = TrainConfig()
