@@ -33,10 +33,16 @@ def work(tmp_path_factory) -> Path:
     return folder
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12))
+# Awkward paths and words reach the path, unit and name code: an unknown user's `~`, NUL bytes,
+# line breaks, units without numbers.
+AWKWARD = ["~", "~nosuchuser0/x", "a\x00b", "a\nb", "", " ", "/", ".", "id_ed25519", "1gbit", "0mbit", "2TB/month",
+           "-1", "diloco", "auto", "tiny", -1, 0, 2**70, 0.5, True, None, [], {}, [{}], {"a": {"b": [1]}}]
+awkward = st.sampled_from(AWKWARD)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12), awkward)
 keys = st.one_of(st.text(max_size=10), st.integers(), st.booleans())
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
                       max_leaves=12)
+one_value = st.one_of(awkward, values)
 
 
 def names(cls) -> list[str]:
@@ -44,8 +50,8 @@ def names(cls) -> list[str]:
 
 
 def section(cls, extra=()):
-    """A mapping of some of `cls`'s keys (plus `extra` keys) set to arbitrary values."""
-    return st.dictionaries(st.sampled_from(names(cls) + list(extra)), values, max_size=4)
+    """A mapping of some of `cls`'s keys (plus `extra` keys) set to arbitrary, often awkward, values."""
+    return st.dictionaries(st.sampled_from(names(cls) + list(extra)), one_value, max_size=4)
 
 
 def write(folder: Path, doc) -> Path:
@@ -80,6 +86,8 @@ def refused_in_one_line(load, path: Path, names_file: bool = True) -> str | None
 
 train_docs = st.one_of(
     values,  # anything at all, at the top level too
+    st.builds(lambda k, v: {k: v}, st.sampled_from(names(TrainConfig)), one_value),  # one key wrong, the rest valid
+    st.builds(lambda k, v: {"strategy": {k: v}}, st.sampled_from(names(StrategyConfig)), one_value),
     section(TrainConfig, extra=["max_stepz", "strategy", "timeouts"]),  # wrong types at known keys, unknown keys
     st.fixed_dictionaries({"strategy": st.one_of(values, section(StrategyConfig, extra=["nme"])),
                            "timeouts": st.one_of(values, section(TimeoutConfig, extra=["rendezvous"]))}),
@@ -110,24 +118,45 @@ def valid_cluster() -> dict:
 
 top_changes = section(ClusterFile, extra=["nodez"])
 node_changes = section(NodeEntry, extra=["hostname"])
-
-
 @CHECKS
 @given(doc=values, top=top_changes, defaults=st.one_of(values, node_changes), node=node_changes,
-       index=st.integers(0, 1), shape=st.integers(0, 3))
-def test_cluster_file_refuses_anything_wrong_in_one_line(work, doc, top, defaults, node, index, shape):
+       key=st.sampled_from(names(ClusterFile) + names(NodeEntry)), value=one_value,
+       index=st.integers(0, 1), shape=st.integers(0, 6))
+def test_cluster_file_refuses_anything_wrong_in_one_line(work, doc, top, defaults, node, key, value, index, shape):
     if shape > 0:  # a valid file with wrong types or unknown keys at known places
         doc = valid_cluster()
         if shape == 1:
             doc.update(top)
         elif shape == 2:
             doc["defaults"] = defaults
-        else:
+        elif shape == 3:
             doc["nodes"][index].update(node)
+        elif shape == 4:  # one key changed, the rest valid: reaches the code behind the schema
+            doc[key] = value
+        elif shape == 5:
+            doc["defaults"][key] = value
+        else:
+            doc["nodes"][index][key] = value
     path = write(work, doc)
     if refused_in_one_line(load_cluster, path) is None:
         cluster = load_cluster(path)
         assert cluster.nodes and cluster.head in [n.name for n in cluster.nodes]
+
+
+def test_every_key_with_every_awkward_value_is_one_line(work):
+    """Exhaustive where the random search is thin: each known key, each awkward value, one at a time."""
+    for place in ("top", "defaults", "node"):
+        for key in names(ClusterFile) + names(NodeEntry):
+            for value in AWKWARD:
+                doc = valid_cluster()
+                target = doc if place == "top" else doc["defaults"] if place == "defaults" else doc["nodes"][1]
+                target[key] = value
+                refused_in_one_line(load_cluster, write(work, doc))
+    for section_name, cls in ((None, TrainConfig), ("strategy", StrategyConfig), ("timeouts", TimeoutConfig)):
+        for key in names(cls):
+            for value in AWKWARD:
+                doc = {key: value} if section_name is None else {section_name: {key: value}}
+                refused_in_one_line(load_train, write(work, doc), names_file=key != "cluster")
 
 
 # --- the cases named in the issue --------------------------------------------------------------
@@ -216,6 +245,16 @@ def test_refused_train_creates_nothing(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "runs").exists()  # no run directory left behind
+
+
+@pytest.mark.parametrize("text", ['known_hosts: "~nosuchuser0/kh"\nnodes: [{name: a, host: h}]\n',
+                                  'nodes: [{name: a, host: h, identity_file: "~nosuchuser0/id"}]\n'])
+def test_unknown_users_home_is_one_line(tmp_path, text):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    message = refused_in_one_line(load_cluster, path)
+    assert message is not None and "~nosuchuser0" in message and "write the full path" in message
+    assert "no home folder" in refused_in_one_line(load_cluster, Path("~nosuchuser0/cluster.yaml"), names_file=False)
 
 
 def test_huge_file_is_refused_without_reading_it_whole(tmp_path):

@@ -118,6 +118,8 @@ def load_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
             raw = f.read(MAX_FILE_BYTES + 1)  # a model file passed by mistake is not read whole
     except OSError as e:
         raise UserError(f"{what} {p}: cannot read it ({e.strerror})") from None
+    except ValueError:  # a NUL byte in the path
+        raise UserError(f"{what} {show(str(p))}: not a valid file name") from None
     if len(raw) > MAX_FILE_BYTES:
         raise UserError(f"{what} {p}: larger than {MAX_FILE_BYTES >> 20} MiB, not a configuration; give the YAML file")
     try:

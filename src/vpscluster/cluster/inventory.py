@@ -42,8 +42,8 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
     """Read and validate a cluster file; raise `UserError` (one line) on the first problem."""
     from vpscluster.config import load_yaml
 
-    p = Path(path).expanduser()
     where = str(path)
+    p = _expand(str(path), where)
     if not p.is_file():
         raise UserError(f"{where}: no such cluster file; pass --cluster with the path of your cluster.yaml")
     data = load_yaml(p, what="cluster file")
@@ -63,7 +63,7 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         given.update({k: v for k, v in vars(entry).items() if v is not None})
         identity_file = given.pop("identity_file", None)
         if identity_file is not None:
-            key_path = _resolve(identity_file, base_dir)
+            key_path = _resolve(identity_file, base_dir, f"{where}: nodes[{i}].identity_file")
             if not key_path.is_file():
                 raise UserError(f"{where}: nodes[{i}].identity_file: {key_path} does not exist; "
                                 "create the key (ssh-keygen -t ed25519) or fix the path")
@@ -74,7 +74,8 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         nodes.append(Node(**given, advertised_bandwidth_mbit=rate,
                           egress_quota_bytes=quota[0] if quota else None,
                           egress_quota_period_s=quota[1] if quota else None))
-    known_hosts = Path("~/.ssh/known_hosts").expanduser() if spec.known_hosts is None else _resolve(spec.known_hosts, base_dir)
+    known_hosts = (Path("~/.ssh/known_hosts").expanduser() if spec.known_hosts is None
+                   else _resolve(spec.known_hosts, base_dir, f"{where}: known_hosts"))
     return Cluster(
         nodes=tuple(nodes),
         head=spec.head or nodes[0].name,
@@ -275,6 +276,13 @@ async def open_executors(cluster: Cluster) -> AsyncIterator[list]:
         await asyncio.gather(*(ex.close() for ex in executors), return_exceptions=True)
 
 
-def _resolve(path: str, base_dir: Path) -> Path:
-    p = Path(path).expanduser()
+def _resolve(path: str, base_dir: Path, at: str) -> Path:
+    p = _expand(path, at)
     return p if p.is_absolute() else (base_dir / p)
+
+
+def _expand(path: str, at: str) -> Path:
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # `~name/...` for a user this machine does not know
+        raise UserError(f"{at}: {path}: no home folder for that user here; write the full path") from None
