@@ -10,7 +10,6 @@ workers read.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from vpscluster.cli.output import add_json_flag

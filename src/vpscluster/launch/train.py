@@ -85,6 +85,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
     from vpscluster.train.presets import get_preset
 
     cfg = copy.deepcopy(cfg)
+    cfg.validate()  # a TrainConfig built in Python has not been checked yet
     if cfg.cluster:
         from vpscluster.cluster.inventory import load_cluster
 
