@@ -2,8 +2,8 @@
 
 `vpscluster run` and `vpscluster train` (on a cluster file or on the local cluster: one local
 node, this machine) describe what to run as a `Job`; this module does the rest the same way for
-all of them. `--dry-run` is the build part alone (no stage touches a
-node), so it prints exactly the commands a launch would run. Whatever ends the run — success, a
+all of them. `--dry-run` is the build part alone (no stage touches a node), so it prints
+exactly the commands a launch would run. Whatever ends the run — success, a
 node failing, Ctrl-C or SIGTERM to the launcher — teardown runs and checks every node.
 """
 
