@@ -82,3 +82,39 @@ def test_library_prepare_creates_nothing(tmp_path, monkeypatch):
     assert run.local and run.cfg.lr_decay_steps == 40  # the LR horizon is fixed for later resumes
     assert run.run_dir.parent == Path("runs") and run.cfg.run_dir == str(run.run_dir)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_is_a_user_error_with_exit_130():
+    """The pipeline reports Ctrl-C as `Interrupted`, never as KeyboardInterrupt carrying control."""
+    import asyncio
+
+    import pytest
+
+    from vpscluster.errors import Interrupted, UserError
+    from vpscluster.launch.pipeline import _interruptible
+
+    async def go():
+        stop = asyncio.Event()
+        stop.set()
+        await _interruptible(asyncio.sleep(30), stop)
+
+    with pytest.raises(Interrupted) as e:
+        asyncio.run(go())
+    assert isinstance(e.value, UserError) and e.value.exit_code == 130 and "interrupted" in str(e.value)
+
+
+def test_cli_prints_one_interrupted_line(monkeypatch, capsys):
+    import argparse
+
+    from vpscluster import cli
+    from vpscluster.errors import Interrupted
+
+    class Stopped:
+        @staticmethod
+        def run(args):
+            raise Interrupted()
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, argv=None: argparse.Namespace(_module=Stopped, command="train"))
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "vpscluster train: interrupted\n"
