@@ -1,4 +1,4 @@
-"""The plain torchrun + DDP baseline (bench/baselines/torchrun_ddp.py): runs under torchrun with
+"""The plain torchrun + DDP baseline (vpscluster/bench/baselines/torchrun_ddp.py): runs under torchrun with
 2 local processes, trains, writes its result, imports nothing but torch, numpy and the standard
 library, and builds exactly the model vpscluster trains for the same shape."""
 
@@ -14,9 +14,10 @@ from importlib import resources
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import free_port
+from vpscluster.bench.wan import BASELINE
 
-SCRIPT = REPO / "bench" / "baselines" / "torchrun_ddp.py"
+SCRIPT = BASELINE  # shipped inside the package (vpscluster/bench/baselines/)
 
 
 def test_baseline_imports_nothing_from_vpscluster():

@@ -58,7 +58,7 @@ def test_two_local_nodes_run_the_ddp_script(tmp_path):
     assert {node for node, _, _ in prefixed} == {"n0", "n1"}
     assert "STATE_SHA256" in (tmp_path / "run" / "logs" / "n0.log").read_text() + (tmp_path / "run" / "logs" / "n1.log").read_text()
     # torchrun's own per-rank logs went to the node's run dir, not /tmp.
-    assert list((tmp_path / "w0" / "runs" / "run" / "torchelastic").iterdir())
+    assert list((tmp_path / "w0" / "runs" / "run" / "logs" / "torchelastic").iterdir())
     assert tagged_processes(result.rdzv_id) == []
 
 

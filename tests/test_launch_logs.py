@@ -70,3 +70,32 @@ def test_culprit_is_the_node_with_its_own_error_not_a_lost_peer():
     assert _culprit("a", outcomes) == "c"
     outcomes["c"].first_error = "torch.distributed.DistBackendError: NCCL communicator was aborted"
     assert _culprit("a", outcomes) == "a"  # nobody has a better story: the first to fail
+
+
+def test_a_rank_killed_by_a_signal_is_the_first_error(tmp_path):
+    """Its peers' errors (a lost connection) follow from it: the agent's account comes first."""
+    r = LogRouter(tmp_path, ["n"], file_names={"n": "launcher.log"})
+    feed = r.for_node("n")
+    feed("stderr", "[rank0]:Traceback (most recent call last):")
+    feed("stderr", '[rank0]:  File "t.py", line 3, in <module>')
+    feed("stderr", "[rank0]:RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242")
+    feed("stderr", "E1203 09:17:30.1 torch/distributed/elastic/multiprocessing/api.py:882] failed "
+                   "(exitcode: -9) local_rank: 1 (pid: 4242) of binary: /usr/bin/python3")
+    r.close()
+    assert r.first_error("n") == "local rank 1 was killed by SIGKILL"
+    assert (tmp_path / "launcher.log").exists() and not (tmp_path / "n.log").exists()
+
+
+def test_worker_death_wording(tmp_path):
+    from vpscluster.launch.logs import worker_death
+
+    assert worker_death("failed (exitcode: -15) local_rank: 0 (pid: 1)") == "local rank 0 was killed by SIGTERM"
+    assert worker_death("failed (exitcode: 3) local_rank: 2 (pid: 1)") == "local rank 2 exited with status 3"
+    assert worker_death("all good") is None
+    # An exit status alone says less than the worker's own traceback: that one stays first.
+    r = LogRouter(tmp_path, ["n"])
+    r.for_node("n")("stderr", "[rank1]:Traceback (most recent call last):")
+    r.for_node("n")("stderr", "[rank1]:ValueError: bad input")
+    r.for_node("n")("stderr", "failed (exitcode: 1) local_rank: 1 (pid: 9)")
+    r.close()
+    assert r.first_error("n") == "ValueError: bad input"

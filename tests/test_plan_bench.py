@@ -48,3 +48,11 @@ def test_section_between_markers_is_replaced_and_nothing_else(tmp_path):
     f.write_text("no markers\n")
     with pytest.raises(UserError, match="markers"):
         bench.write_benchmarks_section(f, "x")
+
+
+def test_missing_benchmarks_file_is_refused_before_any_sandbox(tmp_path):
+    """Outside the project folder the bench says where BENCHMARKS.md should be, up front."""
+    settings = bench.PlanBenchSettings(benchmarks=str(tmp_path / "BENCHMARKS.md"), results_dir=str(tmp_path / "r"))
+    with pytest.raises(UserError, match="no such file to write the plan section into"):
+        bench.run_plan_bench(settings)
+    assert not (tmp_path / "r").exists()

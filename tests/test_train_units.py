@@ -63,7 +63,7 @@ def test_config_precedence_defaults_yaml_flags(tmp_path):
 def test_progress_view_renders_events_and_summary():
     from rich.console import Console
 
-    from vpscluster.train.progress import ProgressView
+    from vpscluster.cli.progress import ProgressView
 
     buf = io.StringIO()
     view = ProgressView(console=Console(file=buf, width=120))

@@ -1,4 +1,6 @@
-"""`vpscluster bench plan`: plan's predictions against measured step and communication time.
+"""The plan benchmark: plan's predictions against measured step and communication time.
+
+    run_plan_bench(PlanBenchSettings(...), say=print) -> results document   (CLI: `vpscluster bench plan`)
 
 For each sandbox scenario (2-4 nodes, 20 Mbit/s-1 Gbit/s, CPU shares 0.3-0.9, some uneven):
 
@@ -12,12 +14,12 @@ For each sandbox scenario (2-4 nodes, 20 Mbit/s-1 Gbit/s, CPU shares 0.3-0.9, so
 4. predicted vs measured for rank 0's node: mean step seconds, mean communication seconds.
 
 Nothing measured in a training run feeds a prediction. The table, with the median and maximum
-absolute relative errors, goes to bench/results/ and to BENCHMARKS.md (`plan` section).
+absolute relative errors, goes to bench/results/ and to the `plan` section of BENCHMARKS.md
+(both under the current folder unless the settings say otherwise).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -27,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 SANDBOX = "planbench"
 # One torch thread per rank: on a shared 2-core machine, two OpenMP threads per rank stall at
@@ -62,65 +65,61 @@ SCENARIOS = (
 QUICK = (Scenario(2, "100mbit", "0.5", "tiny"),)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="one small scenario (a smoke test), not written to BENCHMARKS.md")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per ddp run (default 8; diloco runs 3 rounds)")
-    parser.add_argument("--sync-every", type=int, default=3, help="diloco H in the short runs (default 3)")
-    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    parser.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
+@dataclass
+class PlanBenchSettings:
+    quick: bool = False  # one small scenario (a smoke test), never written to BENCHMARKS.md
+    steps: int = 8  # training steps per ddp run (diloco runs 3 rounds after a warm-up round)
+    sync_every: int = 3  # diloco H in the short runs
+    write: bool = True  # update the plan section of `benchmarks`
+    benchmarks: str = "BENCHMARKS.md"
+    results_dir: str = str(RESULTS_DIR)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from vpscluster.cli.output import console, emit_json
+def run_plan_bench(settings: PlanBenchSettings, say: Callable[[str], None] = lambda line: None) -> dict:
+    """Every scenario: sandbox, probe, plan, short real runs; the results document."""
     from vpscluster.cluster import sandbox
     from vpscluster.errors import UserError
 
+    args = settings
     if args.steps < 4 or args.sync_every < 1:
         raise UserError("--steps must be at least 4 and --sync-every at least 1")
-    out = console(args.json)
+    benchmarks = Path(args.benchmarks)
+    if args.write and not args.quick and not benchmarks.is_file():
+        raise UserError(f"{benchmarks}: no such file to write the plan section into; run from the project "
+                        "folder, pass --benchmarks FILE, or --no-write")
     scenarios = QUICK if args.quick else SCENARIOS
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    work = RESULTS_DIR / f"plan-{stamp}"
+    work = Path(args.results_dir) / f"plan-{stamp}"
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     calibrated: set[str] = set()
     started = time.time()
     total = sum(len(s.strategies) for s in scenarios)
-    with Progress(console=out, transient=False) as progress:
-        task = progress.add_task("plan vs measured", total=total)
-        for i, sc in enumerate(scenarios):
-            sandbox.down(SANDBOX)  # a leftover from an interrupted run
-            try:
-                info = sandbox.up(SANDBOX, nodes=sc.nodes, bandwidth=sc.bandwidth, cpu=sc.cpu)
-                probe_file = work / f"s{i}-probe.json"
-                progress.update(task, description=f"{sc.label()}: probe")
-                _cli(["probe", "--cluster", info.cluster_file, "--out", str(probe_file), "--json"],
-                     timeout_s=300)
-                for strategy in sc.strategies:
-                    progress.update(task, description=f"{sc.label()}: {strategy}")
-                    row = _one(sc, strategy, info.cluster_file, probe_file, work / f"s{i}-{strategy}", args,
-                               calibrate=sc.model not in calibrated)
-                    calibrated.add(sc.model)
-                    rows.append(row)
-                    progress.advance(task)
-                    out.print(_row_line(row))
-            finally:
-                sandbox.down(SANDBOX)
+    for i, sc in enumerate(scenarios):
+        sandbox.down(SANDBOX)  # a leftover from an interrupted run
+        try:
+            info = sandbox.up(SANDBOX, nodes=sc.nodes, bandwidth=sc.bandwidth, cpu=sc.cpu)
+            probe_file = work / f"s{i}-probe.json"
+            say(f"[{len(rows)}/{total}] {sc.label()}: probe")
+            _cli(["probe", "--cluster", info.cluster_file, "--out", str(probe_file), "--json"],
+                 timeout_s=300)
+            for strategy in sc.strategies:
+                say(f"[{len(rows)}/{total}] {sc.label()}: {strategy}")
+                row = _one(sc, strategy, info.cluster_file, probe_file, work / f"s{i}-{strategy}", args,
+                           calibrate=sc.model not in calibrated)
+                calibrated.add(sc.model)
+                rows.append(row)
+                say(_row_line(row))
+        finally:
+            sandbox.down(SANDBOX)
     summary = summarize(rows)
     doc = {"rows": rows, "summary": summary, "seconds": time.time() - started, "machine": _machine(),
            "command": "vpscluster bench plan" + (" --quick" if args.quick else ""), "steps": args.steps,
            "sync_every": args.sync_every}
     (work / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    table = markdown(doc)
-    if not args.quick and not args.no_write:
-        write_benchmarks_section(_benchmarks_file(), table)
-    if args.json:
-        emit_json(doc)
-    else:
-        out.print(table)
-    return 0
+    if not args.quick and args.write:
+        write_benchmarks_section(benchmarks, markdown(doc))
+    return doc
 
 
 def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_dir: Path, args, calibrate: bool) -> dict:
@@ -235,12 +234,6 @@ def markdown(doc: dict) -> str:
             f"max {s['comm_error_of_step']['max']:.0%}.",
         ]
     return "\n".join(lines)
-
-
-def _benchmarks_file() -> Path:
-    """BENCHMARKS.md of the checkout this module runs from, else the current directory's."""
-    repo = Path(__file__).resolve().parents[3] / "BENCHMARKS.md"
-    return repo if repo.exists() else Path("BENCHMARKS.md")
 
 
 def write_benchmarks_section(path: Path, body: str) -> None:

@@ -1,12 +1,12 @@
-"""`vpscluster bench wan`: plain torchrun+DDP against vpscluster's strategies on a shaped sandbox.
+"""The WAN benchmark: plain torchrun+DDP against vpscluster's strategies on a shaped sandbox.
 
-    vpscluster bench wan [--nodes 4] [--bandwidth 100mbit] [--cpu 0.45] [--preset small]
-                         [--budget-s S] [--strategies baseline,ddp,...] [--quick] [--json]
+    run_wan(WanSettings(...), say=print) -> results document    (CLI: `vpscluster bench wan`)
 
 Brings up a sandbox (network namespaces, tc-shaped links, cgroup CPU quotas, sshd per node),
 then runs, one after the other and each under the same wall-clock training budget:
 
-- `baseline`: bench/baselines/torchrun_ddp.py (nothing but torch) through `vpscluster run`;
+- `baseline`: baselines/torchrun_ddp.py next to this module (nothing but torch; shipped with
+  the package) through `vpscluster run`;
 - `ddp`, `ddp-bf16`, `ddp-powersgd`: `vpscluster train --cluster` with per-step DDP;
 - `diloco-fp32`, `diloco-int8`, `diloco-stream` (int8, 4 fragments): DiLoCo with H = --sync-every.
 
@@ -17,24 +17,22 @@ inside the node's namespace, before and after; launch traffic included) and the 
 strategy itself counted, and derives from the evaluation points (val loss against tokens and
 training seconds, evaluation pauses excluded) the validation loss at the baseline's final token
 count (linear interpolation) and the training time each needs to reach the baseline's final
-validation loss. Results: bench/results/wan-<time>/ (results.json, table.md, every run's files).
+validation loss. Results: `out` (default bench/results/wan-<time>/ under the current
+folder): results.json, table.md, every run's files.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from vpscluster.cli.output import add_json_flag
-
-REPO = Path(__file__).resolve().parents[3]
-BASELINE = REPO / "bench" / "baselines" / "torchrun_ddp.py"
+BASELINE = Path(__file__).resolve().parent / "baselines" / "torchrun_ddp.py"
 BIG_STEPS = 1_000_000  # runs end by the time budget; the LR schedule is then warm-up + ~flat
 
 # name -> extra `vpscluster train` flags ({H} = --sync-every). `baseline` is the torch-only script.
@@ -50,33 +48,45 @@ STRATEGIES: dict[str, list[str]] = {
 QUICK = ["baseline", "ddp", "diloco-int8"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=4, help="sandbox nodes (default 4)")
-    p.add_argument("--bandwidth", default="100mbit", help="link rate of every node, tc spelling (default 100mbit)")
-    p.add_argument("--cpu", default="0.45", help="CPU share of one core per node (default 0.45)")
-    p.add_argument("--preset", default="small", help="model preset (default small, ~10.8M parameters)")
-    p.add_argument("--budget-s", type=float, default=150.0, help="training seconds per strategy (default 150)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma list of: {', '.join(STRATEGIES)}")
-    p.add_argument("--sync-every", type=int, default=50, help="DiLoCo H (default 50)")
-    p.add_argument("--ddp-eval-every", type=int, default=3, help="evaluate every N steps for baseline and ddp (default 3)")
-    p.add_argument("--diloco-eval-every", type=int, default=0, help="evaluate every N steps for diloco (default H/5)")
-    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation (default 4)")
-    p.add_argument("--warmup-steps", type=int, default=5,
-                   help="LR warm-up steps for every run (default 5: per-step DDP gets only tens of steps per budget)")
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
-    p.add_argument("--name", default="wan", help="sandbox name (default wan)")
-    p.add_argument("--out", metavar="DIR", help="results folder (default bench/results/wan-<UTC time>)")
-    add_json_flag(p)
+@dataclass
+class WanSettings:
+    """One benchmark run's scenario and measurement settings (the CLI's flags, same names)."""
+
+    nodes: int = 4
+    bandwidth: str = "100mbit"
+    cpu: str = "0.45"
+    preset: str = "small"
+    budget_s: float = 150.0
+    strategies: str = ",".join(STRATEGIES)
+    sync_every: int = 50
+    ddp_eval_every: int = 3
+    diloco_eval_every: int = 0  # 0: H/5
+    eval_batches: int = 4
+    warmup_steps: int = 5
+    quick: bool = False
+    name: str = "wan"  # the sandbox's name
+    out: str | None = None  # results folder; None: bench/results/wan-<UTC time> here
+
+    def resolved(self) -> "WanSettings":
+        """--quick applied: only the QUICK strategies, a 60 s budget at most and H = 25."""
+        import dataclasses
+
+        if not self.quick:
+            return self
+        return dataclasses.replace(self, strategies=",".join(QUICK), budget_s=min(self.budget_s, 60.0), sync_every=25)
 
 
-def run(args: argparse.Namespace) -> int:
-    from vpscluster.cli.output import console, emit_json
+def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Run every strategy on one sandbox and compare; the results document (also results.json).
+
+    A failed strategy is recorded in its row (`failed`: why) and the others still run; a failed
+    baseline is a `UserError` (every figure is relative to it).
+    """
     from vpscluster.cluster import sandbox
     from vpscluster.errors import RemoteError, UserError
     from vpscluster.train.presets import get_preset
 
-    if args.quick:
-        args.strategies, args.budget_s, args.sync_every = ",".join(QUICK), min(args.budget_s, 60.0), 25
+    args = settings.resolved()
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
@@ -86,29 +96,28 @@ def run(args: argparse.Namespace) -> int:
     if args.budget_s <= 0 or args.sync_every < 1:
         raise UserError("--budget-s must be positive and --sync-every at least 1")
     shape = get_preset(args.preset)
-    out = Path(args.out or REPO / "bench" / "results" / time.strftime("wan-%Y%m%d-%H%M%S", time.gmtime())).resolve()
+    out = Path(args.out or Path("bench") / "results" / time.strftime("wan-%Y%m%d-%H%M%S", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    con = console(args.json)
     corpus = out / "corpus.txt"  # the bundled corpus, the same bytes vpscluster train reads
     from vpscluster.train.data import read_corpus
 
     corpus.write_bytes(read_corpus(None))
 
-    con.print(f"sandbox {args.name}: {args.nodes} nodes x {args.bandwidth}, CPU {args.cpu} each")
-    info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, progress=lambda m: con.print(f"  {m}"))
+    say(f"sandbox {args.name}: {args.nodes} nodes x {args.bandwidth}, CPU {args.cpu} each")
+    info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, progress=lambda m: say(f"  {m}"))
     runs: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     try:
         for name in names:
             before = _tx_bytes(info)
             t0 = time.perf_counter()
+            say(f"{name}: launching and training ({args.budget_s:g} s budget; log {out / name}.log)")
             try:
-                with con.status(f"[bold]{name}[/]: launching and training ({args.budget_s:g} s budget; log {out / name}.log)"):
-                    result = _run_baseline(args, info, shape, corpus, out) if name == "baseline" else _run_train(args, info, name, out)
+                result = _run_baseline(args, info, shape, corpus, out) if name == "baseline" else _run_train(args, info, name, out)
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
                 # One failed strategy must not cost the others' results: record it and go on.
                 failed[name] = str(e).splitlines()[0][:300]
-                con.print(f"  [red]{name} failed[/]: {failed[name]}")
+                say(f"  {name} failed: {failed[name]}")
                 if name == "baseline":
                     raise UserError(f"the baseline failed, so nothing can be compared: {failed[name]}") from None
                 continue
@@ -116,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
             result["interface_tx_bytes"] = [a - b for a, b in zip(_tx_bytes(info), before)]
             runs[name] = result
             (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-            con.print(f"  {name}: {result['steps']} steps, {result['tokens']} tokens, val {result['final_val_loss']:.4f}")
+            say(f"  {name}: {result['steps']} steps, {result['tokens']} tokens, val {result['final_val_loss']:.4f}")
     finally:
         try:
             sandbox.down(args.name)
         except OSError as e:  # someone removed it under us: say so, keep the results
-            con.print(f"[yellow]warning[/]: sandbox {args.name} teardown: {e}")
+            say(f"warning: sandbox {args.name} teardown: {e}")
     rows = compare(runs) + [{"strategy": name, "failed": why} for name, why in failed.items()]
     doc = {
         "command": "vpscluster bench wan " + " ".join(_argv_of(args)),
@@ -134,14 +143,7 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     (out / "table.md").write_text(markdown_table(rows) + "\n")
-    if failed:
-        con.print(f"[red]failed[/]: {', '.join(failed)} (see their logs in {out})")
-    if args.json:
-        emit_json(doc)
-    else:
-        _print_table(con, rows)
-        con.print(f"results: {out}")
-    return 1 if failed else 0
+    return doc
 
 
 # -- running one strategy ---------------------------------------------------------------------
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 def _cli(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedProcess:
     with log.open("w") as err:
         proc = subprocess.run([sys.executable, "-m", "vpscluster", *argv], stdout=subprocess.PIPE, stderr=err,
-                              text=True, timeout=timeout_s, cwd=REPO)
+                              text=True, timeout=timeout_s)
     if proc.returncode != 0:
         from vpscluster.errors import RemoteError
 
@@ -294,7 +296,7 @@ COLUMNS = [  # (key, header, format)
 ]
 
 
-def _cell(row, key, fmt) -> str:
+def cell(row, key, fmt) -> str:
     v = row.get(key)
     if key == "strategy" and row.get("failed"):
         return f"{v} (failed)"
@@ -303,19 +305,8 @@ def _cell(row, key, fmt) -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def _print_table(con, rows) -> None:
-    from rich.table import Table
-
-    t = Table(title="bench wan: same wall-clock budget per strategy")
-    for _, header, _ in COLUMNS:
-        t.add_column(header, justify="left" if header == "strategy" else "right")
-    for r in rows:
-        t.add_row(*(_cell(r, k, f) for k, _, f in COLUMNS))
-    con.print(t)
 
 
 def _argv_of(args) -> list[str]:

@@ -17,7 +17,7 @@ import importlib
 import sys
 
 from vpscluster import __version__
-from vpscluster.errors import UserError
+from vpscluster.errors import Interrupted, UserError
 
 # name -> (module, one-line help). Order is the order shown in --help.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -66,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._module.run(args) or 0)
+        try:
+            return int(args._module.run(args) or 0)
+        except KeyboardInterrupt:
+            # Ctrl-C outside a launch (which handles it itself): nothing had started yet.
+            raise Interrupted() from None
+    except Interrupted as e:
+        print(f"vpscluster {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except UserError as e:
         print(f"vpscluster {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print(f"vpscluster {args.command}: interrupted", file=sys.stderr)
-        return 130

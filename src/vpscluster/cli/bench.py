@@ -1,7 +1,7 @@
 """`vpscluster bench SCENARIO ...`: benchmark scenarios by name (see BENCHMARKS.md).
 
-Each scenario is a module under `vpscluster.bench` with `add_arguments(parser)` and
-`run(args) -> int`, imported only when chosen.
+Each scenario is a CLI module here (`bench_<name>.py`: `add_arguments(parser)`, `run(args) -> int`)
+over a plain library function in `vpscluster.bench.<name>`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 
 SCENARIOS: dict[str, tuple[str, str]] = {
-    "wan": ("vpscluster.bench.wan", "baseline DDP vs vpscluster strategies on a shaped sandbox, same wall-clock budget"),
-    "plan": ("vpscluster.bench.plan", "plan's predictions against measured step and communication time"),
+    "wan": ("vpscluster.cli.bench_wan", "baseline DDP vs vpscluster strategies on a shaped sandbox, same wall-clock budget"),
+    "plan": ("vpscluster.cli.bench_plan", "plan's predictions against measured step and communication time"),
 }
 
 

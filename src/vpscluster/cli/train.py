@@ -10,7 +10,6 @@ workers read.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from vpscluster.cli.output import add_json_flag
@@ -85,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--config", metavar="FILE.yaml", help="TrainConfig keys in YAML; flags override them")
     run.add_argument("--force", action="store_true", default=None, help="cluster: start even when the pre-flight checks report problems")
     run.add_argument("--accept-new-host-keys", action="store_true", default=None, help="cluster: trust SSH host keys seen for the first time")
+    run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
     add_json_flag(parser)
 
 
@@ -139,59 +139,44 @@ def _check_cluster_file(cfg) -> None:
         _import_optional("vpscluster.cluster.inventory", "--cluster").load_cluster(cfg.cluster)
 
 
-def _import_optional(module: str, feature: str):
-    import importlib
-
-    from vpscluster.errors import UserError
-
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and module.startswith(e.name):
-            raise UserError(f"{feature} is not available in this version ({module} is missing)") from None
-        raise
-
-
 def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
-    from vpscluster.train import rundir
-    from vpscluster.train.progress import ProgressView
+    from vpscluster.cli.progress import ProgressView
+    from vpscluster.launch import train
 
     out = console(args.json)
-    resuming = args.resume is not None
-    cfg = resolve_resume(args) if resuming else resolve_config(args)
-    if cfg.strategy.name == "auto":
-        auto = _import_optional("vpscluster.plan.auto", "--strategy auto")
-        cluster = None
-        if cfg.cluster:
-            cluster = _import_optional("vpscluster.cluster.inventory", "--cluster").load_cluster(cfg.cluster)
-        cfg.strategy, reason = auto.choose_for_training(cfg, cluster, None)
-        cfg.validate()
-        out.print(f"strategy auto -> [bold]{cfg.strategy.name}[/]: {reason}")
-    from vpscluster.train.data import load_dataset
-    from vpscluster.train.presets import get_preset
+    cfg = resolve_resume(args) if args.resume is not None else resolve_config(args)
+    # Everything is checked (the cluster file loaded, the data read) before anything is created.
+    prepared = train.prepare_training(cfg, resume_dir=args.resume, force=bool(args.force),
+                                      accept_new_host_keys=bool(args.accept_new_host_keys))
+    if prepared.strategy_reason:
+        out.print(f"strategy auto -> [bold]{prepared.cfg.strategy.name}[/]: {prepared.strategy_reason}")
+    if args.dry_run:
+        from vpscluster.cli.run import print_dry_run
 
-    # Bad data fails here, in one line, before anything is created or started.
-    load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
-    if resuming:
-        run_dir = Path(args.resume)
-    else:
-        # Fix the LR schedule's horizon now, so a later --resume --max-steps does not change it.
-        cfg.lr_decay_steps = cfg.lr_decay_steps or cfg.max_steps
-        run_dir = rundir.create(cfg.run_dir)
-        cfg.run_dir = str(run_dir)
-    rundir.write_config(cfg, run_dir)
-
-    if cfg.cluster:
-        launch = _import_optional("vpscluster.launch.train", "training on a cluster file (--cluster)")
-        report = launch.launch_training(cfg, run_dir, args)
-    else:
-        from vpscluster.train.local import launch_local
-
-        with ProgressView(json_mode=args.json, console=out) as view:
-            report = launch_local(cfg, run_dir, resume=resuming, view=view)
+        doc = train.dry_run_training(prepared)
+        emit_json(doc) if args.json else print_dry_run(doc, out)
+        return 0
+    with ProgressView(json_mode=args.json, console=out) as view:
+        say = _warnings_only(view.log_line) if prepared.local else view.log_line
+        report = train.launch_training(prepared, say=say, on_event=view.handle)
     if args.json:
         emit_json(report)
     else:
-        ProgressView(console=out).summary(report)
+        view.summary(report)
     return 0
+
+
+def _warnings_only(show):
+    """On the local cluster only the workers' warnings are shown (as they print them): the
+    progress bar says the rest, and every line is kept in logs/."""
+    import re
+
+    prefix = re.compile(r"^[\w.-]+/\d+: ")
+
+    def say(line: str) -> None:
+        text = prefix.sub("", line, count=1)
+        if text != line and text.lstrip().startswith("warning:"):
+            show(text)
+
+    return say

@@ -3,7 +3,9 @@
     pipeline.launch(job) -> LaunchResult     the stages: preflight, sync, prepare, start, stream,
                                              collect, teardown (pipeline.dry_run(job): build only)
     run.script_job(cluster, argv, ...)       `vpscluster run`: any torchrun-compatible script
-    train.launch_training(cfg, run_dir, args) `vpscluster train --cluster`: the built-in trainer
+    train.train(cfg, ...) -> report          `vpscluster train`: the built-in trainer on the local
+                                             cluster or a cluster file (prepare_training, then
+                                             launch_training or dry_run_training)
 
 Pure parts: commands (per-node command lines and environment), netif (which interface carries
 an address), logs (node/rank prefixes, first errors). Node-side parts run through the executor

@@ -4,13 +4,15 @@ torchrun tees each worker's output to its own console with a `[rankN]:` prefix (
 `LOG_LINE_PREFIX_TEMPLATE`); lines without one come from the elastic agent itself. The router
 writes every line to RUN_DIR/logs/<node>.log, shows it to the user as `node/rank: text`, hands
 rank 0's `VPSC_EVENT` lines to a callback (the progress view) instead, and remembers the first
-error each node printed — the last line of its first Python traceback, or failing that its
-last line on stderr — so a failed launch can say which node failed and why in one line.
+error each node printed — a rank killed by a signal (the elastic agent's "failed (exitcode: -9)
+local_rank: 1" line, said for people), else the last line of its first Python traceback, else
+its last line on stderr — so a failed launch can say which node failed and why in one line.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,19 @@ _WARNING = re.compile(r"^\s*(\[W\d{4} |W\d{4} |\S+Warning: |warnings\.warn|warni
 _TRACEBACK = "Traceback (most recent call last):"
 # Exceptions that only say "a worker failed" (the agent's summary): the worker's own error is better.
 _WRAPPER_ERRORS = ("ChildFailedError", "SignalException")
+# The elastic agent's account of a worker that died: "... failed (exitcode: -9) local_rank: 1 (pid: ...)".
+_DEATH = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def worker_death(line: str) -> str | None:
+    """torchrun's 'failed (exitcode: -9) local_rank: 1' line, said for people."""
+    m = _DEATH.search(line)
+    if not m:
+        return None
+    code, local_rank = int(m.group(1)), m.group(2)
+    if code < 0 and -code in signal.valid_signals():
+        return f"local rank {local_rank} was killed by {signal.Signals(-code).name}"
+    return f"local rank {local_rank} exited with status {code}"
 
 
 def split_rank(line: str) -> tuple[int | None, str]:
@@ -53,6 +68,7 @@ class NodeOutput:
     path: Path
     sources: dict[Any, _Source] = field(default_factory=dict)
     lines: int = 0
+    deaths: list[str] = field(default_factory=list)  # workers the agent saw die, in order
 
 
 class LogRouter:
@@ -64,6 +80,7 @@ class LogRouter:
         node_names: list[str],
         show: Callable[[str], None] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        file_names: dict[str, str] | None = None,
     ) -> None:
         from vpscluster.train.events import parse_event
 
@@ -72,7 +89,8 @@ class LogRouter:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.show = show
         self.on_event = on_event
-        self.nodes = {n: NodeOutput(n, self.logs_dir / f"{n}.log") for n in node_names}
+        names = file_names or {}
+        self.nodes = {n: NodeOutput(n, self.logs_dir / names.get(n, f"{n}.log")) for n in node_names}
         self._files = {n: o.path.open("a", buffering=1) for n, o in self.nodes.items()}
         self._lock = threading.Lock()
         self.rank0_node: str | None = None  # which node runs global rank 0 (the report's writer)
@@ -98,6 +116,9 @@ class LogRouter:
             who = f"{node}/{rank}" if rank is not None else (f"{node}/launcher" if stream == "launcher" else node)
             self._files[node].write(f"{time.strftime('%H:%M:%S')} {who} {stream}: {text}\n")
             self._track_error(out.sources.setdefault(rank, _Source()), stream, text)
+            death = worker_death(text) if rank is None else None
+            if death:
+                out.deaths.append(death)
             if rank == 0:
                 self.rank0_node = node
                 event = self._parse_event(text)
@@ -123,7 +144,12 @@ class LogRouter:
                 src.error = text.strip()
 
     def first_error(self, node: str) -> str | None:
-        """The node's first error: a worker's traceback, else the agent's, else its last stderr line."""
+        """The node's first error: a worker killed by a signal (the root cause: its peers' errors,
+        a lost connection, follow from it), else a worker's traceback, else the agent's, else
+        its last stderr line."""
+        killed = [d for d in self.nodes[node].deaths if "killed by" in d]
+        if killed:
+            return killed[0]
         sources = self.nodes[node].sources
         ranks = sorted(k for k in sources if k is not None)
         worker_errors = [sources[r].error for r in ranks if sources[r].error]

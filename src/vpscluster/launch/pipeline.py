@@ -1,8 +1,9 @@
 """A launch as named stages: preflight → sync → prepare → start → stream → collect → teardown.
 
-`vpscluster run` and `vpscluster train --cluster` describe what to run as a `Job`; this module
-does the rest the same way for both. `--dry-run` is the build part alone (no stage touches a
-node), so it prints exactly the commands a launch would run. Whatever ends the run — success, a
+`vpscluster run` and `vpscluster train` (on a cluster file or on the local cluster: one local
+node, this machine) describe what to run as a `Job`; this module does the rest the same way for
+all of them. `--dry-run` is the build part alone (no stage touches a node), so it prints
+exactly the commands a launch would run. Whatever ends the run — success, a
 node failing, Ctrl-C or SIGTERM to the launcher — teardown runs and checks every node.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from vpscluster.errors import RemoteError, UserError
+from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import (
     DEFAULT_RDZV_PORT, LaunchOptions, NodeCommand, NodeTarget, Program, build_node_commands, render_dry_run,
 )
@@ -63,9 +64,17 @@ class Job:
     # for that long — something hangs that the workers' own time-outs cannot see. None: no limit.
     silence_limits_s: tuple[float, float] | None = None
     say: Callable[[str], None] = print  # launcher remarks and node lines for people
+    # The run dir on every node, relative to its workdir or absolute; None: runs/<run id>. The
+    # local cluster uses the launcher's own run dir, so nothing is copied back and forth.
+    run_dir_on_node: str | None = None
+    # Called once every node passed pre-flight and holds its files, before anything is written
+    # for the run: a launch refused earlier leaves nothing behind (train creates its run dir here).
+    create_run: Callable[[], None] | None = None
+    # logs/<file name> per node (default <node>.log).
+    log_names: dict[str, str] = field(default_factory=dict)
 
     def node_run_dir(self, workdir: str) -> str:
-        return posixpath.join(workdir, "runs", self.run_id)
+        return posixpath.join(workdir, self.run_dir_on_node or posixpath.join("runs", self.run_id))
 
 
 @dataclass
@@ -88,6 +97,7 @@ class LaunchResult:
     nodes: list[NodeOutcome]
     error: str | None = None
     interrupted: bool = False
+    failed_node: str | None = None  # the node blamed for a failure (its outcome has the first error)
     rank0_node: str | None = None
     wall_seconds: float = 0.0
     fetched: list[str] = field(default_factory=list)
@@ -113,9 +123,13 @@ def node_targets(job: Job, states: dict[str, NodeState], synced: dict[str, dict[
             name=node.name, address=st.address, python=node.python, cwd=cwd, nproc=nproc[node.name],
             interface=st.interface, env=tuple(env.items()),
             # torchrun's own per-rank log files go into the node's run dir, never to /tmp.
-            log_dir=posixpath.join(job.node_run_dir(st.workdir), "torchelastic"),
+            log_dir=torchelastic_dir(job, st.workdir),
         ))
     return targets
+
+
+def torchelastic_dir(job: Job, workdir: str) -> str:
+    return posixpath.join(job.node_run_dir(workdir), "logs", "torchelastic")
 
 
 def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int) -> list[NodeCommand]:
@@ -185,7 +199,7 @@ async def _launch(job: Job) -> LaunchResult:
 
 
 async def _interruptible(aw, interrupted: asyncio.Event):
-    """Await `aw` unless the user interrupts first (then KeyboardInterrupt)."""
+    """Await `aw` unless the user interrupts first (then `Interrupted`, the work cancelled)."""
     task = asyncio.ensure_future(aw)
     stop = asyncio.ensure_future(interrupted.wait())
     done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -194,7 +208,7 @@ async def _interruptible(aw, interrupted: asyncio.Event):
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    raise KeyboardInterrupt
+    raise Interrupted("interrupted before anything was started")
 
 
 async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResult:
@@ -235,17 +249,20 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     async def prepare(ex):
         st = states[ex.node.name]
         run_dir = job.node_run_dir(st.workdir)
-        r = await ex.run(["mkdir", "-p", posixpath.join(run_dir, "torchelastic")], timeout_s=timeout_s)
+        r = await ex.run(["mkdir", "-p", torchelastic_dir(job, st.workdir)], timeout_s=timeout_s)
         if not r.ok:
             raise RemoteError(f"node {ex.node.name}: cannot create {run_dir}: {pf._why(r)}")
         if job.prepare:
             await job.prepare(ex, st, synced[ex.node.name], run_dir)
 
+    if job.create_run is not None:
+        job.create_run()
     await _interruptible(asyncio.gather(*(prepare(ex) for ex in executors)), interrupted)
     commands = build_commands(job, states, synced, rdzv_id, port)
 
     # start + stream.
-    router = LogRouter(job.run_dir / "logs", list(states), show=job.say, on_event=job.on_event)
+    router = LogRouter(job.run_dir / "logs", list(states), show=job.say, on_event=job.on_event,
+                       file_names=job.log_names)
     handles = []
     error = None
     failed = None
@@ -257,8 +274,6 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
             handles.append(await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
-    except KeyboardInterrupt:
-        was_interrupted = True
     finally:
         if was_interrupted:
             job.say("interrupted: stopping every process on every node")
@@ -300,7 +315,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         status = status or 1
     return LaunchResult(ok=status == 0, exit_status=status, run_dir=str(job.run_dir), rdzv_id=rdzv_id,
                         nodes=list(outcomes.values()), error=error, interrupted=was_interrupted,
-                        rank0_node=router.rank0_node, fetched=fetched)
+                        failed_node=failed, rank0_node=router.rank0_node, fetched=fetched)
 
 
 async def _watch(handles, interrupted: asyncio.Event, router, silence_limits_s) -> tuple[str | None, bool, float | None]:

@@ -1,13 +1,27 @@
-"""`vpscluster train --cluster FILE`: the built-in trainer on every node of a cluster.
+"""Train the built-in GPT through the launch pipeline, on the local cluster or a cluster file.
 
-Each node gets the vpscluster package source (synced by content hash to
+    run = prepare_training(cfg)            # validates everything; creates and starts nothing
+    report = launch_training(run, on_event=..., say=...)   # the run's report.json, as a dict
+    train(cfg, ...)                        # both in one call, for Python users
+
+Without a cluster file the job runs on the **local cluster**: one local node (this machine,
+loopback address) running `cfg.nodes` ranks, through the same stages as a cluster of SSH nodes
+(pre-flight, start, stream, teardown by launch id, silence watchdog, failure attribution), with
+a c10d rendezvous on a free loopback port. The only differences are what being on this machine
+makes unnecessary: nothing is copied (the package, the data and the run dir are already here)
+and the run dir on the node is the launcher's own.
+
+On a cluster file each node gets the vpscluster package source (synced by content hash to
 `<workdir>/code/src/vpscluster`, put first on PYTHONPATH, so the nodes run the launcher's code
 even where an older vpscluster is installed), the user's `--data` (to `<workdir>/data/`), and
 its own `runs/<run id>/config.yaml` — the run's configuration with `data` and `run_dir`
 rewritten to paths valid on that node. torchrun then starts
 `python -m vpscluster.train.worker --run-dir runs/<run id>` from the node's workdir. Rank 0's
-events drive the progress view here; report.json and metrics.jsonl are fetched from the node
-that ran rank 0 into the local run directory.
+events go to `on_event`; report.json and metrics.jsonl are fetched from the node that ran rank 0
+into the local run directory.
+
+The run directory is created only once every node passed pre-flight (the pipeline's
+`create_run`), so a refused command leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -16,18 +30,87 @@ import copy
 import os
 import posixpath
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from vpscluster.errors import RemoteError, UserError
+from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
 from vpscluster.launch.pipeline import Job, SyncItem
 
 FETCHED = ["report.json", "metrics.jsonl"]
+LOCAL_LOG = "launcher.log"  # the local cluster's node log (logs/<node>.log on a cluster)
+
+Say = Callable[[str], None]
+OnEvent = Callable[[dict], None]
 
 
-class ClusterTrainingFailed(RemoteError):
-    """A node failed, or the launch was interrupted; the message names the node and its first error."""
+def _quiet(_: Any) -> None:
+    """The null sink: a library caller who passes no callback hears nothing."""
+
+
+class TrainingFailed(RemoteError):
+    """A rank or a node failed; the message names it, its first error and where the logs are."""
+
+
+@dataclass
+class TrainingRun:
+    """A validated training run, ready to launch; nothing has been created or started yet."""
+
+    cfg: Any  # TrainConfig, `run_dir` and the LR horizon fixed
+    cluster: Any  # the cluster file's Cluster, or the local cluster
+    run_dir: Path  # on this machine (created at launch, after pre-flight)
+    resume: bool = False
+    force: bool = False
+    strategy_reason: str | None = None  # why `--strategy auto` chose what it chose
+
+    @property
+    def local(self) -> bool:
+        """Every node is this machine (the local cluster)."""
+        return all(n.local for n in self.cluster.nodes)
+
+
+def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
+                     accept_new_host_keys: bool = False) -> TrainingRun:
+    """Check everything a run needs and resolve what is left open; create nothing.
+
+    Loads the cluster file (or takes the local cluster), resolves `strategy auto` with the
+    planner, reads the data once (bad data fails here, in one line), fixes the LR schedule's
+    horizon (so a later `--resume --max-steps` does not change it) and picks the run dir.
+    """
+    import dataclasses
+
+    from vpscluster.train import rundir
+    from vpscluster.train.data import load_dataset
+    from vpscluster.train.presets import get_preset
+
+    cfg = copy.deepcopy(cfg)
+    cfg.validate()  # a TrainConfig built in Python has not been checked yet
+    if cfg.cluster:
+        from vpscluster.cluster.inventory import load_cluster
+
+        cluster = load_cluster(cfg.cluster)
+        if accept_new_host_keys:
+            cluster = dataclasses.replace(cluster, accept_new_host_keys=True)
+    else:
+        from vpscluster.cluster.inventory import local_cluster
+
+        cluster = local_cluster()
+    reason = None
+    if cfg.strategy.name == "auto":
+        from vpscluster.plan.auto import choose_for_training
+
+        cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None)
+        cfg.validate()
+    load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
+    if resume_dir is not None:
+        run_dir = Path(resume_dir)
+    else:
+        cfg.lr_decay_steps = cfg.lr_decay_steps or cfg.max_steps
+        run_dir = rundir.fresh_path(cfg.run_dir)
+        cfg.run_dir = str(run_dir)
+    return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,
+                       force=force, strategy_reason=reason)
 
 
 def backend_for(states) -> str:
@@ -35,32 +118,56 @@ def backend_for(states) -> str:
     return "nccl" if states and all(s.cuda and s.gpus > 0 for s in states.values()) else "gloo"
 
 
+def local_threads_per_rank(cfg, nproc: int) -> int:
+    """Torch threads per rank on this machine: the CPUs it really grants (cgroup quota included)
+    shared among its ranks, unless the config says."""
+    from vpscluster.train.trainer import available_cpus
+
+    return cfg.threads_per_rank or max(1, available_cpus() // nproc)
+
+
 def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bool = False,
-                 rdzv_id: str | None = None, rdzv_port: int | None = None, say=print, on_event=None) -> Job:
+                 rdzv_id: str | None = None, rdzv_port: int | None = None, say: Say = _quiet,
+                 on_event: OnEvent | None = None) -> Job:
+    """The pipeline's job for this run (pure: touches no node and creates nothing)."""
     import vpscluster
 
     run_id = Path(run_dir).name
-    package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
-    syncs = [SyncItem("code", package_dir, "code/src/vpscluster")]
-    if cfg.data:
-        if not os.path.exists(cfg.data):
-            raise UserError(f"--data {cfg.data}: no such file or folder")
-        data = os.path.abspath(cfg.data)
-        syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))
+    here = all(n.local for n in cluster.nodes)
+    syncs: list[SyncItem] = []
+    if cfg.data and not os.path.exists(cfg.data):
+        raise UserError(f"--data {cfg.data}: no such file or folder")
+    if not here:  # nodes elsewhere need the package and the data; this machine has them
+        package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+        syncs.append(SyncItem("code", package_dir, "code/src/vpscluster"))
+        if cfg.data:
+            data = os.path.abspath(cfg.data)
+            syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))
+    run_dir_on_node = _as_seen_here(run_dir, cluster) if here else None
+    nproc = cfg.nodes if cfg.cluster is None else cfg.nproc_per_node
 
     def program_for(states) -> Program:
-        args = ["--run-dir", posixpath.join("runs", run_id), "--backend", backend_for(states)]
+        node_dir = run_dir_on_node or posixpath.join("runs", run_id)
+        # Ranks on this machine pick their own backend (nccl when it has CUDA, as one machine).
+        args = ["--run-dir", node_dir, "--backend", "auto" if here else backend_for(states)]
         return Program("module", "vpscluster.train.worker", tuple(args + (["--resume"] if resume else [])))
 
+    threads = local_threads_per_rank(cfg, nproc or 1) if here else None
+
     def env_for(state, where) -> dict[str, str]:
-        return {"PYTHONPATH": posixpath.dirname(where["code"])}
+        env = {"PYTHONPATH": posixpath.dirname(where["code"])} if "code" in where else {}
+        if threads:  # also keeps torchrun from setting 1 and warning about it
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
 
     async def prepare(ex, state, where, node_run_dir) -> None:
         from vpscluster.train.rundir import write_config
 
+        if ex.node.local and os.path.realpath(node_run_dir) == os.path.realpath(run_dir):
+            return  # the launcher's own config.yaml is this node's
         node_cfg = copy.deepcopy(cfg)
         node_cfg.run_dir = node_run_dir
-        if cfg.data:
+        if "data" in where:
             node_cfg.data = where["data"]
         with tempfile.TemporaryDirectory(prefix="vpsc-cfg-") as tmp:
             local = write_config(node_cfg, tmp)
@@ -71,44 +178,68 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
 
     return Job(
         cluster=cluster, program=program_for({}), program_for=program_for, run_dir=Path(run_dir), run_id=run_id,
-        syncs=syncs, cwd_key=None, nproc_per_node=cfg.nproc_per_node, fetch=list(FETCHED),
+        syncs=syncs, cwd_key=None, nproc_per_node=nproc, fetch=list(FETCHED),
         join_timeout_s=cfg.timeouts.rendezvous_s, store_timeout_s=cfg.timeouts.startup_collective_s,
         env_for=env_for, prepare=prepare, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
-        say=say, on_event=on_event,
-        # As for local runs: quiet for longer than the workers' own time-outs means a hang they cannot see.
+        say=say, on_event=on_event, run_dir_on_node=run_dir_on_node,
+        log_names={cluster.nodes[0].name: LOCAL_LOG} if cfg.cluster is None and len(cluster.nodes) == 1 else {},
+        # Quiet for longer than the workers' own time-outs means a hang they cannot see.
         silence_limits_s=(cfg.timeouts.rendezvous_s + cfg.timeouts.startup_collective_s,
                           2 * cfg.timeouts.train_collective_s + 60),
     )
 
 
-def launch_training(cfg, run_dir, args) -> dict[str, Any]:
-    """Train across the cluster file's nodes; the report (as for local runs), or ClusterTrainingFailed."""
-    import dataclasses
+def _as_seen_here(run_dir: Path, cluster) -> str:
+    """The launcher's run dir as the local nodes see it: as given when they work in the current
+    folder (so paths in the report read as the user wrote them), else absolute."""
+    cwd = os.path.realpath(os.getcwd())
+    same = all(os.path.realpath(os.path.expanduser(n.workdir)) == cwd for n in cluster.nodes)
+    return str(run_dir) if same or os.path.isabs(run_dir) else os.path.abspath(run_dir)
 
-    from vpscluster.cli.output import console as make_console
-    from vpscluster.cluster.inventory import load_cluster
+
+def dry_run_training(run: TrainingRun) -> dict[str, Any]:
+    """The exact per-node commands and environment of this run; runs and creates nothing."""
+    from vpscluster.launch.pipeline import dry_run
+
+    return dry_run(training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force))
+
+
+def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | None = None) -> dict[str, Any]:
+    """Run it to the end and return its report; `TrainingFailed` or `Interrupted` otherwise."""
     from vpscluster.launch.pipeline import launch
-    from vpscluster.train.progress import ProgressView
-    from vpscluster.train.rundir import read_report
+    from vpscluster.train import rundir
 
-    json_mode = bool(getattr(args, "json", False))
-    cluster = load_cluster(cfg.cluster)
-    if getattr(args, "accept_new_host_keys", False):
-        cluster = dataclasses.replace(cluster, accept_new_host_keys=True)
-    console = make_console(json_mode)
-    with ProgressView(json_mode=json_mode, console=console) as view:
-        job = training_job(
-            cfg, Path(run_dir), cluster, resume=getattr(args, "resume", None) is not None,
-            force=bool(getattr(args, "force", False)), say=view.log_line, on_event=view.handle,
-        )
-        result = launch(job)
+    def create_run() -> None:
+        if not run.resume:
+            rundir.create(run.run_dir)
+        rundir.write_config(run.cfg, run.run_dir)
+
+    job = training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force,
+                       say=say, on_event=on_event)
+    job.create_run = create_run
+    result = launch(job)
     if result.interrupted:
-        raise KeyboardInterrupt  # the CLI says "interrupted" and exits 130; every node was cleaned up
+        raise Interrupted()  # every process on every node has been stopped
+    logs = run.run_dir / rundir.LOGS
     if not result.ok:
-        raise ClusterTrainingFailed(f"training on {cfg.cluster} failed: {result.error}; logs in {Path(run_dir) / 'logs'}")
-    report = read_report(run_dir)
-    # The worker wrote its node's path; here the run lives in the local run directory.
-    report["node_run_dir"] = report.get("run_dir")
-    report["run_dir"] = str(run_dir)
-    report["rank0_node"] = result.rank0_node
+        outcome = next((o for o in result.nodes if o.name == result.failed_node), None)
+        if run.local and outcome is not None and outcome.first_error:
+            raise TrainingFailed(f"training failed: {outcome.first_error}; logs in {logs}")
+        where = f" on {run.cfg.cluster}" if run.cfg.cluster else ""
+        raise TrainingFailed(f"training{where} failed: {result.error}; logs in {logs}")
+    report = rundir.read_report(run.run_dir)
+    if not run.local:
+        # The worker wrote its node's path; here the run lives in the local run directory.
+        report["node_run_dir"] = report.get("run_dir")
+        report["run_dir"] = str(run.run_dir)
+        report["rank0_node"] = result.rank0_node
     return report
+
+
+def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
+          accept_new_host_keys: bool = False, say: Say = _quiet, on_event: OnEvent | None = None) -> dict[str, Any]:
+    """Train with `cfg` (a TrainConfig) on its cluster file or the local cluster; the report."""
+    run = prepare_training(cfg, resume_dir=resume_dir, force=force, accept_new_host_keys=accept_new_host_keys)
+    if run.strategy_reason:
+        say(f"strategy auto -> {run.cfg.strategy.name}: {run.strategy_reason}")
+    return launch_training(run, say=say, on_event=on_event)

@@ -4,7 +4,8 @@
       config.yaml             the resolved TrainConfig (defaults < --config < flags)
       metrics.jsonl           a line per step and per evaluation (rank 0)
       checkpoints/            step-NNNNNNNN/ with one shard per rank and a manifest
-      logs/                   each rank's output (rank-N.log), the launcher's (launcher.log)
+      logs/                   each rank's output (rank-N.log), the launcher's (launcher.log; on a
+                              cluster <node>.log), torchrun's own (torchelastic/)
       report.json             the run report (contract keys, see trainer.build_report)
 """
 
@@ -30,11 +31,19 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
-def create(run_dir: str | Path | None, base: str | Path = "runs") -> Path:
-    """Make a fresh run directory (and its logs/ and checkpoints/)."""
+def fresh_path(run_dir: str | Path | None, base: str | Path = "runs") -> Path:
+    """Where a new run goes (`run_dir`, or base/<new run id>), refused if a run is there; creates nothing."""
     d = Path(run_dir) if run_dir else Path(base) / new_run_id()
     if (d / CONFIG).exists():
         raise UserError(f"--run-dir {d} already holds a run; continue it with --resume {d} or pick a new folder")
+    if d.exists() and not d.is_dir():
+        raise UserError(f"--run-dir {d} is a file; pick a folder")
+    return d
+
+
+def create(run_dir: str | Path | None, base: str | Path = "runs") -> Path:
+    """Make a fresh run directory (and its logs/ and checkpoints/)."""
+    d = fresh_path(run_dir, base)
     try:
         for sub in (LOGS, CHECKPOINTS):
             (d / sub).mkdir(parents=True, exist_ok=True)

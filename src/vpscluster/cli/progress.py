@@ -1,9 +1,9 @@
 """What a person sees while training: a rich progress bar fed by worker events, then a summary.
 
-`ProgressView` consumes the events rank 0 prints (see events.py), in any order a launcher
-delivers them (local pipes or SSH), and renders: a bar with step / max steps, loss, tokens/s
-and the share of time spent communicating; eval and checkpoint notes above the bar; at the end
-a summary table of the report. In --json mode it draws on stderr so stdout stays one document.
+`ProgressView` consumes the events rank 0 prints (see train/events.py) as the launch pipeline
+hands them over (`on_event`; local cluster or SSH alike) and renders: a bar with step / max
+steps, loss, tokens/s and the share of time spent communicating; eval and checkpoint notes above
+the bar; at the end a summary table of the report. In --json mode it draws on stderr so stdout stays one document.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""`vpscluster bench wan`: plain torchrun+DDP against vpscluster's strategies on a shaped sandbox.
+
+    vpscluster bench wan [--nodes 4] [--bandwidth 100mbit] [--cpu 0.45] [--preset small]
+                         [--budget-s S] [--strategies baseline,ddp,...] [--quick] [--out DIR] [--json]
+
+The benchmark itself is `vpscluster.bench.wan.run_wan`; this module parses and renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vpscluster.cli.output import add_json_flag
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from vpscluster.bench.wan import QUICK, STRATEGIES, WanSettings
+
+    d = WanSettings()
+    p.add_argument("--nodes", type=int, default=d.nodes, help=f"sandbox nodes (default {d.nodes})")
+    p.add_argument("--bandwidth", default=d.bandwidth, help=f"link rate of every node, tc spelling (default {d.bandwidth})")
+    p.add_argument("--cpu", default=d.cpu, help=f"CPU share of one core per node (default {d.cpu})")
+    p.add_argument("--preset", default=d.preset, help=f"model preset (default {d.preset})")
+    p.add_argument("--budget-s", type=float, default=d.budget_s, help=f"training seconds per strategy (default {d.budget_s:g})")
+    p.add_argument("--strategies", default=d.strategies, help=f"comma list of: {', '.join(STRATEGIES)}")
+    p.add_argument("--sync-every", type=int, default=d.sync_every, help=f"DiLoCo H (default {d.sync_every})")
+    p.add_argument("--ddp-eval-every", type=int, default=d.ddp_eval_every,
+                   help=f"evaluate every N steps for baseline and ddp (default {d.ddp_eval_every})")
+    p.add_argument("--diloco-eval-every", type=int, default=d.diloco_eval_every, help="evaluate every N steps for diloco (default H/5)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per evaluation (default {d.eval_batches})")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help=f"LR warm-up steps for every run (default {d.warmup_steps}: per-step DDP gets only tens of steps per budget)")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
+    p.add_argument("--name", default=d.name, help=f"sandbox name (default {d.name})")
+    p.add_argument("--out", metavar="DIR", help="results folder (default bench/results/wan-<UTC time> in the current folder)")
+    add_json_flag(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from rich.text import Text
+
+    from vpscluster.bench.wan import WanSettings, run_wan
+    from vpscluster.cli.output import console, emit_json
+
+    con = console(args.json)
+    settings = WanSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WanSettings)})
+    doc = run_wan(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
+    failed = [r["strategy"] for r in doc["rows"] if r.get("failed")]
+    if failed:
+        con.print(f"[red]failed[/]: {', '.join(failed)} (see their logs in {doc['results_dir']})")
+    if args.json:
+        emit_json(doc)
+    else:
+        print_table(con, doc["rows"])
+        con.print(f"results: {doc['results_dir']}")
+    return 1 if failed else 0
+
+
+def print_table(con, rows) -> None:
+    from rich.table import Table
+
+    from vpscluster.bench.wan import COLUMNS, cell
+
+    t = Table(title="bench wan: same wall-clock budget per strategy")
+    for _, header, _ in COLUMNS:
+        t.add_column(header, justify="left" if header == "strategy" else "right")
+    for r in rows:
+        t.add_row(*(cell(r, k, f) for k, _, f in COLUMNS))
+    con.print(t)
