@@ -106,14 +106,12 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace):
     """The TrainConfig for a new run: defaults < --config YAML < given flags.
 
-    Reads only (the config file, the cluster file, the data path's existence): a refused
-    command has created nothing when this raises.
+    Reads only (the config file, the data path's existence); `launch.train.prepare_training`
+    loads the cluster file before anything is created.
     """
     from vpscluster.train.config import resolve
 
-    cfg = resolve(args.config, _nest(_given(args)))
-    _check_cluster_file(cfg)
-    return cfg
+    return resolve(args.config, _nest(_given(args)))
 
 
 def resolve_resume(args: argparse.Namespace):
@@ -128,15 +126,8 @@ def resolve_resume(args: argparse.Namespace):
         raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps and --time-budget may change)")
     cfg = read_config(args.resume)
     overrides = _nest({d: v for d, v in _given(args).items() if d in RESUME_FLAGS})
-    cfg = build(TrainConfig, merge(to_dict(cfg), overrides), "flags")
-    _check_cluster_file(cfg)
-    return cfg
+    return build(TrainConfig, merge(to_dict(cfg), overrides), "flags")
 
-
-def _check_cluster_file(cfg) -> None:
-    """Refuse a bad cluster file now, before a run directory exists (the launch reads it again)."""
-    if cfg.cluster:
-        _import_optional("vpscluster.cluster.inventory", "--cluster").load_cluster(cfg.cluster)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
 from vpscluster.launch.pipeline import Job, SyncItem
+from vpscluster.train.strategies import AUTO
 
 FETCHED = ["report.json", "metrics.jsonl"]
 LOCAL_LOG = "launcher.log"  # the local cluster's node log (logs/<node>.log on a cluster)
@@ -97,7 +98,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
         cluster = local_cluster()
     reason = None
-    if cfg.strategy.name == "auto":
+    if cfg.strategy.name == AUTO:
         from vpscluster.plan.auto import choose_for_training
 
         cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None)
