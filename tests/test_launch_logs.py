@@ -99,3 +99,20 @@ def test_worker_death_wording(tmp_path):
     r.for_node("n")("stderr", "failed (exitcode: 1) local_rank: 1 (pid: 9)")
     r.close()
     assert r.first_error("n") == "ValueError: bad input"
+
+
+def test_a_rank_that_aborts_after_its_own_error_is_named_by_that_error(tmp_path):
+    """SIGABRT after an uncaught exception (gloo's destructor) is a consequence, not the cause."""
+    r = LogRouter(tmp_path, ["n"])
+    feed = r.for_node("n")
+    feed("stderr", "[rank2]:Traceback (most recent call last):")
+    feed("stderr", '[rank2]:  File "fail_on_rank.py", line 27, in <module>')
+    feed("stderr", "[rank2]:RuntimeError: deliberate failure on rank 2 (pid 77)")
+    feed("stderr", "E1203 09:17:30.1 api.py:882] failed (exitcode: -6) local_rank: 0 (pid: 77) of binary: python3")
+    r.close()
+    assert r.first_error("n") == "RuntimeError: deliberate failure on rank 2 (pid 77)"
+    # With no traceback at all, the abort is still named.
+    r2 = LogRouter(tmp_path / "b", ["n"])
+    r2.for_node("n")("stderr", "failed (exitcode: -6) local_rank: 0 (pid: 78) of binary: python3")
+    r2.close()
+    assert r2.first_error("n") == "local rank 0 was killed by SIGABRT"

@@ -26,6 +26,9 @@ _TRACEBACK = "Traceback (most recent call last):"
 # Exceptions that only say "a worker failed" (the agent's summary): the worker's own error is better.
 _WRAPPER_ERRORS = ("ChildFailedError", "SignalException")
 # The elastic agent's account of a worker that died: "... failed (exitcode: -9) local_rank: 1 (pid: ...)".
+# A worker that aborts itself (SIGABRT: a C++ destructor or std::terminate after its own uncaught
+# exception, e.g. gloo tearing down) printed the real reason first; a kill from outside did not.
+_SELF_INFLICTED = ("SIGABRT",)
 _DEATH = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
@@ -144,10 +147,12 @@ class LogRouter:
                 src.error = text.strip()
 
     def first_error(self, node: str) -> str | None:
-        """The node's first error: a worker killed by a signal (the root cause: its peers' errors,
-        a lost connection, follow from it), else a worker's traceback, else the agent's, else
-        its last stderr line."""
-        killed = [d for d in self.nodes[node].deaths if "killed by" in d]
+        """The node's first error: a worker killed by a signal from outside (the root cause: its
+        peers' errors, a lost connection, follow from it), else a worker's traceback, else a
+        worker that aborted itself (after printing that traceback, if it had one), else the
+        agent's error, else its last stderr line."""
+        deaths = self.nodes[node].deaths
+        killed = [d for d in deaths if "killed by" in d and not d.endswith(_SELF_INFLICTED)]
         if killed:
             return killed[0]
         sources = self.nodes[node].sources
@@ -155,6 +160,9 @@ class LogRouter:
         worker_errors = [sources[r].error for r in ranks if sources[r].error]
         if worker_errors:
             return worker_errors[0]
+        aborted = [d for d in deaths if d.endswith(_SELF_INFLICTED)]
+        if aborted:
+            return aborted[0]
         agent = sources.get(None)
         if agent and agent.error and not any(w in agent.error for w in _WRAPPER_ERRORS):
             return agent.error
