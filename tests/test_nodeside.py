@@ -154,3 +154,49 @@ def test_reap_kills_what_ignores_sigterm():
 def test_parse_json_output_takes_the_last_object():
     assert nodeside.parse_json_output('noise\n{"a": 1}\n{"b": 2}\n[1]\n{bad\n') == {"b": 2}
     assert nodeside.parse_json_output("LISTENING 5\n") is None
+
+
+def test_run_module_runs_a_package_sent_on_stdin(tmp_path):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("pkg/__init__.py", "")
+        z.writestr("pkg/tool.py", "import json, sys\nif __name__ == '__main__':\n"
+                                  "    print(json.dumps({'argv': sys.argv[1:], 'file': __file__}))\n")
+    cmd = nodeside.command(sys.executable, "run_module", "pkg.tool", "a b", "--x")
+    out = subprocess.run([cmd[0], "-S", *cmd[1:]], input=buf.getvalue(), capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = nodeside.parse_json_output(out.stdout.decode())
+    assert doc["argv"] == ["a b", "--x"] and ".zip" in doc["file"]
+    assert not os.path.exists(doc["file"].split(".zip")[0] + ".zip")  # the archive is removed
+    bad = subprocess.run([cmd[0], "-S", *cmd[1:]], input=b"not a zip", capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"not a zip archive" in bad.stderr
+
+
+def test_calibration_runs_on_a_node_without_vpscluster(tmp_path):
+    """The head node's python has torch but cannot import vpscluster: calibration still runs there,
+    with the launcher's package sent along."""
+    import dataclasses
+    import sysconfig
+
+    from vpscluster.cluster.inventory import local_cluster
+    from vpscluster.plan.calibrate import calibrate_on_node
+    from vpscluster.plan.shapes import ModelSpec
+    from vpscluster.train.presets import ModelShape
+
+    # -S: no site processing, so no editable-install .pth (no vpscluster); torch from site-packages.
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{sysconfig.get_paths()["purelib"]}" exec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    check = subprocess.run([str(python), "-c", "import torch; import vpscluster"], capture_output=True, text=True,
+                           timeout=120, cwd=str(tmp_path))
+    assert "No module named 'vpscluster'" in check.stderr
+
+    cluster = local_cluster()
+    node = dataclasses.replace(cluster.head_node, python=str(python), workdir=str(tmp_path))
+    cluster = dataclasses.replace(cluster, nodes=(node,))
+    model = ModelSpec("tiny", ModelShape(d_model=32, n_layer=1, n_head=2, seq_len=16, batch_size=2))
+    value = calibrate_on_node(cluster, model, threads=1, matmul_threads=1, timeout_s=300)
+    assert 0 < value < 10

@@ -12,24 +12,30 @@ vpscluster installed to be probed, synced, torn down or given a port.
     tree_hash.py   SHA-256 of the given files under each root (stdin: the paths)
     unpack.py      unpack a tar archive into a directory and delete the archive
     free_port.py   a free TCP port on the node (IPv4 or IPv6 by the address)
+    run_module.py  run a module of a package sent as a zip on stdin (calibration: the real model)
 
 `command(python, name, *args)` is the argv that runs program `name`: its source travels inside
 the command line (zlib + base64 in a one-line `python -c` bootstrap), so nothing is copied to
 the node first, `start()` (which has no stdin) works as well as `run()`, and stdin stays free for
 the program. Run locally with `sys.executable`, the same argv tests the very thing nodes run.
+Work that needs vpscluster's own code on the node (calibration times the real model) runs
+through `run_module` with `package_archive()` as stdin: the launcher's package travels with the
+command, so the node needs nothing installed but Python (and torch for that work).
 """
 
 from __future__ import annotations
 
 import base64
+import io
 import json
+import zipfile
 import zlib
 from functools import lru_cache
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
-PROGRAMS = ("facts", "links", "allreduce", "reap", "tree_hash", "unpack", "free_port")
+PROGRAMS = ("facts", "links", "allreduce", "reap", "tree_hash", "unpack", "free_port", "run_module")
 
 # The bootstrap puts argv in place as the program expects it (argv[0] = the program's file name).
 _BOOTSTRAP = (
@@ -70,3 +76,15 @@ def parse_json_output(stdout: str) -> dict | None:
             if isinstance(value, dict):
                 return value
     return None
+
+
+@lru_cache(maxsize=1)
+def package_archive() -> bytes:
+    """The vpscluster package's Python files as a zip (for `run_module`'s stdin); no data files."""
+    package = _HERE.parent
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for path in sorted(package.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                z.write(path, path.relative_to(package.parent).as_posix())
+    return buf.getvalue()
