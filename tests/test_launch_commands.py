@@ -1,37 +1,25 @@
 """Per-node launch commands: program parsing, quoting, and snapshots of what `--dry-run` prints.
 
-Regenerate the snapshots after an intended change with
+A missing or different snapshot fails; regenerate after an intended change with
 
-    VPSC_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/test_launch_commands.py
+    VPSC_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/test_launch_commands.py   (see snapshot_check.py)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from pathlib import Path
 
 import pytest
 
+from snapshot_check import check_snapshot
 from vpscluster.errors import UserError
 from vpscluster.launch.commands import (
     LaunchOptions, NodeTarget, Program, build_node_commands, parse_program, relative_script, shell_path,
 )
 
-SNAPSHOTS = Path(__file__).parent / "snapshots"
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def check_snapshot(name: str, doc) -> None:
-    path = SNAPSHOTS / name
-    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-    if os.environ.get("VPSC_UPDATE_SNAPSHOTS") == "1" or not path.exists():
-        if not os.environ.get("VPSC_UPDATE_SNAPSHOTS") and os.environ.get("CI"):
-            pytest.fail(f"snapshot {path} is missing; run with VPSC_UPDATE_SNAPSHOTS=1 and commit it")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; if intended, regenerate with VPSC_UPDATE_SNAPSHOTS=1"
 
 
 @pytest.mark.parametrize("argv,expected", [

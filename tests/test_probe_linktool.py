@@ -11,13 +11,14 @@ import time
 
 import pytest
 
-from vpscluster.probe import link_script
-from vpscluster.probe.remote import parse_json_output, script_command
+from vpscluster import nodeside
+from vpscluster.nodeside import links
+from vpscluster.nodeside import parse_json_output
 
 
 @pytest.fixture
 def server():
-    proc = subprocess.Popen(script_command(sys.executable, "link_script", "server", "--bind", "127.0.0.1",
+    proc = subprocess.Popen(nodeside.command(sys.executable, "links", "server", "--bind", "127.0.0.1",
                                            "--idle-timeout-s", "3"), stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -29,7 +30,7 @@ def server():
 
 
 def client(port, *args):
-    out = subprocess.run(script_command(sys.executable, "link_script", "client", "--peer", f"127.0.0.1:{port}", *args),
+    out = subprocess.run(nodeside.command(sys.executable, "links", "client", "--peer", f"127.0.0.1:{port}", *args),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return parse_json_output(out.stdout)
@@ -82,7 +83,7 @@ def test_clock_offset_is_server_time_minus_midpoint():
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        r = link_script.measure_rtt("127.0.0.1", srv.getsockname()[1], samples=5, timeout_s=5)
+        r = links.measure_rtt("127.0.0.1", srv.getsockname()[1], samples=5, timeout_s=5)
     finally:
         srv.close()
     assert r["rtt_ms_min"] >= 20
@@ -92,7 +93,7 @@ def test_clock_offset_is_server_time_minus_midpoint():
 
 def test_script_runs_from_its_bootstrap_with_only_the_standard_library(tmp_path):
     # What the nodes run: the source inside `python -c`, here with -S (no site-packages at all).
-    cmd = script_command(sys.executable, "facts_script", json.dumps({"workdir": str(tmp_path), "disk_bytes": 1 << 20}))
+    cmd = nodeside.command(sys.executable, "facts", json.dumps({"workdir": str(tmp_path), "disk_bytes": 1 << 20}))
     out = subprocess.run([cmd[0], "-S", *cmd[1:]], capture_output=True, text=True, timeout=60)
     facts = parse_json_output(out.stdout)
     assert out.returncode == 0 and facts["torch"] is None and "ModuleNotFoundError" in facts["torch_error"]

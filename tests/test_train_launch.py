@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from test_launch_commands import check_snapshot
+from snapshot_check import check_snapshot
 
 
 def _normalised(doc: dict, cwd: Path) -> dict:

@@ -13,17 +13,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from vpscluster import nodeside
 from vpscluster.errors import RemoteError, UserError
 from vpscluster.launch.commands import shell_path
 from vpscluster.launch.netif import find_interface
 
 PROBE_MAX_AGE_S = 3600.0
-
-_FREE_PORT = (
-    "import socket, sys\n"
-    "s = socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET)\n"
-    "s.bind(('', 0)); print(s.getsockname()[1])\n"
-)
 
 
 @dataclass
@@ -120,7 +115,7 @@ def resolve_address(host: str) -> str:
 
 
 async def free_port(executor, address: str, timeout_s: float) -> int:
-    r = await executor.run([executor.node.python, "-c", _FREE_PORT, address], timeout_s=timeout_s)
+    r = await executor.run(nodeside.command(executor.node.python, "free_port", address), timeout_s=timeout_s)
     if not r.ok:
         raise RemoteError(f"node {executor.node.name}: could not find a free rendezvous port: {_why(r)}")
     return int(r.stdout.strip().splitlines()[-1])

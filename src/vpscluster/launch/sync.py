@@ -2,9 +2,10 @@
 
 rsync decides by size and modification time; a fresh `git clone` or a `pip install` on the
 launching machine changes every time stamp and nothing else, so we compare SHA-256 hashes
-instead. The node hashes its copy with a short Python program run by its own interpreter (no
-extra tools needed on the node); the changed files travel as one tar archive (one round trip on
-a high-latency link, whatever the number of files) and are unpacked in place.
+instead. The node hashes its copy with `vpscluster.nodeside.tree_hash`, run by its own
+interpreter (no extra tools needed on the node); the changed files travel as one tar archive (one
+round trip on a high-latency link, whatever the number of files) and are unpacked in place by
+`vpscluster.nodeside.unpack`.
 
 Where the node already sees the same content at the same absolute path (the launching machine
 itself, a shared file system, the sandbox), nothing is copied and that path is used as is.
@@ -13,7 +14,6 @@ itself, a shared file system, the sandbox), nothing is copied and that path is u
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import posixpath
@@ -21,7 +21,9 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 
+from vpscluster import nodeside
 from vpscluster.errors import RemoteError, UserError
+from vpscluster.nodeside.tree_hash import file_hash
 
 # Never shipped: build output, caches, environments, version control, previous runs.
 EXCLUDED_DIRS = {".git", ".hg", "__pycache__", ".venv", "venv", "node_modules", ".pytest_cache",
@@ -29,36 +31,6 @@ EXCLUDED_DIRS = {".git", ".hg", "__pycache__", ".venv", "venv", "node_modules", 
 EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".egg-info")
 MAX_FILES = 20_000
 MAX_BYTES = 8 * 2**30
-
-# Run on the node by its interpreter: argv[1] = JSON list of roots; stdin = JSON list of paths.
-# Prints {root: {path: sha256}} for the files that exist there.
-_REMOTE_HASH = r"""
-import hashlib, json, os, sys
-roots = json.loads(sys.argv[1]); paths = json.load(sys.stdin); out = {}
-for root in roots:
-    base = os.path.expanduser(root); found = {}
-    for rel in paths:
-        p = os.path.join(base, rel)
-        if os.path.isfile(p):
-            h = hashlib.sha256()
-            with open(p, 'rb') as f:
-                for chunk in iter(lambda: f.read(1 << 20), b''):
-                    h.update(chunk)
-            found[rel] = h.hexdigest()
-    out[root] = found
-json.dump(out, sys.stdout)
-"""
-
-_REMOTE_UNPACK = r"""
-import os, sys, tarfile
-archive, dest = os.path.expanduser(sys.argv[1]), os.path.expanduser(sys.argv[2])
-os.makedirs(dest, exist_ok=True)
-with tarfile.open(archive) as t:
-    kw = {'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}
-    t.extractall(dest, **kw)
-os.remove(archive)
-"""
-
 
 @dataclass
 class SyncResult:
@@ -72,14 +44,6 @@ class SyncResult:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def file_hash(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def local_manifest(root: str) -> dict[str, str]:
@@ -111,7 +75,7 @@ def changed_files(local: dict[str, str], remote: dict[str, str]) -> list[str]:
 async def remote_hashes(executor, roots: list[str], paths: list[str], timeout_s: float) -> dict[str, dict[str, str]]:
     node = executor.node
     result = await executor.run(
-        [node.python, "-c", _REMOTE_HASH, json.dumps(roots)], timeout_s=timeout_s, input=json.dumps(paths)
+        nodeside.command(node.python, "tree_hash", json.dumps(roots)), timeout_s=timeout_s, input=json.dumps(paths)
     )
     if not result.ok:
         raise RemoteError(f"node {node.name}: could not hash files for sync: {_why(result)}")
@@ -159,7 +123,8 @@ async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: st
             await executor.put(archive, remote_archive, timeout_s=timeout_s)
         except Exception as e:  # the executor names the transport failure
             raise RemoteError(f"node {node.name}: copying {len(rel_paths)} files failed: {e}") from None
-    result = await executor.run([node.python, "-c", _REMOTE_UNPACK, remote_archive, remote_root], timeout_s=timeout_s)
+    result = await executor.run(nodeside.command(node.python, "unpack", remote_archive, remote_root),
+                                timeout_s=timeout_s)
     if not result.ok:
         raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {_why(result)}")
     return size

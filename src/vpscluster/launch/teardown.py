@@ -5,7 +5,8 @@ session (`start_new_session=True`), so a worker outlives an agent killed before 
 the signal on — the classic orphaned training process holding a GPU after Ctrl-C. Every process
 a launch starts carries `VPSC_LAUNCH_ID=<rendezvous id>` in its environment (workers inherit
 it), so the node finds them all in /proc whatever the process tree: SIGTERM, a grace period,
-SIGKILL for the rest, and a final look that must come back empty.
+SIGKILL for the rest, and a final look that must come back empty (`vpscluster.nodeside.reap`,
+run with the node's own Python).
 """
 
 from __future__ import annotations
@@ -14,48 +15,8 @@ import asyncio
 import json
 from dataclasses import dataclass
 
+from vpscluster import nodeside
 from vpscluster.launch.commands import LAUNCH_ID_ENV
-
-# argv: launch id, grace seconds before SIGKILL, seconds to wait for the killed to go.
-# Prints the pids still alive at the end (must be []).
-_REAP = r"""
-import json, os, signal, sys, time
-tag = ("%s=" + sys.argv[1]).encode()
-me = os.getpid()
-def tagged():
-    out = []
-    for d in os.listdir('/proc'):
-        if not d.isdigit() or int(d) == me:
-            continue
-        try:
-            with open('/proc/%%s/environ' %% d, 'rb') as f:
-                env = f.read().split(b'\0')
-            with open('/proc/%%s/stat' %% d) as f:
-                state = f.read().rsplit(')', 1)[1].split()[0]
-        except OSError:
-            continue
-        if tag in env and state != 'Z':
-            out.append(int(d))
-    return out
-def signal_all(sig):
-    for p in tagged():
-        try:
-            os.kill(p, sig)
-        except OSError:
-            pass
-def wait_gone(seconds):
-    end = time.time() + seconds
-    while time.time() < end and tagged():
-        time.sleep(0.2)
-found = tagged()
-if found:
-    signal_all(signal.SIGTERM)
-    wait_gone(float(sys.argv[2]))
-    signal_all(signal.SIGKILL)
-    wait_gone(float(sys.argv[3]))
-print(json.dumps({"found": found, "left": tagged()}))
-""" % LAUNCH_ID_ENV
-
 
 @dataclass
 class ReapResult:
@@ -73,7 +34,8 @@ async def reap_node(executor, launch_id: str, grace_s: float = 6.0, kill_wait_s:
                     timeout_s: float = 30.0) -> ReapResult:
     node = executor.node
     result = await executor.run(
-        [node.python, "-c", _REAP, launch_id, str(grace_s), str(kill_wait_s)], timeout_s=timeout_s
+        nodeside.command(node.python, "reap", LAUNCH_ID_ENV, launch_id, str(grace_s), str(kill_wait_s)),
+        timeout_s=timeout_s,
     )
     if not result.ok:
         why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["?"])[-1])

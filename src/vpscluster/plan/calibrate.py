@@ -126,13 +126,16 @@ def measure_efficiency(model: ModelSpec, threads: int | None = None, rounds: int
 
 def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, matmul_threads: int | None = None,
                       timeout_s: float = 600.0) -> float:
-    """Run `measure_efficiency` on the cluster's head node (its python must import vpscluster).
+    """Run `measure_efficiency` on the cluster's head node (its python needs torch, not vpscluster).
 
-    On the node the benchmark sees the node's own CPU, quota and threads, as training will.
+    On the node the benchmark sees the node's own CPU, quota and threads, as training will. The
+    launcher's own package travels with the command (`nodeside.run_module`), so the node times
+    exactly this code whether or not vpscluster is installed there.
     """
     import asyncio
     from dataclasses import asdict
 
+    from vpscluster import nodeside
     from vpscluster.cluster.inventory import executor_for
     from vpscluster.errors import RemoteError
 
@@ -142,7 +145,8 @@ def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, mat
     async def go():
         ex = executor_for(node, cluster)
         try:
-            return await ex.run([node.python, "-m", "vpscluster.plan.calibrate", arg], timeout_s=timeout_s)
+            return await ex.run(nodeside.command(node.python, "run_module", "vpscluster.plan.calibrate", arg),
+                                timeout_s=timeout_s, input=nodeside.package_archive())
         finally:
             await ex.close()
 
@@ -150,10 +154,10 @@ def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, mat
     if not result.ok:
         why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["no output"])[-1])
         raise RemoteError(f"calibration on {node.name} failed: {why}; run `vpscluster plan --calibrate` without --cluster")
-    for line in reversed(result.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return float(json.loads(line)["efficiency"])
-    raise RemoteError(f"calibration on {node.name} printed no result")
+    doc = nodeside.parse_json_output(result.stdout)
+    if doc is None or "efficiency" not in doc:
+        raise RemoteError(f"calibration on {node.name} printed no result")
+    return float(doc["efficiency"])
 
 
 def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, threads: int | None = None,
@@ -202,7 +206,7 @@ def _write_cache(cache: dict) -> None:
         pass  # a read-only home: the value is still used for this plan
 
 
-if __name__ == "__main__":  # run on a node by `calibrate_on_node`: one JSON line out
+if __name__ == "__main__":  # run on a node by `calibrate_on_node` (nodeside.run_module): one JSON line out
     import sys
 
     from vpscluster.train.presets import ModelShape

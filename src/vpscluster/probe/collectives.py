@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Sequence
 
-from vpscluster.probe.remote import parse_json_output, script_command
+from vpscluster import nodeside
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KB .. 16 MB
 
@@ -77,7 +77,7 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
     names = [n.name for n in nodes]
     backend = "nccl" if all(facts[n.name].get("cuda_available") and facts[n.name].get("nccl_available")
                             for n in nodes) else "gloo"
-    port_cmd = [head.python, "-c", "import socket;s=socket.socket();s.bind(('',0));print(s.getsockname()[1])"]
+    port_cmd = nodeside.command(head.python, "free_port")
     got = await executors[head.name].run(port_cmd, timeout_s=30)
     if not got.ok or not got.stdout.strip().isdigit():
         return {"op": "all_reduce", "nodes": names, "error": f"no free port on {head.name}: {got.error or got.stderr.strip()}"}
@@ -92,11 +92,11 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
         if iface and (iface != "lo" or head.host.startswith("127.")):
             # gloo would otherwise pick the interface of the hostname, which may not route between nodes.
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
-        return await executors[node.name].run(script_command(node.python, "allreduce_script", json.dumps(opts)),
+        return await executors[node.name].run(nodeside.command(node.python, "allreduce", json.dumps(opts)),
                                               timeout_s=settings.timeout_s, env=env)
 
     results = await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
-    raw = parse_json_output(results[0].stdout) if results[0].stdout else None
+    raw = nodeside.parse_json_output(results[0].stdout) if results[0].stdout else None
     if raw is None or not all(r.ok for r in results):
         bad = next((r for r in results if not r.ok), results[0])
         why = bad.error or ("timed out" if bad.timed_out else (bad.stderr.strip().splitlines() or ["no output"])[-1])

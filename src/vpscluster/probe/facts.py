@@ -1,4 +1,4 @@
-"""Gather node facts in parallel: run `facts_script.py` with every node's configured Python.
+"""Gather node facts in parallel: run `vpscluster.nodeside.facts` with every node's configured Python.
 
 A node that cannot be reached, or whose Python cannot run the script, becomes a record with
 `reachable: False` and the reason, so the other nodes are still probed.
@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from vpscluster.probe.remote import parse_json_output, script_command
+from vpscluster import nodeside
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,9 @@ def _base(node) -> dict:
 async def gather_one(node, ex, settings: FactsSettings) -> dict:
     opts = {"address": node.host, "workdir": node.workdir, "compute_seconds": settings.compute_seconds,
             "disk_bytes": settings.disk_bytes, "disk_budget_s": settings.disk_budget_s}
-    result = await ex.run(script_command(node.python, "facts_script", json.dumps(opts)), timeout_s=settings.timeout_s)
+    result = await ex.run(nodeside.command(node.python, "facts", json.dumps(opts)), timeout_s=settings.timeout_s)
     record = _base(node)
-    data = parse_json_output(result.stdout) if result.stdout else None
+    data = nodeside.parse_json_output(result.stdout) if result.stdout else None
     if data is not None and result.ok:
         record.update(data)
         record["reachable"] = True

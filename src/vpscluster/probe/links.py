@@ -6,7 +6,7 @@ node resting per round) pairs every node with a different partner. Every round i
 two steps, a->b for all its pairs at once and then b->a, so no node is in two tests at a time and
 the whole matrix costs 2(N-1) test durations, linear in N.
 
-Each node runs `link_script.py server`; each test runs `link_script.py client` on the sender
+Each node runs `nodeside/links.py server`; each test runs `nodeside/links.py client` on the sender
 against the receiver's server (see that script for what is measured and how).
 """
 
@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from vpscluster.probe.remote import parse_json_output, script_command
+from vpscluster import nodeside
 
 
 def round_robin(names: Sequence[str]) -> list[list[tuple[str, str]]]:
@@ -77,7 +77,7 @@ async def measure_links(
             bind = "::" if ":" in n.host else "0.0.0.0"
             try:
                 handles[n.name] = await executors[n.name].start(
-                    script_command(n.python, "link_script", "server", "--bind", bind, "--idle-timeout-s", str(idle_s)),
+                    nodeside.command(n.python, "links", "server", "--bind", bind, "--idle-timeout-s", str(idle_s)),
                     on_line=servers[n.name].on_line)
             except Exception as e:  # the node went away since its facts: its links report it
                 servers[n.name].lines.append(f"{type(e).__name__}: {e}")
@@ -107,13 +107,13 @@ async def _measure_pair(src, dst, server: _Server, ex, s: LinkSettings) -> dict:
         record["error"] = f"measurement server did not start on {dst.name} ({tail})"
         return record
     peer = f"[{dst.host}]:{server.port}" if ":" in dst.host else f"{dst.host}:{server.port}"
-    cmd = script_command(src.python, "link_script", "client", "--peer", peer,
+    cmd = nodeside.command(src.python, "links", "client", "--peer", peer,
                          "--rtt-samples", str(s.rtt_samples), "--duration-s", str(s.duration_s),
                          "--warmup-s", str(s.warmup_s), "--streams", str(s.streams),
                          "--timeout-s", str(s.connect_timeout_s))
     timeout_s = s.duration_s + s.warmup_s + 2 * s.connect_timeout_s + 30
     result = await ex.run(cmd, timeout_s=timeout_s)
-    data = parse_json_output(result.stdout) if result.stdout else None
+    data = nodeside.parse_json_output(result.stdout) if result.stdout else None
     if data is None:
         why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["no output"])[-1])
         record["error"] = f"test from {src.name} failed: {why}"

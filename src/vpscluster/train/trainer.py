@@ -75,7 +75,7 @@ def available_cpus() -> int:
     os.cpu_count(); running that many intra-op threads only burns the quota faster and gets
     the process throttled mid-matmul, so the quota (rounded up) caps the thread count.
     """
-    from vpscluster.probe.facts_script import cpu_quota_cores  # stdlib only
+    from vpscluster.nodeside.facts import cpu_quota_cores  # stdlib only
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = cpu_quota_cores()

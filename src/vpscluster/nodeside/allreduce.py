@@ -1,13 +1,13 @@
 """All-reduce sweep: one process per node, the real torch.distributed backend, env:// rendezvous.
 
-Self-contained (sent as source; needs torch). Rank 0 prints one JSON object with, per message
+Self-contained (sent as source, see `vpscluster.nodeside`; needs torch). Rank 0 prints one JSON object with, per message
 size, the mean seconds per all-reduce (the slowest rank's time, as nccl-tests reports it).
 The first all-reduce of every size is checked: each rank contributes rank+1, so every element
 must come back as n(n+1)/2 — a sweep that returns wrong sums is an error, not a number.
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and GLOO_SOCKET_IFNAME where known).
-Usage: python allreduce_script.py '{"sizes": [4096, ...], "min_time_s": 0.3, "max_iters": 50,
-                                     "timeout_s": 60, "backend": "gloo"}'
+Usage: python allreduce.py '{"sizes": [4096, ...], "min_time_s": 0.3, "max_iters": 50,
+                               "timeout_s": 60, "backend": "gloo"}'
 """
 
 import json

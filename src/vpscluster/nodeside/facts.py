@@ -1,6 +1,6 @@
 """Node facts: a self-contained script run with each node's own Python; prints one JSON object.
 
-It is sent to the node as source (see `vpscluster.probe.remote`), so it may import only the
+It is sent to the node as source (see `vpscluster.nodeside`), so it may import only the
 standard library, plus torch when the node has it. Every measurement is bounded in time:
 
 - CPU share actually available: cgroup v1 (`cpu.cfs_quota_us / cpu.cfs_period_us`, walking up
@@ -12,7 +12,7 @@ standard library, plus torch when the node has it. Every measurement is bounded 
   really felt. CPU seconds per wall second during it give `cpu_share_measured`, used as the CPU
   share where no quota can be read (e.g. a mount namespace without the cgroup filesystem).
 
-Usage: python facts_script.py '{"address": "10.0.0.2", "workdir": "~/vpscluster", ...}'
+Usage: python facts.py '{"address": "10.0.0.2", "workdir": "~/vpscluster", ...}'
 """
 
 import json

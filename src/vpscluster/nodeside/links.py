@@ -1,6 +1,6 @@
 """A small TCP measurement tool (server and client), self-contained, run on the nodes.
 
-Sent to each node as source (standard library only). Like iperf3, bandwidth is what the
+Sent to each node as source (standard library only; see `vpscluster.nodeside`). Like iperf3, bandwidth is what the
 *receiver* counts: the server counts the bytes that arrive on each stream during a fixed window
 that opens `warmup_s` after the first byte (so TCP slow start and a shaper's initial burst are
 left out), then reports the count back on the same connection. Round-trip time is a ping-pong of
@@ -213,7 +213,7 @@ def measure_bandwidth(host, port, streams, warmup_s, duration_s, timeout_s):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="link_script")
+    p = argparse.ArgumentParser(prog="links")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("server")
     s.add_argument("--bind", required=True)

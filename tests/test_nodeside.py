@@ -1,0 +1,202 @@
+"""Node-side programs run exactly as the nodes run them: through `nodeside.command`, here with
+this machine's Python and `-S` (no site-packages, so no vpscluster and no third-party library)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import pid_alive
+from vpscluster import nodeside
+
+NODESIDE = Path(nodeside.__file__).parent
+
+
+def run(name: str, *args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = nodeside.command(sys.executable, name, *args)
+    return subprocess.run([cmd[0], "-S", *cmd[1:]], input=input, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_module_is_a_program_the_runner_knows():
+    modules = sorted(p.stem for p in NODESIDE.glob("*.py") if p.stem != "__init__")
+    assert modules == sorted(nodeside.PROGRAMS)
+    for name in modules:
+        tree = ast.parse(nodeside.source(name))
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
+        assert "if __name__ == \"__main__\":" in nodeside.source(name), name
+    with pytest.raises(ValueError, match="no node-side program"):
+        nodeside.command("python3", "nope")
+
+
+def test_node_side_code_imports_only_the_standard_library():
+    # torch is allowed (imported where the node has it); vpscluster and other libraries never.
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    bad = []
+    for path in sorted(NODESIDE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] not in allowed]
+    assert bad == []
+
+
+def test_every_program_loads_without_vpscluster_or_site_packages():
+    # Only the programs' own folder on the path, no site-packages: importing vpscluster (or any
+    # third-party library) at module level would fail here.
+    names = ",".join(nodeside.PROGRAMS)
+    code = f"import sys; sys.path[:0] = [{str(NODESIDE)!r}]; import {names}; print('ok')"
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    for name in ("reap", "unpack"):  # bad arguments: the program's own usage line through the runner
+        bad = run(name)
+        assert bad.returncode == 2 and f"usage: {name}.py" in bad.stderr
+
+
+def test_free_port_is_bindable():
+    out = run("free_port", "127.0.0.1")
+    assert out.returncode == 0
+    port = int(out.stdout.strip())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    assert int(run("free_port").stdout.strip()) > 0  # no address: IPv4, as the collectives use it
+
+
+def test_tree_hash_and_unpack_round_trip(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("print('a')\n")
+    (src / "data.bin").write_bytes(os.urandom(3_000_000))  # more than one 1 MiB read
+    archive = tmp_path / "files.tar.gz"
+    with tarfile.open(archive, "w:gz") as t:
+        for rel in ("pkg/a.py", "data.bin"):
+            t.add(src / rel, arcname=rel)
+    dest = tmp_path / "node" / "code"
+    out = run("unpack", str(archive), str(dest))
+    assert out.returncode == 0, out.stderr
+    assert not archive.exists() and (dest / "pkg" / "a.py").read_text() == "print('a')\n"
+
+    paths = ["pkg/a.py", "data.bin", "missing.txt"]
+    out = run("tree_hash", json.dumps([str(src), str(dest)]), input=json.dumps(paths))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc == nodeside.parse_json_output(out.stdout)
+    from vpscluster.launch.sync import local_manifest  # the launcher's side of the comparison
+
+    assert doc[str(src)] == doc[str(dest)] == local_manifest(str(src))
+
+
+def test_unpack_refuses_a_path_outside_the_destination(tmp_path):
+    import io
+
+    archive = tmp_path / "evil.tar"
+    with tarfile.open(archive, "w") as t:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 3
+        t.addfile(info, io.BytesIO(b"bad"))
+    if not hasattr(tarfile, "data_filter"):
+        pytest.skip("this Python's tarfile has no data filter")
+    out = run("unpack", str(archive), str(tmp_path / "dest"))
+    assert out.returncode != 0 and not (tmp_path / "escaped.txt").exists()
+
+
+def _sleeper(env_extra: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, **env_extra}, start_new_session=True)
+
+
+def test_reap_stops_only_the_launch_ids_processes():
+    var, mine, other = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}", f"nsd-{uuid.uuid4().hex}"
+    ours = [_sleeper({var: mine}) for _ in range(2)]
+    # Same id under another variable, and a prefix of the id: neither is the exact tag.
+    theirs = [_sleeper({var: other}), _sleeper({"OTHER_VAR": mine}), _sleeper({var: mine[:-1]})]
+    try:
+        out = run("reap", var, mine, "5", "3")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert sorted(doc["found"]) == sorted(p.pid for p in ours) and doc["left"] == []
+        for p in ours:
+            p.wait(timeout=10)
+        assert all(pid_alive(p.pid) for p in theirs)
+        # Nothing left with that tag: a second pass finds nothing.
+        assert json.loads(run("reap", var, mine, "5", "3").stdout) == {"found": [], "left": []}
+    finally:
+        for p in ours + theirs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+def test_reap_kills_what_ignores_sigterm():
+    var, mine = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}"
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, var: mine}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        doc = json.loads(run("reap", var, mine, "0.5", "3").stdout)
+        assert doc == {"found": [p.pid], "left": []}
+        assert p.wait(timeout=10) == -9
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
+def test_parse_json_output_takes_the_last_object():
+    assert nodeside.parse_json_output('noise\n{"a": 1}\n{"b": 2}\n[1]\n{bad\n') == {"b": 2}
+    assert nodeside.parse_json_output("LISTENING 5\n") is None
+
+
+def test_run_module_runs_a_package_sent_on_stdin(tmp_path):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("pkg/__init__.py", "")
+        z.writestr("pkg/tool.py", "import json, sys\nif __name__ == '__main__':\n"
+                                  "    print(json.dumps({'argv': sys.argv[1:], 'file': __file__}))\n")
+    cmd = nodeside.command(sys.executable, "run_module", "pkg.tool", "a b", "--x")
+    out = subprocess.run([cmd[0], "-S", *cmd[1:]], input=buf.getvalue(), capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = nodeside.parse_json_output(out.stdout.decode())
+    assert doc["argv"] == ["a b", "--x"] and ".zip" in doc["file"]
+    assert not os.path.exists(doc["file"].split(".zip")[0] + ".zip")  # the archive is removed
+    bad = subprocess.run([cmd[0], "-S", *cmd[1:]], input=b"not a zip", capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"not a zip archive" in bad.stderr
+
+
+def test_calibration_runs_on_a_node_without_vpscluster(tmp_path):
+    """The head node's python has torch but cannot import vpscluster: calibration still runs there,
+    with the launcher's package sent along."""
+    import dataclasses
+    import sysconfig
+
+    from vpscluster.cluster.inventory import local_cluster
+    from vpscluster.plan.calibrate import calibrate_on_node
+    from vpscluster.plan.shapes import ModelSpec
+    from vpscluster.train.presets import ModelShape
+
+    # -S: no site processing, so no editable-install .pth (no vpscluster); torch from site-packages.
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{sysconfig.get_paths()["purelib"]}" exec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    check = subprocess.run([str(python), "-c", "import torch; import vpscluster"], capture_output=True, text=True,
+                           timeout=120, cwd=str(tmp_path))
+    assert "No module named 'vpscluster'" in check.stderr
+
+    cluster = local_cluster()
+    node = dataclasses.replace(cluster.head_node, python=str(python), workdir=str(tmp_path))
+    cluster = dataclasses.replace(cluster, nodes=(node,))
+    model = ModelSpec("tiny", ModelShape(d_model=32, n_layer=1, n_head=2, seq_len=16, batch_size=2))
+    value = calibrate_on_node(cluster, model, threads=1, matmul_threads=1, timeout_s=300)
+    assert 0 < value < 10
