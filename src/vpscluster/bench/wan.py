@@ -237,7 +237,9 @@ def _tx_bytes(info) -> list[int]:
         if proc.returncode != 0:
             from vpscluster.errors import RemoteError
 
-            raise RemoteError(f"cannot read node {node.name}'s tx_bytes: {proc.stderr.strip()}")
+            from vpscluster.cluster.executor import last_words
+
+            raise RemoteError(f"cannot read node {node.name}'s tx_bytes: {last_words(proc.stderr, None, proc.returncode)}")
         counts.append(int(proc.stdout))
     return counts
 

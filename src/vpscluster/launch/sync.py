@@ -114,7 +114,7 @@ async def remote_hashes(executor, roots: list[str], paths: list[str], timeout_s:
         [node.python, "-c", _REMOTE_HASH, json.dumps(roots)], timeout_s=timeout_s, input=json.dumps(paths)
     )
     if not result.ok:
-        raise RemoteError(f"node {node.name}: could not hash files for sync: {_why(result)}")
+        raise RemoteError(f"node {node.name}: could not hash files for sync: {result.reason()}")
     try:
         return json.loads(result.stdout)
     except ValueError:
@@ -161,7 +161,7 @@ async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: st
             raise RemoteError(f"node {node.name}: copying {len(rel_paths)} files failed: {e}") from None
     result = await executor.run([node.python, "-c", _REMOTE_UNPACK, remote_archive, remote_root], timeout_s=timeout_s)
     if not result.ok:
-        raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {_why(result)}")
+        raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {result.reason()}")
     return size
 
 
@@ -171,10 +171,3 @@ def _pack(archive: str, local_root: str, rel_paths: list[str]) -> None:
             t.add(os.path.join(local_root, rel), arcname=rel, recursive=False)
 
 
-def _why(result) -> str:
-    if result.error:
-        return result.error
-    if result.timed_out:
-        return "timed out"
-    lines = (result.stderr or result.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit status {result.exit_status}"

@@ -148,8 +148,7 @@ def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, mat
 
     result = asyncio.run(go())
     if not result.ok:
-        why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["no output"])[-1])
-        raise RemoteError(f"calibration on {node.name} failed: {why}; run `vpscluster plan --calibrate` without --cluster")
+        raise RemoteError(f"calibration on {node.name} failed: {result.reason()}; run `vpscluster plan --calibrate` without --cluster")
     for line in reversed(result.stdout.strip().splitlines()):
         if line.startswith("{"):
             return float(json.loads(line)["efficiency"])

@@ -105,6 +105,5 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
     raw = parse_json_output(results[0].stdout) if results[0].stdout else None
     if raw is None or not all(r.ok for r in results):
         bad = next((r for r in results if not r.ok), results[0])
-        why = bad.error or ("timed out" if bad.timed_out else (bad.stderr.strip().splitlines() or ["no output"])[-1])
-        return {"op": "all_reduce", "backend": backend, "nodes": names, "error": f"{bad.node}: {why}"}
+        return {"op": "all_reduce", "backend": backend, "nodes": names, "error": f"{bad.node}: {bad.reason()}"}
     return summarize(raw, names)
