@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from vpscluster import fsutil
 from vpscluster.plan.compute import ASSUMED_EFFICIENCY, Efficiency
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
@@ -194,9 +195,7 @@ def _write_cache(cache: dict) -> None:
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=2) + "\n")
-        os.replace(tmp, path)
+        fsutil.write_json(path, cache)
     except OSError:
         pass  # a read-only home: the value is still used for this plan
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from vpscluster import fsutil
 from vpscluster.train import checkpoint, events, metrics, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
@@ -275,7 +276,7 @@ class Trainer:
             self.save_checkpoint()
         report = self.build_report(val_loss, stopped_by, start_step)
         if report is not None:
-            rundir.write_json_atomic(self.run_dir / rundir.REPORT, report)
+            fsutil.write_json(self.run_dir / rundir.REPORT, report)
             self.events.emit("end", report=report)
         return report
 
