@@ -198,15 +198,9 @@ def _row_line(r: dict) -> str:
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    from vpscluster.probe.facts_script import cpu_model
+
+    return f"{os.cpu_count()} cores ({cpu_model() or 'unknown CPU'}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
 def markdown(doc: dict) -> str:

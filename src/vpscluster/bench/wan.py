@@ -321,6 +321,6 @@ def _argv_of(args) -> list[str]:
 def _machine() -> dict[str, Any]:
     import platform
 
-    model = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                  if l.startswith("model name")), platform.processor())
-    return {"cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    from vpscluster.probe.facts_script import cpu_model
+
+    return {"cpu": cpu_model() or platform.processor(), "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
