@@ -163,3 +163,21 @@ def test_copy_of_missing_source_raises_a_clear_error(tmp_path: Path) -> None:
         copy_path(str(tmp_path / "nothing"), str(tmp_path / "x"))
     with pytest.raises(RemoteError, match="local: put .*nothing .* failed"):
         run(_with_local(lambda ex: ex.put(str(tmp_path / "nothing"), str(tmp_path / "x"))))
+
+
+def test_free_port_can_be_bound_at_once_on_v4_and_v6() -> None:
+    import socket
+
+    from vpscluster.cluster.local import free_port
+
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free: binding it succeeds
+    if socket.has_ipv6:
+        try:
+            port6 = free_port("::1")
+        except OSError:  # a host with IPv6 switched off
+            return
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", port6))
