@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vpscluster.cluster.local import free_port
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -24,12 +26,6 @@ def sshd_unavailable_reason() -> str | None:
     if not os.path.exists(SSHD) or not shutil.which("ssh-keygen"):
         return "needs openssh-server and ssh-keygen (apt-get install openssh-server openssh-client)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def keygen(path: Path) -> None:

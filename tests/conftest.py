@@ -7,22 +7,17 @@ namespaces and skip with the reason when those are missing.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from vpscluster.cluster.local import free_port  # noqa: F401  (tests import it from here)
+
 pytest_plugins = ["sandbox_fixtures"]
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def test_run_collects_exit_status_and_both_streams() -> None:
     r = run(_with_local(lambda ex: ex.run("echo out; echo err >&2; exit 3", 10)))
     assert (r.node, r.exit_status, r.stdout, r.stderr, r.timed_out, r.error) == ("local", 3, "out\n", "err\n", False, None)
     assert not r.ok and r.duration_s < 5
+
+
+def test_reason_is_one_line_for_every_way_a_command_fails() -> None:
+    async def go(ex):
+        return [await ex.run(cmd, timeout, cwd=cwd) for cmd, timeout, cwd in (
+            ("echo first >&2; echo '  last words  ' >&2; echo out; exit 3", 10, None),  # stderr's last line
+            ("echo only on stdout; exit 4", 10, None),  # no stderr: stdout's last line
+            ("printf '\\n' >&2; exit 5", 10, None),  # nothing said at all: the exit status
+            ("sleep 5", 0.5, None),  # the time-out, with how long it ran
+            ("true", 10, "/nonexistent/folder"),  # the transport's own error line
+        )]
+
+    said, stdout, silent, slow, unstartable = run(_with_local(go))
+    assert said.reason() == "last words"
+    assert stdout.reason() == "only on stdout"
+    assert silent.reason() == "exit status 5"
+    assert re.fullmatch(r"timed out after 0\.[5-9] s|timed out after 1(\.\d)? s", slow.reason()), slow.reason()
+    assert unstartable.reason() == unstartable.error and "\n" not in unstartable.reason()
 
 
 def test_run_argv_is_quoted_and_env_cwd_input_apply(tmp_path: Path) -> None:
@@ -144,3 +163,21 @@ def test_copy_of_missing_source_raises_a_clear_error(tmp_path: Path) -> None:
         copy_path(str(tmp_path / "nothing"), str(tmp_path / "x"))
     with pytest.raises(RemoteError, match="local: put .*nothing .* failed"):
         run(_with_local(lambda ex: ex.put(str(tmp_path / "nothing"), str(tmp_path / "x"))))
+
+
+def test_free_port_can_be_bound_at_once_on_v4_and_v6() -> None:
+    import socket
+
+    from vpscluster.cluster.local import free_port
+
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free: binding it succeeds
+    if socket.has_ipv6:
+        try:
+            port6 = free_port("::1")
+        except OSError:  # a host with IPv6 switched off
+            return
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", port6))

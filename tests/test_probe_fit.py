@@ -30,6 +30,28 @@ def test_fit_never_returns_negative_latency():
     assert a == 0.0 and b == pytest.approx(1e9, rel=0.1)
 
 
+def test_fit_falls_back_to_bandwidth_when_time_shrinks_with_size():
+    # Loopback noise: the small sizes took longer than the large one, so the free fit's slope
+    # is negative (alpha positive). The bandwidth is then fitted alone, never reported as None.
+    sizes = [1e3, 1e4, 1e5]
+    times = [3e-4, 2e-4, 1e-4]
+    a, b = fit_alpha_beta(sizes, times)
+    assert a == 0.0 and b is not None and b > 0
+    w = [1 / t**2 for t in times]
+    slope = sum(wi * m * t for wi, m, t in zip(w, sizes, times)) / sum(wi * m * m for wi, m in zip(w, sizes))
+    assert b == pytest.approx(1 / slope)
+    row = summarize({"world_size": 2, "backend": "gloo",
+                     "results": [{"size_bytes": m, "time_s": t, "iters": 5, "correct": True} for m, t in zip(sizes, times)]},
+                    ["a", "b"])
+    assert row["beta_bytes_per_s"] == pytest.approx(b) and row["bus_beta_bytes_per_s"] == pytest.approx(b)
+
+
+def test_fit_flat_times_still_give_a_bandwidth():
+    # Equal times at every size: the free fit's slope is exactly zero.
+    a, b = fit_alpha_beta([1e3, 1e6], [1e-3, 1e-3])
+    assert a == 0.0 and b is not None and b > 0
+
+
 def test_fit_single_point_and_empty():
     a, b = fit_alpha_beta([1e6], [1e-3])
     assert a == 0.0 and b == pytest.approx(1e9)

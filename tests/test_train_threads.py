@@ -21,7 +21,7 @@ def _needs_cgroup_v1() -> None:
 
 
 @pytest.mark.parametrize("quota_cores, expected", [(0.45, 1), (1.5, 2), (None, None)])
-def test_available_cpus_respects_quota(quota_cores, expected):
+def test_threads_per_rank_respects_quota(quota_cores, expected):
     _needs_cgroup_v1()
     group = CPU_CGROUP / f"vpsc-test-threads-{uuid.uuid4().hex[:8]}"
     group.mkdir()
@@ -29,7 +29,8 @@ def test_available_cpus_respects_quota(quota_cores, expected):
         period = int((group / "cpu.cfs_period_us").read_text())
         if quota_cores is not None:
             (group / "cpu.cfs_quota_us").write_text(str(int(quota_cores * period)))
-        code = "from vpscluster.train.trainer import available_cpus; print(available_cpus())"
+        # The one rule the trainer, local launch and calibration share: one rank alone, nothing configured.
+        code = "from vpscluster.train.trainer import threads_per_rank; print(threads_per_rank(0, 1))"
         # The child joins the cgroup before exec, so everything it runs is under the quota.
         out = subprocess.run(
             ["sh", "-c", f'echo $$ > {group}/tasks && exec "{sys.executable}" -c "{code}"'],
@@ -43,3 +44,16 @@ def test_available_cpus_respects_quota(quota_cores, expected):
         for pid in (group / "tasks").read_text().split():
             subprocess.run(["kill", "-9", pid], check=False)
         group.rmdir()
+
+
+def test_threads_per_rank_shares_the_cpus_and_obeys_the_config():
+    from vpscluster.nodeside.facts import available_cpus
+    from vpscluster.train.trainer import threads_per_rank
+
+    cpus = available_cpus()
+    assert 1 <= cpus <= len(os.sched_getaffinity(0))
+    assert threads_per_rank(0, 1) == threads_per_rank(None, 1) == cpus
+    assert threads_per_rank(0, 2) == max(1, cpus // 2)
+    assert threads_per_rank(0, 10 * cpus) == 1  # never zero threads
+    assert threads_per_rank(3, 8) == 3  # the config wins
+

@@ -169,6 +169,7 @@ def _err(predicted: float, measured: float) -> float:
 
 def _cli(argv: list[str], timeout_s: float) -> dict:
     """Run `vpscluster ARGV` and return its JSON document; fail with its last error line."""
+    from vpscluster.cluster.executor import last_words
     from vpscluster.errors import UserError
 
     try:
@@ -177,8 +178,8 @@ def _cli(argv: list[str], timeout_s: float) -> dict:
     except subprocess.TimeoutExpired:
         raise UserError(f"bench plan: `vpscluster {argv[0]}` did not finish in {timeout_s:.0f} s") from None
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"bench plan: `vpscluster {' '.join(argv[:3])}` failed: {last}")
+        raise UserError(f"bench plan: `vpscluster {' '.join(argv[:3])}` failed: "
+                        f"{last_words(proc.stderr, None, proc.returncode)}")
     return json.loads(proc.stdout)
 
 
@@ -197,15 +198,9 @@ def _row_line(r: dict) -> str:
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    from vpscluster.nodeside.facts import cpu_model
+
+    return f"{os.cpu_count()} cores ({cpu_model() or 'unknown CPU'}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
 def markdown(doc: dict) -> str:

@@ -237,7 +237,9 @@ def _tx_bytes(info) -> list[int]:
         if proc.returncode != 0:
             from vpscluster.errors import RemoteError
 
-            raise RemoteError(f"cannot read node {node.name}'s tx_bytes: {proc.stderr.strip()}")
+            from vpscluster.cluster.executor import last_words
+
+            raise RemoteError(f"cannot read node {node.name}'s tx_bytes: {last_words(proc.stderr, None, proc.returncode)}")
         counts.append(int(proc.stdout))
     return counts
 
@@ -319,6 +321,6 @@ def _argv_of(args) -> list[str]:
 def _machine() -> dict[str, Any]:
     import platform
 
-    model = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                  if l.startswith("model name")), platform.processor())
-    return {"cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    from vpscluster.nodeside.facts import cpu_model
+
+    return {"cpu": cpu_model() or platform.processor(), "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}

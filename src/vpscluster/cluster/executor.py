@@ -45,6 +45,24 @@ class CommandResult:
     def ok(self) -> bool:
         return self.exit_status == 0 and not self.timed_out and self.error is None
 
+    def reason(self) -> str:
+        """One line saying why it did not succeed: the transport's error, the time-out, else
+        the last line the command printed (stderr, else stdout), else its exit status."""
+        if self.error:
+            return self.error
+        if self.timed_out:
+            return f"timed out after {round(self.duration_s, 1):g} s"
+        return last_words(self.stderr, self.stdout, self.exit_status)
+
+
+def last_words(stderr: str | None, stdout: str | None = None, exit_status: int | None = None) -> str:
+    """The last line a failed command printed (stderr, else stdout), else `exit status N`.
+
+    The one-line reason for a failed `CommandResult` and for a local `subprocess` run alike.
+    """
+    lines = ((stderr or "").strip() or (stdout or "").strip()).splitlines()
+    return lines[-1].strip() if lines else f"exit status {exit_status}"
+
 
 class ProcessHandle(ABC):
     """A process started in its own process group (session) on a node.

@@ -78,8 +78,7 @@ async def find_interface(executor, address: str, head_address: str, timeout_s: f
     cmd = f"ip -o addr && echo {sep} && (ip -o route get {shlex.quote(head_address)} || true)"
     result = await executor.run(cmd, timeout_s=timeout_s)
     if not result.ok:
-        why = result.error or (result.stderr.strip().splitlines() or ["exit status %s" % result.exit_status])[-1]
-        raise RemoteError(f"node {node}: could not list its network interfaces with `ip -o addr`: {why}")
+        raise RemoteError(f"node {node}: could not list its network interfaces with `ip -o addr`: {result.reason()}")
     addr_text, _, route_text = result.stdout.partition(sep)
     choice = choose_interface(addr_text, route_text, address)
     if choice is None:

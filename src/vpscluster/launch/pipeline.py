@@ -251,7 +251,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         run_dir = job.node_run_dir(st.workdir)
         r = await ex.run(["mkdir", "-p", torchelastic_dir(job, st.workdir)], timeout_s=timeout_s)
         if not r.ok:
-            raise RemoteError(f"node {ex.node.name}: cannot create {run_dir}: {pf._why(r)}")
+            raise RemoteError(f"node {ex.node.name}: cannot create {run_dir}: {r.reason()}")
         if job.prepare:
             await job.prepare(ex, st, synced[ex.node.name], run_dir)
 

@@ -34,15 +34,6 @@ class NodeState:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def _why(result) -> str:
-    if result.error:
-        return result.error
-    if result.timed_out:
-        return f"timed out after {result.duration_s:.0f} s"
-    lines = (result.stderr or result.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit status {result.exit_status}"
-
-
 async def resolve_workdirs(executors, timeout_s: float) -> dict[str, str]:
     """Create each node's workdir and return its absolute path; one error naming every bad node."""
 
@@ -58,7 +49,7 @@ async def resolve_workdirs(executors, timeout_s: float) -> dict[str, str]:
     out = {}
     for ex, r in results:
         if r is None or not r.ok or not r.stdout.strip():
-            why = "no answer within %.0f s" % timeout_s if r is None else _why(r)
+            why = "no answer within %.0f s" % timeout_s if r is None else r.reason()
             why = why[len(ex.node.name) + 2:] if why.startswith(f"{ex.node.name}: ") else why
             bad.append(f"node {ex.node.name} ({ex.node.host}): {why}")
         else:
@@ -117,7 +108,7 @@ def resolve_address(host: str) -> str:
 async def free_port(executor, address: str, timeout_s: float) -> int:
     r = await executor.run(nodeside.command(executor.node.python, "free_port", address), timeout_s=timeout_s)
     if not r.ok:
-        raise RemoteError(f"node {executor.node.name}: could not find a free rendezvous port: {_why(r)}")
+        raise RemoteError(f"node {executor.node.name}: could not find a free rendezvous port: {r.reason()}")
     return int(r.stdout.strip().splitlines()[-1])
 
 

@@ -78,7 +78,7 @@ async def remote_hashes(executor, roots: list[str], paths: list[str], timeout_s:
         nodeside.command(node.python, "tree_hash", json.dumps(roots)), timeout_s=timeout_s, input=json.dumps(paths)
     )
     if not result.ok:
-        raise RemoteError(f"node {node.name}: could not hash files for sync: {_why(result)}")
+        raise RemoteError(f"node {node.name}: could not hash files for sync: {result.reason()}")
     try:
         return json.loads(result.stdout)
     except ValueError:
@@ -126,7 +126,7 @@ async def _ship(executor, local_root: str, rel_paths: list[str], remote_root: st
     result = await executor.run(nodeside.command(node.python, "unpack", remote_archive, remote_root),
                                 timeout_s=timeout_s)
     if not result.ok:
-        raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {_why(result)}")
+        raise RemoteError(f"node {node.name}: unpacking synced files into {remote_root} failed: {result.reason()}")
     return size
 
 
@@ -136,10 +136,3 @@ def _pack(archive: str, local_root: str, rel_paths: list[str]) -> None:
             t.add(os.path.join(local_root, rel), arcname=rel, recursive=False)
 
 
-def _why(result) -> str:
-    if result.error:
-        return result.error
-    if result.timed_out:
-        return "timed out"
-    lines = (result.stderr or result.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit status {result.exit_status}"

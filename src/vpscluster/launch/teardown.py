@@ -38,7 +38,7 @@ async def reap_node(executor, launch_id: str, grace_s: float = 6.0, kill_wait_s:
         timeout_s=timeout_s,
     )
     if not result.ok:
-        why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["?"])[-1])
+        why = result.reason()
         why = why[len(node.name) + 2:] if why.startswith(f"{node.name}: ") else why
         return ReapResult(node.name, [], [], error=why)
     try:

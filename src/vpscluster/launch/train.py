@@ -119,14 +119,6 @@ def backend_for(states) -> str:
     return "nccl" if states and all(s.cuda and s.gpus > 0 for s in states.values()) else "gloo"
 
 
-def local_threads_per_rank(cfg, nproc: int) -> int:
-    """Torch threads per rank on this machine: the CPUs it really grants (cgroup quota included)
-    shared among its ranks, unless the config says."""
-    from vpscluster.train.trainer import available_cpus
-
-    return cfg.threads_per_rank or max(1, available_cpus() // nproc)
-
-
 def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bool = False,
                  rdzv_id: str | None = None, rdzv_port: int | None = None, say: Say = _quiet,
                  on_event: OnEvent | None = None) -> Job:
@@ -153,7 +145,10 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         args = ["--run-dir", node_dir, "--backend", "auto" if here else backend_for(states)]
         return Program("module", "vpscluster.train.worker", tuple(args + (["--resume"] if resume else [])))
 
-    threads = local_threads_per_rank(cfg, nproc or 1) if here else None
+    from vpscluster.train.trainer import threads_per_rank
+
+    # The ranks here share this machine's CPUs (cgroup quota included) unless the config says.
+    threads = threads_per_rank(cfg.threads_per_rank, nproc or 1) if here else None
 
     def env_for(state, where) -> dict[str, str]:
         env = {"PYTHONPATH": posixpath.dirname(where["code"])} if "code" in where else {}

@@ -16,6 +16,7 @@ Usage: python facts.py '{"address": "10.0.0.2", "workdir": "~/vpscluster", ...}'
 """
 
 import json
+import math
 import os
 import platform
 import re
@@ -103,17 +104,43 @@ def cpu_quota_cores():
     return best
 
 
-def cpu_facts():
-    model = None
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows, else None.
+
+    The one reader: the controller imports it from here too (calibration cache key, benchmark
+    machine lines), since this file needs only the standard library.
+    """
     for line in (_read("/proc/cpuinfo", "") or "").splitlines():
         if line.lower().startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def cpu_affinity():
+    """CPUs this process may be scheduled on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def available_cpus():
+    """Whole CPUs this process may really use: its affinity, capped by the cgroup CPU quota.
+
+    A container or VPS slice limited to 0.45 of a core still shows every host core in
+    os.cpu_count(); running that many threads only burns the quota faster and gets the process
+    throttled mid-matmul, so the quota (rounded up) caps the count.
+    """
+    cpus = cpu_affinity()
+    quota = cpu_quota_cores()
+    if quota:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def cpu_facts():
     count = os.cpu_count() or 1
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else count
+    affinity = cpu_affinity()
     quota = cpu_quota_cores()
     share = min(float(affinity), quota) if quota else float(affinity)
-    return {"cpu_model": model or platform.processor() or None, "cpu_count": count,
+    return {"cpu_model": cpu_model(), "cpu_count": count,
             "cpu_affinity": affinity, "cpu_quota_cores": quota, "cpu_share": round(share, 3)}
 
 

@@ -23,25 +23,17 @@ import statistics
 import time
 from pathlib import Path
 
+from vpscluster import fsutil
 from vpscluster.plan.compute import ASSUMED_EFFICIENCY, Efficiency
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
+from vpscluster.nodeside.facts import cpu_model
 
 MAX_CALIBRATION_PARAMS = 60_000_000  # beyond this a CPU step takes too long to time here
 
 
 def _cache_path() -> Path:
     return Path(os.path.expanduser("~/.cache/vpscluster/calibration.json"))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _torch_version() -> str:
@@ -56,7 +48,7 @@ def _torch_version() -> str:
 def _key(model: ModelSpec, threads: int, matmul_threads: int) -> str:
     s = model.shape
     shape = f"{s.d_model}x{s.n_layer}x{s.n_head}x{s.seq_len}x{s.vocab_size}x{s.d_ff}x{int(s.gated_mlp)}x{s.batch_size}"
-    return f"{shape}|threads={threads}/{matmul_threads}|torch={_torch_version()}|cpu={_cpu_model()}"
+    return f"{shape}|threads={threads}/{matmul_threads}|torch={_torch_version()}|cpu={cpu_model() or platform.machine()}"
 
 
 def _matmul_flops(torch, seconds: float, threads: int | None = None) -> float:
@@ -152,8 +144,7 @@ def calibrate_on_node(cluster, model: ModelSpec, threads: int | None = None, mat
 
     result = asyncio.run(go())
     if not result.ok:
-        why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["no output"])[-1])
-        raise RemoteError(f"calibration on {node.name} failed: {why}; run `vpscluster plan --calibrate` without --cluster")
+        raise RemoteError(f"calibration on {node.name} failed: {result.reason()}; run `vpscluster plan --calibrate` without --cluster")
     doc = nodeside.parse_json_output(result.stdout)
     if doc is None or "efficiency" not in doc:
         raise RemoteError(f"calibration on {node.name} printed no result")
@@ -170,8 +161,10 @@ def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, th
         return Efficiency(ASSUMED_EFFICIENCY["gpu"], "assumed")
     if model.num_params() > MAX_CALIBRATION_PARAMS or model.untied_head:
         return Efficiency(ASSUMED_EFFICIENCY["ram"], "assumed")
-    # torch's default: one thread per CPU this process may run on (the trainer does the same).
-    threads = threads or len(os.sched_getaffinity(0))
+    from vpscluster.train.trainer import threads_per_rank
+
+    # What one rank alone would run here (the trainer's rule: the CPUs granted, quota included).
+    threads = threads_per_rank(threads, 1)
     matmul_threads = matmul_threads or threads
     key = _key(model, threads, matmul_threads)
     cache = _read_cache()
@@ -199,9 +192,7 @@ def _write_cache(cache: dict) -> None:
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=2) + "\n")
-        os.replace(tmp, path)
+        fsutil.write_json(path, cache)
     except OSError:
         pass  # a read-only home: the value is still used for this plan
 

@@ -32,7 +32,12 @@ class SweepSettings:
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float | None]:
-    """(α seconds, β bytes/s) minimising Σ ((α + m/β − t) / t)²; α ≥ 0; β None if not positive."""
+    """(α seconds, β bytes/s) minimising Σ ((α + m/β − t) / t)²; α ≥ 0, β > 0.
+
+    Where the free fit gives a negative latency or a non-positive slope (noisy loopback times
+    that do not grow with size), the slope alone is fitted through the origin (α = 0). β is
+    None only when there is no size to fit a slope to.
+    """
     if not sizes_bytes:
         raise ValueError("no points to fit")
     w = [1.0 / t**2 for t in times_s]
@@ -46,7 +51,8 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tu
     if len(sizes_bytes) >= 2 and det > 0:
         alpha = (st * smm - sm * smt) / det
         gamma = (sw * smt - sm * st) / det
-    if alpha is None or alpha < 0:  # latency cannot be negative: fit the slope alone
+    if alpha is None or alpha < 0 or gamma is None or gamma <= 0:
+        # latency cannot be negative nor time shrink with size: fit the slope alone
         alpha = 0.0
         gamma = smt / smm if smm > 0 else 0.0
     return alpha, (1.0 / gamma if gamma and gamma > 0 else None)
@@ -99,6 +105,5 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
     raw = nodeside.parse_json_output(results[0].stdout) if results[0].stdout else None
     if raw is None or not all(r.ok for r in results):
         bad = next((r for r in results if not r.ok), results[0])
-        why = bad.error or ("timed out" if bad.timed_out else (bad.stderr.strip().splitlines() or ["no output"])[-1])
-        return {"op": "all_reduce", "backend": backend, "nodes": names, "error": f"{bad.node}: {why}"}
+        return {"op": "all_reduce", "backend": backend, "nodes": names, "error": f"{bad.node}: {bad.reason()}"}
     return summarize(raw, names)

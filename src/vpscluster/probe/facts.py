@@ -47,9 +47,8 @@ async def gather_one(node, ex, settings: FactsSettings) -> dict:
         record["python_error"] = True
         record["error"] = f"python {node.python!r} cannot be run there (exit {result.exit_status})"
     else:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         record["python_error"] = True
-        record["error"] = f"node facts failed with {node.python}: {last}"
+        record["error"] = f"node facts failed with {node.python}: {result.reason()}"
     return record
 
 

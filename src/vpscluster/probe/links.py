@@ -115,8 +115,7 @@ async def _measure_pair(src, dst, server: _Server, ex, s: LinkSettings) -> dict:
     result = await ex.run(cmd, timeout_s=timeout_s)
     data = nodeside.parse_json_output(result.stdout) if result.stdout else None
     if data is None:
-        why = result.error or ("timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["no output"])[-1])
-        record["error"] = f"test from {src.name} failed: {why}"
+        record["error"] = f"test from {src.name} failed: {result.reason()}"
         return record
     if data.get("error") or data.get("bandwidth_error"):
         record["error"] = f"{src.name} cannot reach {dst.name} at {peer}: {data.get('error') or data.get('bandwidth_error')}"

@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from vpscluster import fsutil
+
 
 def _cache_dir() -> Path:
     return Path(os.path.expanduser("~/.cache/vpscluster"))
@@ -48,9 +50,7 @@ def probe_path(cluster) -> Path:
 def write_json(path: Path, doc: dict) -> None:
     """Write atomically: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    fsutil.write_json(path, doc)
 
 
 def save_probe(cluster, probe: dict) -> Path:

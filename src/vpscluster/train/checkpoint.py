@@ -26,13 +26,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from vpscluster.fsutil import write_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -44,25 +45,6 @@ def step_dir(root: Path, step: int) -> Path:
 
 def shard_path(root: Path, step: int, rank: int) -> Path:
     return step_dir(root, step) / f"rank-{rank:05d}.pt"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _list_steps(root: Path) -> list[int]:

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from pathlib import Path
 from typing import Any
 
+from vpscluster import fsutil
 from vpscluster.errors import UserError
 
 CONFIG = "config.yaml"
@@ -57,11 +57,7 @@ def write_config(cfg: Any, run_dir: str | Path) -> Path:
 
     from vpscluster.config import to_dict
 
-    p = Path(run_dir) / CONFIG
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(p)
-    return p
+    return fsutil.write_atomic(Path(run_dir) / CONFIG, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def read_config(run_dir: str | Path):
@@ -72,16 +68,6 @@ def read_config(run_dir: str | Path):
     if not p.exists():
         raise UserError(f"{run_dir}: not a run directory (no {CONFIG}); give the folder a run was started in")
     return build(TrainConfig, load_yaml(p, "run config"), str(p))
-
-
-def write_json_atomic(path: Path, doc: Any) -> None:
-    tmp = Path(str(path) + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def read_report(run_dir: str | Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from vpscluster import fsutil
 from vpscluster.train import checkpoint, events, metrics, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
@@ -68,27 +69,19 @@ def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device, group=group)
 
 
-def available_cpus() -> int:
-    """CPUs this process may really use: its affinity, capped by a cgroup CPU quota.
+def threads_per_rank(configured: int | None, ranks_here: int) -> int:
+    """Torch threads for one rank: `configured` if set, else the CPUs this machine really grants
+    (affinity capped by the cgroup quota, `nodeside.facts.available_cpus`) shared among the
+    `ranks_here` ranks on it. The one rule for training, local launch and calibration."""
+    from vpscluster.nodeside.facts import available_cpus  # stdlib only
 
-    A container or VPS slice limited to 0.45 of a core still shows every host core in
-    os.cpu_count(); running that many intra-op threads only burns the quota faster and gets
-    the process throttled mid-matmul, so the quota (rounded up) caps the thread count.
-    """
-    from vpscluster.nodeside.facts import cpu_quota_cores  # stdlib only
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = cpu_quota_cores()
-    if quota:
-        cpus = min(cpus, max(1, math.ceil(quota)))
-    return max(1, cpus)
+    return configured or max(1, available_cpus() // max(1, ranks_here))
 
 
 def _set_threads(cfg: TrainConfig) -> int:
     import torch
 
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads = cfg.threads_per_rank or max(1, available_cpus() // local_ranks)
+    threads = threads_per_rank(cfg.threads_per_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     return threads
 
@@ -275,7 +268,7 @@ class Trainer:
             self.save_checkpoint()
         report = self.build_report(val_loss, stopped_by, start_step)
         if report is not None:
-            rundir.write_json_atomic(self.run_dir / rundir.REPORT, report)
+            fsutil.write_json(self.run_dir / rundir.REPORT, report)
             self.events.emit("end", report=report)
         return report
 

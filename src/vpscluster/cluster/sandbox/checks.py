@@ -11,6 +11,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from vpscluster.cluster.executor import last_words
 from vpscluster.errors import UserError
 
 if TYPE_CHECKING:
@@ -60,7 +61,6 @@ def _collect(procs: dict[str, subprocess.Popen], what: str) -> None:
             failures.append(f"{label}: no answer within {CHECK_TIMEOUT_S + 5:.0f} s")
             continue
         if p.returncode != 0:
-            lines = err.strip().splitlines()
-            failures.append(f"{label}: {lines[-1] if lines else f'exit status {p.returncode}'}")
+            failures.append(f"{label}: {last_words(err, None, p.returncode)}")
     if failures:
         raise UserError(f"sandbox: {what} failed: {'; '.join(failures)}")

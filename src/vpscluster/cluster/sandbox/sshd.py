@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from vpscluster.cluster.executor import last_words
 from vpscluster.cluster.sandbox.system import SSHD, run_tool
 from vpscluster.errors import UserError
 
@@ -97,8 +98,7 @@ def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path) 
         proc.kill()
         raise UserError(f"sandbox: sshd for {hostname} did not start within {START_TIMEOUT_S:.0f} s") from None
     if proc.returncode != 0:
-        said = (out.strip() or _tail(log)).splitlines()
-        raise UserError(f"sandbox: sshd for {hostname} failed to start: {said[-1] if said else proc.returncode}")
+        raise UserError(f"sandbox: sshd for {hostname} failed to start: {last_words(out, _tail(log), proc.returncode)}")
     return read_pid(config.parent)
 
 

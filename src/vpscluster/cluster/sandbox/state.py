@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from vpscluster import fsutil
 from vpscluster.errors import UserError
 
 STATE_ROOT = Path("/var/lib/vpscluster/sandboxes")
@@ -122,10 +123,7 @@ class SandboxInfo:
 
 
 def save_info(info: SandboxInfo) -> None:
-    path = Path(info.state_dir) / "sandbox.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(info), indent=2))
-    tmp.replace(path)
+    fsutil.write_json(Path(info.state_dir) / "sandbox.json", asdict(info))
 
 
 def load_info(name: str) -> SandboxInfo | None:

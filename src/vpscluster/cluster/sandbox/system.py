@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from typing import Sequence
 
+from vpscluster.cluster.executor import last_words
 from vpscluster.errors import UserError
 
 # Tools the sandbox needs and the Debian package that has each.
@@ -37,8 +38,7 @@ def run_tool(argv: Sequence[str], timeout_s: float = 15.0, check: bool = True, i
     except FileNotFoundError:
         raise UserError(f"sandbox: {argv[0]} is not installed; install {REQUIRED_TOOLS.get(argv[0], argv[0])} (apt-get install ...)") from None
     if check and proc.returncode != 0:
-        said = (proc.stderr or proc.stdout).strip().splitlines()
-        raise UserError(f"sandbox: `{' '.join(argv)}` failed: {said[-1] if said else f'exit status {proc.returncode}'}")
+        raise UserError(f"sandbox: `{' '.join(argv)}` failed: {last_words(proc.stderr, proc.stdout, proc.returncode)}")
     return proc
 
 
