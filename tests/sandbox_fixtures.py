@@ -32,9 +32,7 @@ def sandbox_unavailable_reason() -> str | None:
     why = missing_requirements()
     if why:
         return why
-    if not cgroup.available():
-        return f"no cgroup-v1 cpu controller at {cgroup.CPU_ROOT}"
-    return None
+    return cgroup.unavailable_reason()
 
 
 class SandboxFactory:

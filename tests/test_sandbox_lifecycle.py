@@ -179,7 +179,7 @@ def test_bad_input_is_one_line(cli, args, message):
     assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv", [["up", "--name", "pt-noroot"], ["down", "--name", "pt-noroot"], ["status"], ["down", "--all"]])
+@pytest.mark.parametrize("argv", [["up", "--name", "pt-noroot"], ["down", "--name", "pt-noroot"], ["status"], ["down", "--all"], ["down", "--prefix", "pt-"]])
 def test_not_root_is_a_clear_error(monkeypatch, capsys, argv):
     from vpscluster.cli import main
 
@@ -303,3 +303,22 @@ def test_down_all_removes_every_sandbox_and_orphan(monkeypatch, need_sandbox):
     finally:
         sandbox.down_all()
         shutil.rmtree(private_root, ignore_errors=True)
+
+
+def test_down_prefix_removes_only_the_sandboxes_it_names(make_sandbox, cli):
+    """What tests and CI clean up with: `down --prefix` leaves every other sandbox alone."""
+    run = f"pt-pfx{secrets.token_hex(2)}"
+    mine = make_sandbox(nodes=1, bandwidth="1gbit", name=f"{run}-a")
+    other = make_sandbox(nodes=1, bandwidth="1gbit", name=f"pt-keep{secrets.token_hex(2)}")
+    r = cli("sandbox", "down", "--prefix", run, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"removed": [mine.name]}
+    assert remnants(mine.name) == []
+    assert ssh_run(other, "node-1", "true").returncode == 0  # untouched
+    assert "nothing to remove" in cli("sandbox", "down", "--prefix", run).stdout
+
+
+@pytest.mark.parametrize("prefix", ["", "Bad*"])
+def test_down_prefix_refuses_an_empty_or_bad_prefix(cli, prefix):
+    r = cli("sandbox", "down", "--prefix", prefix)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--prefix" in r.stderr, r.stderr

@@ -6,7 +6,7 @@ even after an `up` that died half-way (before or after the state file was writte
     network namespace   vpsc.<name>.<node>                  (e.g. vpsc.default.node-1)
     bridge              vpsbr<tag>                          (tag: 6 hex digits of sha1(name))
     host-side veth      vps<tag>n<i>                        (node end vpp<tag>n<i>, renamed eth0 inside)
-    cgroup (v1, cpu)    /sys/fs/cgroup/cpu/vpscluster/<name>/<node>
+    cgroup (cpu)        <root>/vpscluster/<name>/<node>        (v1: /sys/fs/cgroup/cpu/..., v2: /sys/fs/cgroup/...)
     state directory     /var/lib/vpscluster/sandboxes/<name>   (keys, sshd configs, cluster.yaml, workdirs)
 
 Interface names stay within the kernel's 15 characters. Each sandbox gets its own /24,
@@ -102,6 +102,7 @@ class SandboxInfo:
     latency_ms: float | None = None
     identity_file: str = ""
     known_hosts: str = ""
+    cgroup: str = ""  # the hierarchy limiting CPU: "v1" (cpu.cfs_quota_us) or "v2" (cpu.max)
 
     def to_dict(self) -> dict[str, Any]:
         """The `sandbox up --json` document: name, cluster_file, nodes[...] first, extras after."""
@@ -112,7 +113,8 @@ class SandboxInfo:
         ]
         return {"name": self.name, "cluster_file": self.cluster_file, "nodes": nodes, "subnet": self.subnet,
                 "bridge": self.bridge, "gateway": self.gateway, "latency_ms": self.latency_ms,
-                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts}
+                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts,
+                "cgroup": self.cgroup or None}
 
     def node(self, name: str) -> SandboxNode:
         for n in self.nodes:
