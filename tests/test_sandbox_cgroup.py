@@ -100,7 +100,7 @@ def test_v2_controller_that_cannot_be_enabled_is_one_line(tmp_path):
 
 
 def test_sandbox_up_without_a_usable_hierarchy_is_one_line_and_creates_nothing(monkeypatch, capsys):
-    from sandbox_fixtures import sandbox_unavailable_reason
+    from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason
     from vpscluster.cli import main
     from vpscluster.cluster.sandbox import state
 
@@ -108,7 +108,7 @@ def test_sandbox_up_without_a_usable_hierarchy_is_one_line_and_creates_nothing(m
         pytest.skip("needs root: `sandbox up` checks root before cgroups")
     monkeypatch.setattr(cgroup, "_current", (None, "the cgroup v2 hierarchy at /x does not offer the cpu controller"))
     assert sandbox_unavailable_reason() == "the cgroup v2 hierarchy at /x does not offer the cpu controller"
-    name = f"pt-nocg-{secrets.token_hex(2)}"
+    name = f"{TEST_PREFIX}nocg-{secrets.token_hex(2)}"
     assert main(["sandbox", "up", "--name", name, "--nodes", "1"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot limit CPU: the cgroup v2 hierarchy at /x" in err, err
