@@ -31,7 +31,9 @@ def remnants(name: str) -> list[str]:
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
     found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
               if bridge_name(name) in line or f"vps{tag(name)}n" in line]
-    for path in (f"/sys/fs/cgroup/cpu/vpscluster/{name}", f"/var/lib/vpscluster/sandboxes/{name}"):
+    from vpscluster.cluster.sandbox import cgroup
+
+    for path in (f"{cgroup.parent()}/{name}", f"/var/lib/vpscluster/sandboxes/{name}"):
         if os.path.exists(path):
             found.append(path)
     if os.path.isdir("/etc/netns"):
@@ -62,6 +64,9 @@ def test_up_json_contract_ssh_and_clean_down(cli, need_sandbox):
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)  # exactly one JSON document on stdout
         assert {"name", "cluster_file", "nodes"} <= doc.keys() and doc["name"] == name
+        from vpscluster.cluster.sandbox import cgroup
+
+        assert doc["cgroup"] == cgroup.current().version  # which hierarchy limits the CPU
         assert [n["name"] for n in doc["nodes"]] == ["node-1", "node-2"]
         assert [n["bandwidth_mbit"] for n in doc["nodes"]] == [50.0, 200.0]
         assert [n["cpu"] for n in doc["nodes"]] == [0.5, 0.5]
