@@ -14,11 +14,12 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 # Debian packages the sandbox (emulated cluster) and its tests need.
-SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux
 
-.PHONY: setup demo test system-deps clean
+.PHONY: setup demo test system-deps venv-deps clean
 
 $(VENV)/.installed: pyproject.toml
+	@$(MAKE) --no-print-directory venv-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
@@ -29,6 +30,18 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/vpscluster train
+
+# `python3 -m venv` needs ensurepip, which Debian and Ubuntu ship apart (python3.X-venv): install
+# it when root, or say in one line what to install.
+venv-deps:
+	@$(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1 || { \
+	  pkg=python$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv; \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $$pkg (python3 -m venv needs it)"; \
+	    apt-get update -qq && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg \
+	      || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv; } >/dev/null; \
+	  else echo "make: $(PYTHON) -m venv needs ensurepip: install it (sudo apt-get install $$pkg, or python3-venv) and run make again" >&2; exit 1; fi; \
+	}
 
 # Installs the Debian packages the integration tests use when running as root and any is
 # missing; without root the sandbox tests skip and say why.

@@ -1,7 +1,8 @@
 """Shared test helpers. Distributed tests use 2-4 gloo processes on loopback with free ports.
 
 Sandbox (emulated cluster) fixtures live in `sandbox_fixtures.py`; they need root and network
-namespaces and skip with the reason when those are missing.
+namespaces and skip with the reason when those are missing. With VPSC_TESTS_REQUIRE_SANDBOX=1
+(CI) a skipping sandbox or SSH test fails instead (`strict_skips.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from vpscluster.cluster.local import free_port  # noqa: F401  (tests import it from here)
 
-pytest_plugins = ["sandbox_fixtures"]
+pytest_plugins = ["sandbox_fixtures", "strict_skips"]
 
 REPO = Path(__file__).resolve().parents[1]
 

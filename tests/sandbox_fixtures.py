@@ -4,10 +4,14 @@
         info = make_sandbox(nodes=3, bandwidth="100mbit", cpu=0.45)   # a SandboxInfo
         ... info.cluster_file, info.nodes[0].address, info.nodes[0].namespace ...
 
-Every sandbox gets a unique name and is brought down at teardown, also when the test fails
-(and `up` cleans up after itself when it fails half-way). `sandbox3` is one 3-node sandbox
-shared by a test module. Where a sandbox cannot be built (not root, tools or cgroups missing)
-the test is skipped with the exact reason, never silently.
+Every sandbox gets a unique name starting with TEST_PREFIX and is brought down at teardown,
+also when the test fails (and `up` cleans up after itself when it fails half-way); a run killed
+half-way is cleaned with `vpscluster sandbox down --prefix TEST_PREFIX`, which touches no other
+sandbox. TEST_PREFIX is `pt-`, or $VPSC_TEST_SANDBOX_PREFIX (CI sets one per run, so two runs on
+one machine never remove each other's). `sandbox3` is one 3-node sandbox shared by a test
+module. Where a sandbox cannot be built (not root, tools or cgroups missing) the test is skipped
+with the exact reason, never silently (and fails instead under VPSC_TESTS_REQUIRE_SANDBOX=1, see
+conftest.py).
 
 Helpers for tests: `ssh_run(info, node, command)` logs in to a node with the sandbox's key and
 known_hosts (strict host-key checking), `ns_popen(info, node, argv)` starts a process directly
@@ -23,6 +27,8 @@ from typing import Sequence
 
 import pytest
 
+TEST_PREFIX = os.environ.get("VPSC_TEST_SANDBOX_PREFIX") or "pt-"
+
 
 def sandbox_unavailable_reason() -> str | None:
     """Why no sandbox can be built here (one line), or None."""
@@ -32,16 +38,14 @@ def sandbox_unavailable_reason() -> str | None:
     why = missing_requirements()
     if why:
         return why
-    if not cgroup.available():
-        return f"no cgroup-v1 cpu controller at {cgroup.CPU_ROOT}"
-    return None
+    return cgroup.unavailable_reason()
 
 
 class SandboxFactory:
     """Brings sandboxes up with unique names and remembers them, so `close()` brings all down."""
 
-    def __init__(self, prefix: str = "pt"):
-        self.prefix = prefix
+    def __init__(self, kind: str = ""):
+        self.prefix = f"{TEST_PREFIX}{kind}"
         self.names: list[str] = []
 
     def __call__(self, nodes: int = 3, bandwidth="100mbit", cpu=None, latency_ms: float | None = None, name: str | None = None):
@@ -50,7 +54,7 @@ class SandboxFactory:
         why = sandbox_unavailable_reason()
         if why:
             pytest.skip(f"sandbox unavailable: {why}")
-        name = name or f"{self.prefix}-{secrets.token_hex(3)}"
+        name = name or f"{self.prefix}{secrets.token_hex(3)}"
         self.names.append(name)  # before up: teardown covers a half-finished up too
         return sandbox.up(name, nodes=nodes, bandwidth=bandwidth, cpu=cpu, latency_ms=latency_ms)
 
@@ -81,7 +85,7 @@ def make_sandbox():
 @pytest.fixture(scope="module")
 def sandbox3():
     """One 3-node sandbox at 100 Mbit/s, unlimited CPU, shared by the tests of a module."""
-    factory = SandboxFactory(prefix="pm")
+    factory = SandboxFactory(kind="m-")
     try:
         yield factory(nodes=3, bandwidth="100mbit")
     finally:

@@ -72,13 +72,13 @@ def test_bad_strategy_list_is_one_line_error(cli):
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_bench_wan_runs_baseline_and_diloco_on_a_sandbox(cli, tmp_path):
-    from sandbox_fixtures import sandbox_unavailable_reason
+    from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason
 
     why = sandbox_unavailable_reason()
     if why:
         pytest.skip(f"sandbox unavailable: {why}")
     proc = cli("bench", "wan", "--nodes", "2", "--preset", "tiny", "--budget-s", "6", "--sync-every", "4",
-               "--strategies", "baseline,diloco-int8", "--ddp-eval-every", "2", "--name", "tbw",
+               "--strategies", "baseline,diloco-int8", "--ddp-eval-every", "2", "--name", f"{TEST_PREFIX}tbw",
                "--out", str(tmp_path / "out"), "--json", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)

@@ -22,7 +22,7 @@ from vpscluster.cluster.inventory import load_cluster, open_executors
 from vpscluster.cluster.node import Node
 from vpscluster.errors import RemoteError
 
-pytestmark = pytest.mark.skipif(sshd_unavailable_reason() is not None, reason=sshd_unavailable_reason() or "")
+pytestmark = [pytest.mark.ssh, pytest.mark.skipif(sshd_unavailable_reason() is not None, reason=sshd_unavailable_reason() or "")]
 
 TIMEOUT_S = 30.0  # generous: CI machines are shared; tests that time things use their own
 

@@ -10,7 +10,10 @@ import pytest
 
 from cluster_sshd import SSHDFarm, free_port, sshd_unavailable_reason
 
-needs_sshd = pytest.mark.skipif(sshd_unavailable_reason() is not None, reason=sshd_unavailable_reason() or "")
+
+def needs_sshd(test):
+    return pytest.mark.ssh(pytest.mark.skipif(sshd_unavailable_reason() is not None, reason=sshd_unavailable_reason() or "")(test))
+
 
 # Fails on node-b (exit 7) and sleeps past the time-out on node-c, told apart by the sshd port.
 SCRIPT = ('echo "hello from $(hostname)"; echo "to stderr" >&2; '

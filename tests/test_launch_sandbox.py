@@ -58,6 +58,8 @@ def test_train_cluster_completes_and_learns(sandbox3, cli, tmp_path):
     report = json.loads(r.stdout)
     assert report["world_size"] == 3 and report["steps"] == 16
     assert len(report["bytes_sent"]) == 3 and all(b > 0 for b in report["bytes_sent"])
+    # Three nodes, one model: every rank's final weights hash alike (not merely losses that differ).
+    assert [r["model_sha256"] for r in report["per_rank"]] == [report["model_sha256"]] * 3
     # report.json and metrics.jsonl were fetched into the local run directory.
     assert json.loads((run_dir / "report.json").read_text())["world_size"] == 3
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_fixtures import sandbox_unavailable_reason, ssh_run
+from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason, ssh_run
 
 pytestmark = pytest.mark.sandbox
 
@@ -31,7 +31,9 @@ def remnants(name: str) -> list[str]:
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
     found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
               if bridge_name(name) in line or f"vps{tag(name)}n" in line]
-    for path in (f"/sys/fs/cgroup/cpu/vpscluster/{name}", f"/var/lib/vpscluster/sandboxes/{name}"):
+    from vpscluster.cluster.sandbox import cgroup
+
+    for path in (f"{cgroup.parent()}/{name}", f"/var/lib/vpscluster/sandboxes/{name}"):
         if os.path.exists(path):
             found.append(path)
     if os.path.isdir("/etc/netns"):
@@ -56,12 +58,15 @@ def need_sandbox():
 
 
 def test_up_json_contract_ssh_and_clean_down(cli, need_sandbox):
-    name = f"pt-life-{secrets.token_hex(2)}"
+    name = f"{TEST_PREFIX}life-{secrets.token_hex(2)}"
     try:
         r = cli("sandbox", "up", "--name", name, "--nodes", "2", "--bandwidth", "50mbit,200mbit", "--cpu", "0.5", "--json", timeout=120)
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)  # exactly one JSON document on stdout
         assert {"name", "cluster_file", "nodes"} <= doc.keys() and doc["name"] == name
+        from vpscluster.cluster.sandbox import cgroup
+
+        assert doc["cgroup"] == cgroup.current().version  # which hierarchy limits the CPU
         assert [n["name"] for n in doc["nodes"]] == ["node-1", "node-2"]
         assert [n["bandwidth_mbit"] for n in doc["nodes"]] == [50.0, 200.0]
         assert [n["cpu"] for n in doc["nodes"]] == [0.5, 0.5]
@@ -114,7 +119,7 @@ def test_latency_without_netem_fails_cleanly(cli, need_sandbox):
 
     if netem_available():
         pytest.skip("this kernel has netem; the no-netem error path cannot be exercised here")
-    name = f"pt-lat-{secrets.token_hex(2)}"
+    name = f"{TEST_PREFIX}lat-{secrets.token_hex(2)}"
     r = cli("sandbox", "up", "--name", name, "--nodes", "2", "--latency", "20")
     assert r.returncode != 0
     assert "netem" in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
@@ -136,7 +141,7 @@ def test_up_failing_half_way_removes_what_it_built(monkeypatch, need_sandbox):
         return started[-1]
 
     monkeypatch.setattr(sshd, "start", start_then_fail)
-    name = f"pt-half-{secrets.token_hex(2)}"
+    name = f"{TEST_PREFIX}half-{secrets.token_hex(2)}"
     with pytest.raises(UserError, match="injected"):
         sandbox.up(name, nodes=3, bandwidth="100mbit", cpu=0.5)
     assert len(started) == 1  # node-1's sshd was running when it failed ...
@@ -179,7 +184,7 @@ def test_bad_input_is_one_line(cli, args, message):
     assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv", [["up", "--name", "pt-noroot"], ["down", "--name", "pt-noroot"], ["status"], ["down", "--all"]])
+@pytest.mark.parametrize("argv", [["up", "--name", "pt-noroot"], ["down", "--name", "pt-noroot"], ["status"], ["down", "--all"], ["down", "--prefix", "pt-"]])
 def test_not_root_is_a_clear_error(monkeypatch, capsys, argv):
     from vpscluster.cli import main
 
@@ -193,7 +198,7 @@ def test_down_removes_pieces_left_without_a_record(cli, need_sandbox):
     """As if `up` had been killed -9 early: a namespace, a link, a cgroup, a process, no state file."""
     from vpscluster.cluster.sandbox.state import netns_name, veth_name
 
-    name = f"pt-orph-{secrets.token_hex(2)}"
+    name = f"{TEST_PREFIX}orph-{secrets.token_hex(2)}"
     ns, veth = netns_name(name, "node-1"), veth_name(name, 1)
     cg = Path(f"/sys/fs/cgroup/cpu/vpscluster/{name}/node-1")
     try:
@@ -264,7 +269,7 @@ def test_status_reports_a_dead_sshd(make_sandbox, cli):
 
 
 def test_down_all_removes_every_sandbox_and_orphan(monkeypatch, need_sandbox):
-    """`down --all` (CI's last step). Run under a private naming scheme, so that it cannot touch
+    """`down --all` (a user's clean slate). Run under a private naming scheme, so that it cannot touch
     the sandboxes of other test runs that share this machine."""
     from vpscluster.cluster import sandbox
     from vpscluster.cluster.sandbox import cgroup, state
@@ -303,3 +308,22 @@ def test_down_all_removes_every_sandbox_and_orphan(monkeypatch, need_sandbox):
     finally:
         sandbox.down_all()
         shutil.rmtree(private_root, ignore_errors=True)
+
+
+def test_down_prefix_removes_only_the_sandboxes_it_names(make_sandbox, cli):
+    """What tests and CI clean up with: `down --prefix` leaves every other sandbox alone."""
+    run = f"{TEST_PREFIX}pfx{secrets.token_hex(2)}"
+    mine = make_sandbox(nodes=1, bandwidth="1gbit", name=f"{run}-a")
+    other = make_sandbox(nodes=1, bandwidth="1gbit", name=f"{TEST_PREFIX}keep{secrets.token_hex(2)}")
+    r = cli("sandbox", "down", "--prefix", run, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"removed": [mine.name]}
+    assert remnants(mine.name) == []
+    assert ssh_run(other, "node-1", "true").returncode == 0  # untouched
+    assert "nothing to remove" in cli("sandbox", "down", "--prefix", run).stdout
+
+
+@pytest.mark.parametrize("prefix", ["", "Bad*"])
+def test_down_prefix_refuses_an_empty_or_bad_prefix(cli, prefix):
+    r = cli("sandbox", "down", "--prefix", prefix)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--prefix" in r.stderr, r.stderr

@@ -96,6 +96,8 @@ def test_train_end_to_end(tmp_path):
     assert len(report["bytes_sent"]) == 2 and all(b > 0 for b in report["bytes_sent"])
     assert 0 < report["compute_utilization"] <= 1
     assert report["compute_seconds"] + report["comm_seconds"] <= report["wall_seconds"] * 1.01
+    # DDP keeps the replicas identical: every rank ends with the same weights (hashed on each rank).
+    assert [r["model_sha256"] for r in report["per_rank"]] == [report["model_sha256"]] * 2
     # the run directory
     assert {"config.yaml", "metrics.jsonl", "checkpoints", "logs", "report.json"} <= {p.name for p in run.iterdir()}
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]

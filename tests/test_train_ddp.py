@@ -86,7 +86,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 and all(torch.equal(t, loaded.q_memory_dict[k]) for k, t in saved.q_memory_dict.items()),
             }
             again.close()
+        from vpscluster.train.checkpoint import state_hash
+
         result[compress] = {
+            "model_sha256": state_hash(strategy.unwrap().state_dict()),
             "losses": losses, "bytes": nbytes, "exposed": sum(exposed),
             "busy": strategy.busy_seconds, "num_params": sum(p.numel() for p in strategy.unwrap().parameters()),
         }
@@ -124,6 +127,14 @@ def test_ddp_gradient_equals_single_process_on_concatenated_batch(ddp_results):
 def test_ranks_agree_on_losses_of_their_own_halves_differ(ddp_results):
     a, b = (r["none"]["losses"] for r in ddp_results)
     assert a != b  # each rank trains on its own half of the batch
+
+
+@pytest.mark.parametrize("compress", ["none", "bf16", "powersgd"])
+def test_ranks_end_with_identical_weights(ddp_results, compress):
+    """Different data on each rank, the same averaged gradient: bit-identical weights, every codec."""
+    a, b = (r[compress]["model_sha256"] for r in ddp_results)
+    assert a == b
+    assert ddp_results[0]["none"]["model_sha256"] != ddp_results[0]["bf16"]["model_sha256"]  # the hash sees training
 
 
 def test_bytes_counted_by_hook(ddp_results):

@@ -2,7 +2,8 @@
 
     up      one network namespace per node on a bridge, tc-shaped links, cgroup CPU quotas,
             an sshd per node and a cluster.yaml to pass to every other command
-    down    remove a sandbox (or --all of them): namespaces, links, cgroups, processes, files
+    down    remove a sandbox (or those named --prefix P*, or --all): namespaces, links, cgroups,
+            processes, files
     status  what exists and whether every node's sshd is alive
 """
 
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Remove a sandbox: processes, namespaces, links, cgroups and its state directory.")
     target = p.add_mutually_exclusive_group()
     target.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
+    target.add_argument("--prefix", default=None, metavar="P",
+                        help="remove only the sandboxes whose name starts with P (e.g. a test run's pt-)")
     target.add_argument("--all", action="store_true", help="remove every vpscluster sandbox on this machine")
     add_json_flag(p)
 
@@ -66,6 +69,7 @@ def _up(args: argparse.Namespace) -> int:
     for n in info.nodes:
         table.add_row(n.name, n.address, n.namespace, _rate(n.bandwidth_mbit), _cpu(n.cpu))
     con.print(table)
+    con.print(f"CPU limits: {_cgroup(info.cgroup)}", soft_wrap=True)
     con.print(f"cluster file: {info.cluster_file}", soft_wrap=True)
     con.print(f"try: vpscluster exec --cluster {info.cluster_file} -- hostname", soft_wrap=True)
     con.print(f"remove: vpscluster sandbox down --name {info.name}")
@@ -75,7 +79,12 @@ def _up(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from vpscluster.cluster import sandbox
 
-    removed = sandbox.down_all() if args.all else ([args.name] if sandbox.down(args.name) else [])
+    if args.all:
+        removed = sandbox.down_all()
+    elif args.prefix is not None:
+        removed = sandbox.down_prefix(args.prefix)
+    else:
+        removed = [args.name] if sandbox.down(args.name) else []
     if args.json:
         emit_json({"removed": removed})
     else:
@@ -83,7 +92,8 @@ def _down(args: argparse.Namespace) -> int:
         if removed:
             con.print(f"removed sandbox{'es' if len(removed) > 1 else ''}: {', '.join(removed)}")
         else:
-            con.print("nothing to remove" if args.all else f"no sandbox named {args.name!r}; nothing to remove")
+            con.print("nothing to remove" if args.all else f"no sandbox named {args.prefix}*; nothing to remove"
+                      if args.prefix is not None else f"no sandbox named {args.name!r}; nothing to remove")
     return 0
 
 
@@ -112,6 +122,8 @@ def _status(args: argparse.Namespace) -> int:
             sshd = f"pid {n['sshd_pid']}" if n["sshd_alive"] else "[red]dead[/red]"
             table.add_row(n["name"], n["address"], ns, _rate(n["bandwidth_mbit"]), _cpu(n["cpu"]), sshd)
         con.print(table)
+        if rec.get("cgroup"):
+            con.print(f"CPU limits: {_cgroup(rec['cgroup'])}", soft_wrap=True)
         if rec.get("cluster_file"):
             con.print(f"cluster file: {rec['cluster_file']}", soft_wrap=True)
         elif rec["state"] == "partial":
@@ -127,3 +139,8 @@ def _rate(mbit: float) -> str:
 
 def _cpu(share: float | None) -> str:
     return "unlimited" if share is None else f"{share:g}"
+
+
+def _cgroup(version: str | None) -> str:
+    files = {"v1": "cpu.cfs_quota_us", "v2": "cpu.max"}
+    return f"cgroup {version} ({files[version]})" if version in files else "unknown"

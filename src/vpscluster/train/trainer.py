@@ -275,7 +275,10 @@ class Trainer:
     def build_report(self, val_loss: float, stopped_by: str, start_step: int):
         """Gather every rank's totals; rank 0 returns the report (contract keys first)."""
         t = self.totals
-        mine = {**t.to_dict(), "collective_busy_seconds": self.strategy.describe().get("collective_busy_seconds")}
+        # Each rank's final weights, hashed once here: equal on every rank when the strategy keeps
+        # replicas identical (DDP every step, DiLoCo after its final sync), and tests compare them.
+        mine = {**t.to_dict(), "collective_busy_seconds": self.strategy.describe().get("collective_busy_seconds"),
+                "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict())}
         per_rank = self._all_gather_object(mine)
         if self.ctx.rank != 0:
             return None
@@ -305,10 +308,11 @@ class Trainer:
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,
             "per_rank": [
-                {"rank": i, **{k: r[k] for k in ("compute_seconds", "comm_seconds", "wall_seconds", "bytes_sent", "collective_busy_seconds")}}
+                {"rank": i, **{k: r[k] for k in ("compute_seconds", "comm_seconds", "wall_seconds", "bytes_sent", "collective_busy_seconds",
+                                           "model_sha256")}}
                 for i, r in enumerate(per_rank)
             ],
-            "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict()),
+            "model_sha256": mine["model_sha256"],
             "optimizer_sha256": checkpoint.state_hash(self.optimizer.state_dict()),
             "run_dir": str(self.run_dir),
         }

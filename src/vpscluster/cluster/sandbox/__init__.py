@@ -2,7 +2,7 @@
 
     up(name, nodes, bandwidth, cpu, latency_ms) -> SandboxInfo   network namespaces on a bridge,
         tc-shaped links, cgroup CPU quotas, an sshd per node, a cluster.yaml to use it with
-    down(name) / down_all()                                     remove all of it (idempotent)
+    down(name) / down_prefix(p) / down_all()                    remove all of it (idempotent)
     status(name=None)                                           what exists, and whether sshd lives
     set_link(name, node, up) / set_rate(name, node, rate)       faults: a link down, a slower link
 
@@ -27,7 +27,7 @@ from vpscluster.cluster.sandbox.system import require_root, require_sandbox_supp
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
-__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "down_prefix", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
 Progress = Callable[[str], None]
@@ -75,8 +75,7 @@ def up(
     if latency_ms and not shaping.netem_available():
         raise UserError("--latency needs the kernel's netem qdisc (sch_netem), which this kernel does not have; "
                         "run without --latency, or on a kernel with netem (modprobe sch_netem)")
-    if not cgroup.available():
-        raise UserError(f"sandbox: no cgroup-v1 cpu controller at {cgroup.CPU_ROOT}; mount it (mount -t cgroup -o cpu cpu {cgroup.CPU_ROOT})")
+    hierarchy = cgroup.require()
 
     # The lock covers only the reservation (name, subnet, record, cgroups), so sandboxes being
     # built or removed side by side do not wait for each other's sshd start-up and checks.
@@ -88,20 +87,20 @@ def up(
         info = SandboxInfo(
             name=name, cluster_file=str(root / "cluster.yaml"), nodes=[], subnet=f"{prefix}.0/24",
             bridge=state.bridge_name(name), gateway=f"{prefix}.1", state_dir=str(root), latency_ms=latency_ms,
-            identity_file=str(root / "id_ed25519"), known_hosts=str(root / "known_hosts"),
+            identity_file=str(root / "id_ed25519"), known_hosts=str(root / "known_hosts"), cgroup=hierarchy.version,
         )
         for i in range(nodes):
             node = state.node_name(i + 1)
             info.nodes.append(SandboxNode(
                 name=node, address=f"{prefix}.{i + 2}", namespace=state.netns_name(name, node),
                 bandwidth_mbit=rates[i], cpu=shares[i], veth=state.veth_name(name, i + 1),
-                workdir=str(root / "nodes" / node / "work"), cgroup=str(cgroup.node_cgroup(name, node)),
+                workdir=str(root / "nodes" / node / "work"), cgroup=str(hierarchy.parent / name / node),
             ))
         try:
             root.mkdir(parents=True, mode=0o700)
             state.save_info(info)  # first, so a later `up` sees the subnet taken and `down` the record
             for n in info.nodes:
-                cgroup.create(info.name, n.name, n.cpu, sandbox_nodes=len(info.nodes))
+                hierarchy.create(info.name, n.name, n.cpu, sandbox_nodes=len(info.nodes))
         except BaseException:
             _teardown(name)
             raise
@@ -115,8 +114,9 @@ def up(
 
 
 def _refuse_existing(name: str) -> None:
+    cg = cgroup.sandbox_cgroup(name)
     leftovers = (state.state_dir(name).exists() or netns.list_namespaces(f"{state.NETNS_PREFIX}{name}.")
-                 or cgroup.sandbox_cgroup(name).exists())
+                 or (cg is not None and cg.exists()))
     if leftovers:
         raise UserError(f"sandbox {name!r} already exists; remove it first with `vpscluster sandbox down --name {name}`")
     if netns.list_links(state.bridge_name(name)):
@@ -178,7 +178,7 @@ def _teardown(name: str) -> bool:
         shutil.rmtree(d, ignore_errors=True)
         found = True
     cg = cgroup.sandbox_cgroup(name)
-    if cg.exists():
+    if cg is not None and cg.exists():
         cgroup.remove_tree(cg)  # kills what escaped the namespace but not the cgroup
         found = True
     links = [state.bridge_name(name), f"{state.VETH_PREFIX}{state.tag(name)}n", f"{state.PEER_PREFIX}{state.tag(name)}n"]
@@ -198,20 +198,41 @@ def down_all() -> list[str]:
 
     require_root()
     with state.sandbox_lock():
-        names = set(state.known_names())
-        for ns in netns.list_namespaces(state.NETNS_PREFIX):
-            names.add(ns[len(state.NETNS_PREFIX):].split(".", 1)[0])
+        removed = sorted(n for n in _every_name() if _teardown(n))
         parent = cgroup.parent()
-        if parent.is_dir():
-            names.update(p.name for p in parent.iterdir() if p.is_dir())
-        removed = sorted(n for n in names if _teardown(n))
         # Links whose sandbox name is lost (state dir gone): recognisable by their shape alone.
         shapes = re.compile(rf"{state.BRIDGE_PREFIX}[0-9a-f]{{6}}|({state.VETH_PREFIX}|{state.PEER_PREFIX})[0-9a-f]{{6}}n\d+")
         for link in netns.list_links(""):
             if shapes.fullmatch(link):
                 netns.delete_link(link)
-        if parent.is_dir():
+        if parent is not None and parent.is_dir():
             cgroup.remove_tree(parent)  # and what is left below it
+    return removed
+
+
+def _every_name() -> set[str]:
+    """Names of every sandbox with a trace here: a record, a namespace or a cgroup."""
+    names = set(state.known_names())
+    for ns in netns.list_namespaces(state.NETNS_PREFIX):
+        names.add(ns[len(state.NETNS_PREFIX):].split(".", 1)[0])
+    parent = cgroup.parent()
+    if parent is not None and parent.is_dir():
+        names.update(p.name for p in parent.iterdir() if p.is_dir())
+    return names
+
+
+def down_prefix(prefix: str) -> list[str]:
+    """Remove every sandbox whose name starts with `prefix` (recorded or half-built); their names.
+
+    What tests and CI use to clean up after themselves without touching anyone else's sandbox.
+    """
+    if not prefix or not state.NAME_RE.fullmatch(prefix):
+        raise UserError(f"sandbox down --prefix: {prefix!r} is not a name prefix; give the start of the names to remove "
+                        "(1-24 lower-case letters, digits or '-', e.g. pt-), or --all to remove every sandbox")
+    require_root()
+    with state.sandbox_lock():
+        removed = sorted(n for n in _every_name() if n.startswith(prefix) and _teardown(n))
+        cgroup.remove_parent_if_empty()
     return removed
 
 
@@ -237,7 +258,7 @@ def _status_of(name: str) -> dict | None:
         spaces = netns.list_namespaces(f"{state.NETNS_PREFIX}{name}.")
         if not (spaces or state.state_dir(name).exists()):
             return None
-        return {"name": name, "state": "partial", "cluster_file": None,
+        return {"name": name, "state": "partial", "cluster_file": None, "cgroup": None,
                 "nodes": [{"name": ns.rsplit(".", 1)[1], "namespace": ns, "namespace_exists": True} for ns in spaces]}
     nodes = []
     for n in info.nodes:
@@ -251,7 +272,7 @@ def _status_of(name: str) -> dict | None:
                       "sshd_pid": pid, "sshd_alive": sshd.alive(pid)})
     healthy = all(x["namespace_exists"] and x["sshd_alive"] for x in nodes)
     return {"name": name, "state": "up" if healthy else "degraded", "cluster_file": info.cluster_file,
-            "subnet": info.subnet, "latency_ms": info.latency_ms, "nodes": nodes}
+            "subnet": info.subnet, "latency_ms": info.latency_ms, "cgroup": info.cgroup or None, "nodes": nodes}
 
 
 def set_link(name: str, node: str, up: bool) -> None:

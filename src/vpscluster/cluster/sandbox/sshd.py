@@ -82,11 +82,19 @@ def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path) 
     # The shell joins the cgroup before it becomes `ip netns exec ... sshd`, so sshd and all it
     # spawns are in it from the first instruction (and no Python runs between fork and exec).
     # With a cgroup namespace the node sees its own cgroup as the root, as a container or VPS
-    # does: /sys/fs/cgroup/cpu/cpu.cfs_quota_us inside the node is its CPU share. That view is
-    # a convenience; where it cannot be mounted the quota still applies, so sshd starts anyway.
+    # does: /sys/fs/cgroup/cpu/cpu.cfs_quota_us (v1) or /sys/fs/cgroup/cpu.max (v2) inside the
+    # node is its CPU share. That view is a convenience; where it cannot be mounted the quota
+    # still applies, so sshd starts anyway.
+    from vpscluster.cluster.sandbox import cgroup as cgroups
+
     own_view = os.path.exists("/proc/self/ns/cgroup")
-    view = ('{ mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu '
-            '&& mount -t cgroup -o cpu cpu /sys/fs/cgroup/cpu; } >/dev/null 2>&1; ') if own_view else ""
+    h = cgroups.current()
+    if h is not None and h.version == "v2":
+        view = '{ mount -t cgroup2 cgroup2 /sys/fs/cgroup; } >/dev/null 2>&1; '
+    else:
+        view = ('{ mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu '
+                '&& mount -t cgroup -o cpu cpu /sys/fs/cgroup/cpu; } >/dev/null 2>&1; ')
+    view = view if own_view else ""
     argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
             "ip", "netns", "exec", namespace, "unshare", "--uts", *(["--cgroup"] if own_view else []), "--", "sh", "-c",
             'hostname "$0" && ' + view + 'exec "$1" -f "$2" -E "$3"', hostname, SSHD, str(config), str(log)]

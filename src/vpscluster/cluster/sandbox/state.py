@@ -6,7 +6,7 @@ even after an `up` that died half-way (before or after the state file was writte
     network namespace   vpsc.<name>.<node>                  (e.g. vpsc.default.node-1)
     bridge              vpsbr<tag>                          (tag: 6 hex digits of sha1(name))
     host-side veth      vps<tag>n<i>                        (node end vpp<tag>n<i>, renamed eth0 inside)
-    cgroup (v1, cpu)    /sys/fs/cgroup/cpu/vpscluster/<name>/<node>
+    cgroup (cpu)        <root>/vpscluster/<name>/<node>        (v1: /sys/fs/cgroup/cpu/..., v2: /sys/fs/cgroup/...)
     state directory     /var/lib/vpscluster/sandboxes/<name>   (keys, sshd configs, cluster.yaml, workdirs)
 
 Interface names stay within the kernel's 15 characters. Each sandbox gets its own /24,
@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -103,6 +103,7 @@ class SandboxInfo:
     latency_ms: float | None = None
     identity_file: str = ""
     known_hosts: str = ""
+    cgroup: str = ""  # the hierarchy limiting CPU: "v1" (cpu.cfs_quota_us) or "v2" (cpu.max)
 
     def to_dict(self) -> dict[str, Any]:
         """The `sandbox up --json` document: name, cluster_file, nodes[...] first, extras after."""
@@ -113,7 +114,8 @@ class SandboxInfo:
         ]
         return {"name": self.name, "cluster_file": self.cluster_file, "nodes": nodes, "subnet": self.subnet,
                 "bridge": self.bridge, "gateway": self.gateway, "latency_ms": self.latency_ms,
-                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts}
+                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts,
+                "cgroup": self.cgroup or None}
 
     def node(self, name: str) -> SandboxNode:
         for n in self.nodes:
@@ -132,8 +134,15 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    raw["nodes"] = [SandboxNode(**n) for n in raw["nodes"]]
-    return SandboxInfo(**raw)
+    # Keys this version does not know (a record written by a newer vpscluster) are left out,
+    # so one machine's sandboxes stay readable across versions.
+    raw["nodes"] = [SandboxNode(**_known(SandboxNode, n)) for n in raw["nodes"]]
+    return SandboxInfo(**_known(SandboxInfo, raw))
+
+
+def _known(cls, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
 
 
 def known_names() -> list[str]:
