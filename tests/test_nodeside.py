@@ -49,6 +49,22 @@ def test_node_side_code_imports_only_the_standard_library():
     assert bad == []
 
 
+def test_no_node_runs_python_from_a_string_outside_nodeside():
+    # Every program a node's interpreter runs goes through `nodeside.command`: no `node.python,
+    # "-c", CODE` (code in a format string) and no `-m vpscluster...` that needs it installed.
+    import re
+
+    package = NODESIDE.parent
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent == NODESIDE:
+            continue
+        text = path.read_text()
+        for pattern in (r"\.python\s*,\s*\"-c\"", r"\.python\s*,\s*\"-m\"\s*,\s*\"vpscluster"):
+            bad += [f"{path.relative_to(package)}: {m.group(0)}" for m in re.finditer(pattern, text)]
+    assert bad == []
+
+
 def test_every_program_loads_without_vpscluster_or_site_packages():
     # Only the programs' own folder on the path, no site-packages: importing vpscluster (or any
     # third-party library) at module level would fail here.
