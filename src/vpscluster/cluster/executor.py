@@ -21,6 +21,7 @@ An operation a backend cannot do raises `NotImplementedError` naming it.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Sequence
@@ -75,10 +76,14 @@ class ProcessHandle(ABC):
     pgid: int | None = None  # its process group on the node, once known
     output_tail: "OutputTail"
     error: str | None = None  # one line when it ended without an exit status (connection lost)
+    _done: "asyncio.Future[int]"  # resolves to the exit status; each implementation watches it
 
-    @abstractmethod
     async def wait(self, timeout_s: float | None = None) -> int | None:
         """Exit status, or None if still running after `timeout_s` (255 if the connection was lost)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
+        except asyncio.TimeoutError:
+            return None
 
     @abstractmethod
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -105,12 +105,6 @@ class LocalProcess(ProcessHandle):
     def returncode(self) -> int | None:
         return shell_status(self._proc.returncode)
 
-    async def wait(self, timeout_s: float | None = None) -> int | None:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
-        except asyncio.TimeoutError:
-            return None
-
     async def stop(self, grace_s: float = 5.0) -> None:
         if not self._done.done():
             await end_group(self.pgid, grace_s)

@@ -194,12 +194,6 @@ class SSHProcess(ProcessHandle):
     def returncode(self) -> int | None:
         return self._returncode
 
-    async def wait(self, timeout_s: float | None = None) -> int | None:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
-        except asyncio.TimeoutError:
-            return None
-
     async def stop(self, grace_s: float = 5.0) -> None:
         if self._done.done():
             return

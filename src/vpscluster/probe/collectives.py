@@ -86,7 +86,7 @@ async def run_sweep(nodes: Sequence, executors: dict, facts: dict[str, dict], se
     port_cmd = nodeside.command(head.python, "free_port")
     got = await executors[head.name].run(port_cmd, timeout_s=30)
     if not got.ok or not got.stdout.strip().isdigit():
-        return {"op": "all_reduce", "nodes": names, "error": f"no free port on {head.name}: {got.error or got.stderr.strip()}"}
+        return {"op": "all_reduce", "nodes": names, "error": f"no free port on {head.name}: {got.reason()}"}
     port = got.stdout.strip()
     opts = {"sizes": list(settings.sizes), "min_time_s": settings.min_time_s, "max_iters": settings.max_iters,
             "max_size_s": settings.max_size_s, "budget_s": settings.budget_s,

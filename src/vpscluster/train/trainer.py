@@ -14,8 +14,10 @@ than 0.
 - Time budget: every step the ranks agree through a one-integer all-reduce (MAX) whether any
   has spent the budget, so all stop after the same step. Its time and bytes count as
   communication.
-- Time-outs: the process group is created with `timeouts.startup_collective_s`; the training
-  collectives run on a second group created with `timeouts.train_collective_s`, so a dead peer
+- Time-outs: the process group is created with `timeouts.startup_collective_s`, which covers
+  every start-up collective (DDP's weight broadcast and shape check, DiLoCo's weight check,
+  the checkpoint agreement of a resume); once start-up is over the same group's time-out is
+  lowered to `timeouts.train_collective_s` (torchtitan's init/train time-outs), so a dead peer
   stops the job quickly instead of hanging it.
 """
 
@@ -49,7 +51,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
-    """Join the job torchrun started (env:// rendezvous) and make the short-time-out group."""
+    """Join the job torchrun started (env:// rendezvous) with the long start-up time-out."""
     import torch
     import torch.distributed as dist
 
@@ -63,10 +65,24 @@ def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
         torch.cuda.set_device(device)
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeouts.startup_collective_s))
-        group = dist.new_group(timeout=timedelta(seconds=cfg.timeouts.train_collective_s))
+        group = dist.group.WORLD
     else:
         group = None  # started without a launcher: a single process, nothing to join
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device, group=group)
+
+
+def end_startup(ctx: DistContext, train_collective_s: float) -> None:
+    """Start-up is over: from now on a collective of `ctx.group` that waits longer than
+    `train_collective_s` fails (a dead or stuck peer) instead of the start-up time-out."""
+    if ctx.group is None:
+        return
+    from torch.distributed import distributed_c10d
+
+    # What torchtitan does after its first step; gloo and NCCL both honour it. A torch without
+    # it keeps the start-up time-out (slower to notice a dead peer, never wrong).
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(timedelta(seconds=train_collective_s), ctx.group)
 
 
 def threads_per_rank(configured: int | None, ranks_here: int) -> int:
@@ -200,6 +216,7 @@ class Trainer:
         cfg, torch = self.cfg, self._torch
         if resume:
             self.resume()
+        end_startup(self.ctx, cfg.timeouts.train_collective_s)
         start_step = self.step
         self.events.emit(
             "start", world_size=self.ctx.world_size, start_step=start_step, max_steps=cfg.max_steps,

@@ -49,8 +49,9 @@ class DistContext:
     local_rank: int = 0
     backend: str = "gloo"
     device: Any = "cpu"  # torch.device
-    # The process group for training collectives: created after start-up with the short
-    # `timeouts.train_collective_s`, so a dead peer is noticed fast. None = the default group.
+    # The process group of the job (the default one), or None without one. It starts with the
+    # long `timeouts.startup_collective_s`; `trainer.end_startup` lowers it to the short
+    # `timeouts.train_collective_s` once start-up is over, so a dead peer is noticed fast.
     group: Any = None
 
     @property
