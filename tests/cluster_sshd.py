@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vpscluster.cluster.local import free_port
+from vpscluster.nodeside.free_port import free_port
 
 SSHD = "/usr/sbin/sshd"
 

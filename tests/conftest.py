@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vpscluster.cluster.local import free_port  # noqa: F401  (tests import it from here)
+from vpscluster.nodeside.free_port import free_port  # noqa: F401  (tests import it from here)
 
 pytest_plugins = ["sandbox_fixtures", "strict_skips"]
 

@@ -168,7 +168,7 @@ def test_copy_of_missing_source_raises_a_clear_error(tmp_path: Path) -> None:
 def test_free_port_can_be_bound_at_once_on_v4_and_v6() -> None:
     import socket
 
-    from vpscluster.cluster.local import free_port
+    from vpscluster.nodeside.free_port import free_port
 
     port = free_port()
     assert 1024 <= port <= 65535

@@ -14,10 +14,8 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from vpscluster.cluster.executor import (
     CappedText, CommandResult, Executor, LineCallback, LineSplitter, OutputTail, ProcessHandle, to_shell,
@@ -230,15 +228,3 @@ async def _settle(proc: asyncio.subprocess.Process, pumps: asyncio.Future) -> No
         await asyncio.wait_for(asyncio.gather(proc.wait(), pumps), 5.0)
     except asyncio.TimeoutError:
         pumps.cancel()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free at `host` on this machine, chosen by the kernel (bind to port 0).
-
-    The one helper for a port on the controller's own machine (tests, local services). It is
-    free when asked, not reserved: use it at once. A port on another node is asked of that
-    node (see `launch.preflight.free_port`).
-    """
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -1,6 +1,8 @@
 """A TCP port that is free on this node now, for the family of the given address.
 
-Standard library only; run with the node's own Python (see `vpscluster.nodeside`).
+Standard library only; run with the node's own Python (see `vpscluster.nodeside`). The one
+free-port helper: the controller imports `free_port` for ports on its own machine (local
+services, tests). A port is free when asked, not reserved: use it at once.
 
 Usage: python free_port.py [ADDRESS]     (IPv6 when ADDRESS holds a ':', else IPv4)
 Prints the port number alone on one line.
