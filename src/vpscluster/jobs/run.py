@@ -164,10 +164,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                     error = stats.error
             finally:
                 if client is not None:
-                    try:
-                        await asyncio.wait_for(client.close(), 10)
-                    except Exception:
-                        pass
+                    await engine.shutdown(client, dask)
                 reaped = await asyncio.shield(engine.stop(executors, dask, job_id)) if dask else []
                 bad = [r for r in reaped if not r.clean]
                 if bad:
