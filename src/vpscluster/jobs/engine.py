@@ -87,19 +87,25 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     await asyncio.gather(*(sync(ex) for ex in executors))
 
     async def size(ex) -> NodeWorkers:
-        env = {"PYTHONPATH": pythonpath[ex.node.name]}
-        r = await ex.run([ex.node.python, "-m", "vpscluster.jobs.load"], timeout_s=timeout_s, env=env,
-                         cwd=workdirs[ex.node.name])
-        if not r.ok:
-            raise RemoteError(f"node {ex.node.name}: could not read its CPU capacity: {pf._why(r)}")
-        cap = json.loads(r.stdout.strip().splitlines()[-1])
+        if ex.node.local:  # this machine: no need to start an interpreter to ask
+            from vpscluster.jobs.load import capacity
+
+            cap = capacity()
+        else:
+            env = {"PYTHONPATH": pythonpath[ex.node.name]}
+            r = await ex.run([ex.node.python, "-m", "vpscluster.jobs.load"], timeout_s=timeout_s, env=env,
+                             cwd=workdirs[ex.node.name])
+            if not r.ok:
+                raise RemoteError(f"node {ex.node.name}: could not read its CPU capacity: {pf._why(r)}")
+            cap = json.loads(r.stdout.strip().splitlines()[-1])
         gpus = int(ex.node.labels.get("gpus", 0) or 0)
         slots = workers_per_node or cap["slots"]
         return NodeWorkers(ex.node.name, pf.resolve_address(ex.node.host), cap["cores"], slots, gpus)
 
     nodes = {n.name: n for n in await asyncio.gather(*(size(ex) for ex in executors))}
     head = nodes[cluster.head]
-    port = await pf.free_port(by_name[cluster.head], head.address, timeout_s)
+    port = _free_port_here(head.address) if by_name[cluster.head].node.local else \
+        await pf.free_port(by_name[cluster.head], head.address, timeout_s)
     dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, code_dirs=code_dirs)
     dask.log_dir = log_dir
     os.makedirs(log_dir, exist_ok=True)
@@ -175,6 +181,14 @@ async def stop(executors, dask: DaskCluster | None, job_id: str) -> list:
     finally:
         for f in dask.log_files if dask else []:
             f.close()
+
+
+def _free_port_here(address: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
 
 
 def check_code_dir(code_dir: str) -> str:
