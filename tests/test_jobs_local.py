@@ -223,3 +223,37 @@ def test_output_folder_of_another_job_is_refused(cli, code, tmp_path):
     r = cli("batch", "--fn", "batchfns:score", "--input", str(data), "--output", str(out), "--code", str(code))
     assert r.returncode != 0 and "is not empty and holds no batch job" in r.stderr.strip()
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bundled_examples_sentiment_and_perplexity(cli, tmp_path, monkeypatch):
+    import torch
+
+    from vpscluster.jobs import examples
+    from vpscluster.train.model import build_model
+    from vpscluster.train.presets import get_preset
+
+    # sentiment, as a user tries it: generated comments, no download.
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = cli("batch", "--example", "sentiment", "--rows", "3000", "--partition-rows", "1000", "--output",
+            str(tmp_path / "s"), "--workers-per-node", "1", "--json", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["rows_out"] == 3000
+    comments = [json.loads(line) for line in (tmp_path / "cache/vpscluster/examples/comments-3000.jsonl").read_text().splitlines()]
+    assert outputs(tmp_path / "s") == examples.sentiment(comments)
+    assert {row["label"] for row in outputs(tmp_path / "s")} == {"positive", "negative", "neutral"}
+
+    # perplexity with a checkpoint shipped to the workers as a parameter file.
+    ckpt = tmp_path / "rank-00000.pt"
+    torch.save({"model": build_model(get_preset("tiny"), seed=3).state_dict()}, ckpt)
+    docs = tmp_path / "docs.jsonl"
+    examples.generate_documents(str(docs), 12)
+    res = run_batch(BatchSpec(fn="vpscluster.jobs.examples:perplexity", input=str(docs), output=str(tmp_path / "p"),
+                              partition_rows=4, params={"preset": "tiny"}, ship={"checkpoint": str(ckpt)},
+                              workers_per_node=1), local_cluster())
+    assert res.ok, res.error
+    rows = [json.loads(line) for line in docs.read_text().splitlines()]
+    want = examples.perplexity(rows, checkpoint=str(ckpt), preset="tiny")
+    got = outputs(tmp_path / "p")
+    assert [g["id"] for g in got] == list(range(12))
+    assert all(abs(g["nll"] - w["nll"]) < 1e-5 for g, w in zip(got, want))
+    assert all(200 < g["perplexity"] < 300 for g in got)  # an untrained byte model: ~ vocabulary size

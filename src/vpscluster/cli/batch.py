@@ -18,7 +18,10 @@ from vpscluster.cli.output import add_json_flag
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", metavar="FILE", help="the cluster file (default: the local cluster, this machine)")
     p.add_argument("--fn", metavar="MODULE:FUNCTION", help="the function to run on each partition")
-    p.add_argument("--example", metavar="NAME", help="a bundled job instead of --fn: sentiment")
+    p.add_argument("--example", metavar="NAME", help="a bundled job instead of --fn: sentiment, perplexity")
+    p.add_argument("--checkpoint", metavar="RUN_DIR", help="--example perplexity: a `vpscluster train` run directory")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword argument for the function (repeatable; values are strings)")
     p.add_argument("--rows", type=int, default=1_000_000, metavar="N",
                    help="rows of generated input for --example when --input is not given (default 1000000)")
     p.add_argument("--input", metavar="PATH", help="a JSONL, CSV, Parquet or text file, or a folder of them")
@@ -50,14 +53,19 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.fn) == bool(args.example):
         raise UserError("give --fn MODULE:FUNCTION or --example NAME (one of them)")
     fn, input_path = args.fn, args.input
+    params, ship = _params(args.param), {}
     if args.example:
-        from vpscluster.jobs.examples import example, example_input
+        from vpscluster.jobs.examples import example, example_input, newest_checkpoint
 
         fn = example(args.example).fn
+        if args.example == "perplexity":
+            if not args.checkpoint:
+                raise UserError("--example perplexity needs --checkpoint RUN_DIR (a `vpscluster train` run)")
+            ship["checkpoint"], params["preset"] = newest_checkpoint(args.checkpoint)
         if input_path is None:
             if args.rows < 1:
                 raise UserError(f"--rows {args.rows}: must be at least 1")
-            out.print(f"generating {args.rows:,} comments (once; cached)")
+            out.print(f"generating {args.rows:,} input rows for the example (once; cached)")
             input_path = example_input(args.example, args.rows)
     if input_path is None:
         raise UserError("--input PATH is required with --fn")
@@ -65,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     spec = BatchSpec(fn=fn, input=input_path, output=args.output, partition_rows=args.partition_rows,
                      retries=args.retries, on_error=args.on_error, gpu=args.gpu, output_format=args.format,
                      code_dir=args.code, max_load=args.max_load, admission=not args.no_admission,
-                     speculation=not args.no_speculation, workers_per_node=args.workers_per_node)
+                     speculation=not args.no_speculation, workers_per_node=args.workers_per_node,
+                     params=params, ship=ship)
     view = BatchProgress(out)
     try:
         result = run_batch(spec, cluster, on_event=view.handle, say=lambda s: out.print(s, markup=False))
@@ -78,6 +87,18 @@ def run(args: argparse.Namespace) -> int:
     if not result.ok:
         raise UserError(result.error or result.teardown_error or "the job did not finish")
     return 0
+
+
+def _params(items: list[str]) -> dict[str, str]:
+    from vpscluster.errors import UserError
+
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UserError(f"--param {item}: write it as KEY=VALUE, KEY a Python name")
+        params[key] = value
+    return params
 
 
 def _cluster(path: str | None):

@@ -51,6 +51,7 @@ class Attempt:
 class DispatchOptions:
     fn: str
     code_dirs: dict[str, str | None]
+    params: dict[str, dict[str, str]]  # node -> the function's keyword arguments there
     output: str
     output_format: str = "jsonl"
     on_error: str = "fail"
@@ -218,8 +219,8 @@ class Dispatcher:
         w = self.workers[worker]
         key = f"vpsc-{self.opts.job_id[:8]}-p{part.index}-a{number}" + ("-backup" if backup else "")
         fut = self.client.submit(run_partition, self.opts.fn, self.opts.code_dirs.get(w["node"]), rows, part.to_dict(),
-                                 self.opts.on_error, key=key, workers=[worker], allow_other_workers=True, pure=False,
-                                 resources={"GPU": 1} if self.opts.gpu else None)
+                                 self.opts.on_error, self.opts.params.get(w["node"], {}), key=key, workers=[worker],
+                                 allow_other_workers=True, pure=False, resources={"GPU": 1} if self.opts.gpu else None)
         a = Attempt(key, part, rows, number, worker, w["node"], backup, time.monotonic(), fut)
         a.waiter = asyncio.ensure_future(_outcome(key, fut))
         self.running[key] = a

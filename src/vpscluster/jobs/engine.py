@@ -38,6 +38,7 @@ class DaskCluster:
     log_files: list = field(default_factory=list)
     log_dir: str = ""
     code_dirs: dict[str, str | None] = field(default_factory=dict)  # node -> the user's code there
+    params: dict[str, dict[str, str]] = field(default_factory=dict)  # node -> function arguments there
 
     def node_of(self, worker_name: str) -> str:
         return worker_name.rsplit("/", 1)[0]
@@ -56,12 +57,17 @@ def _command(cwd: str, env: dict[str, str], argv: list[str]) -> str:
 
 
 async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_node: int | None,
-                say, timeout_s: float, log_dir: str) -> DaskCluster:
+                say, timeout_s: float, log_dir: str, params: dict[str, str] | None = None,
+                ship: dict[str, str] | None = None) -> DaskCluster:
     """Sync code, start the scheduler and the workers; return once every worker has joined the
     scheduler (the caller's client checks that). Processes started so far are in `.handles`
-    even when this raises, so the caller's teardown covers a half-finished start."""
+    even when this raises, so the caller's teardown covers a half-finished start.
+
+    `ship` names files the function needs (parameter -> local path, e.g. a checkpoint): they are
+    synced like the code, and the parameter holds each node's own path to its copy."""
     import vpscluster
     from vpscluster.launch import preflight as pf
+    from vpscluster.launch.pipeline import SyncItem, local_side
     from vpscluster.launch.sync import sync_dir
 
     by_name = {ex.node.name: ex for ex in executors}
@@ -69,12 +75,14 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
     code_dirs: dict[str, str | None] = {}
     pythonpath: dict[str, str] = {}
+    node_params: dict[str, dict[str, str]] = {n.name: dict(params or {}) for n in cluster.nodes}
 
     async def sync(ex) -> None:
         node = ex.node
         if node.local:
             code_dirs[node.name] = code_dir
             pythonpath[node.name] = os.pathsep.join([code_dir, os.path.dirname(package_dir)])
+            node_params[node.name].update({k: os.path.abspath(v) for k, v in (ship or {}).items()})
             return
         wd = workdirs[node.name]
         pkg = await sync_dir(ex, package_dir, posixpath.join(wd, "code/src/vpscluster"), timeout_s=max(timeout_s, 300.0),
@@ -83,6 +91,11 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
                               timeout_s=max(timeout_s, 300.0), say=say)
         code_dirs[node.name] = user.remote_path
         pythonpath[node.name] = f"{user.remote_path}:{posixpath.dirname(pkg.remote_path)}"
+        for key, path in (ship or {}).items():
+            root, manifest = local_side(SyncItem(key, path, ""))
+            r = await sync_dir(ex, root, posixpath.join(wd, "code/batch-files", key), timeout_s=max(timeout_s, 300.0),
+                               manifest=manifest, say=say)
+            node_params[node.name][key] = posixpath.join(r.remote_path, os.path.basename(path))
 
     await asyncio.gather(*(sync(ex) for ex in executors))
 
@@ -106,7 +119,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     head = nodes[cluster.head]
     port = _free_port_here(head.address) if by_name[cluster.head].node.local else \
         await pf.free_port(by_name[cluster.head], head.address, timeout_s)
-    dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, code_dirs=code_dirs)
+    dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, code_dirs=code_dirs, params=node_params)
     dask.log_dir = log_dir
     os.makedirs(log_dir, exist_ok=True)
 

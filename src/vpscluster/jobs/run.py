@@ -41,6 +41,8 @@ class BatchSpec:
     workers_per_node: int | None = None
     load_interval_s: float = 1.0
     start_timeout_s: float = 120.0
+    params: dict[str, str] = field(default_factory=dict)  # keyword arguments of the function
+    ship: dict[str, str] = field(default_factory=dict)  # parameter -> a local file every node needs
 
     def __post_init__(self) -> None:
         if self.partition_rows < 1:
@@ -94,9 +96,10 @@ def run_batch(spec: BatchSpec, cluster, on_event: Callable[[dict], None] = lambd
 def job_record(spec: BatchSpec, files) -> dict:
     """What makes a job the same job (for skipping finished partitions on a re-run)."""
     inputs = [{"path": f.path, "rows": f.rows, "size_bytes": f.size_bytes, "mtime_ns": f.mtime_ns} for f in files]
+    params = {**spec.params, **{k: os.path.abspath(v) for k, v in spec.ship.items()}}
     return {"fn": spec.fn, "inputs": inputs, "partition_rows": spec.partition_rows, "format": spec.output_format,
-            "on_error": spec.on_error,
-            "id": hashlib.sha256(json.dumps([spec.fn, inputs, spec.partition_rows]).encode()).hexdigest()[:16]}
+            "on_error": spec.on_error, "params": params,
+            "id": hashlib.sha256(json.dumps([spec.fn, inputs, spec.partition_rows, params]).encode()).hexdigest()[:16]}
 
 
 async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
@@ -114,6 +117,9 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
     if gpu and not any(int(n.labels.get("gpus", 0) or 0) for n in cluster.nodes):
         raise UserError("--gpu: no node of the cluster has a GPU; label GPU nodes in the cluster file "
                         "(labels: {gpus: 1}) or drop --gpu")
+    for key, path in spec.ship.items():
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: no such file (needed by the function as {key!r})")
     files = find_inputs(spec.input)
     partitions = plan_partitions(files, spec.partition_rows)
     output = os.path.abspath(spec.output)
@@ -151,12 +157,13 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                     dask = await _or_stop(engine.start(cluster, executors, job_id, code_dir,
                                                        workers_per_node=spec.workers_per_node, say=say,
                                                        timeout_s=spec.start_timeout_s,
-                                                       log_dir=os.path.join(output, LOG_DIR)), stop)
+                                                       log_dir=os.path.join(output, LOG_DIR),
+                                                       params=spec.params, ship=spec.ship), stop)
                     client = await _or_stop(engine.connect(dask, spec.start_timeout_s), stop)
                     on_event({"event": "workers", "nodes": {n: {"cores": w.cores, "workers": w.slots}
                                                              for n, w in dask.nodes.items()}})
                     opts = DispatchOptions(
-                        fn=spec.fn, code_dirs=dask.code_dirs, output=output, output_format=spec.output_format,
+                        fn=spec.fn, code_dirs=dask.code_dirs, params=dask.params, output=output, output_format=spec.output_format,
                         on_error=spec.on_error, retries=spec.retries, gpu=gpu, max_load=spec.max_load,
                         admission=spec.admission, speculation=spec.speculation,
                         load_interval_s=spec.load_interval_s, job_id=job_id)

@@ -1,6 +1,7 @@
 """What runs on a Dask worker for one partition: the user's function, with row-level errors.
 
-The user's function takes a list of rows (dicts) and returns a list of result rows (dicts).
+The user's function takes a list of rows (dicts) and returns a list of result rows (dicts);
+`--param KEY=VALUE` arrive as keyword arguments (`def score(rows, threshold="0.5")`).
 Marked with `@dataframe_fn` it takes and returns a pandas DataFrame instead; marked with
 `@gpu_fn` it runs only on nodes with a GPU resource. When the function raises on a partition,
 it is run again row by row to name the row: `on_error="fail"` raises `RowError` naming the
@@ -59,13 +60,13 @@ def load_function(spec: str, code_dir: str | None = None) -> Callable:
     return fn
 
 
-def _call(fn: Callable, rows: list[dict]) -> list[dict]:
+def _call(fn: Callable, rows: list[dict], params: dict) -> list[dict]:
     if getattr(fn, "__vpsc_dataframe__", False):
         import pandas as pd
 
-        out = fn(pd.DataFrame.from_records(rows))
+        out = fn(pd.DataFrame.from_records(rows), **params)
         return out.to_dict("records")
-    out = fn(rows)
+    out = fn(rows, **params)
     if not isinstance(out, list):
         raise TypeError(f"the function returned {type(out).__name__}, not a list of dicts")
     return out
@@ -76,11 +77,14 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: dict, on_error: str) -> dict:
+def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: dict, on_error: str,
+                  params: dict | None = None) -> dict:
     """Run the function over one partition; the result rows and where and how long it ran.
 
-    `where` is the partition (index, path, first_row, rows) for error messages.
+    `where` is the partition (index, path, first_row, rows) for error messages; `params` are
+    keyword arguments for the function (`--param KEY=VALUE`, files shipped to the node).
     """
+    params = params or {}
     from vpscluster.jobs.inputs import Partition
 
     started = time.monotonic()
@@ -88,7 +92,7 @@ def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: d
     fn = load_function(fn_spec, code_dir)
     skipped: list[dict] = []
     try:
-        out = _call(fn, rows)
+        out = _call(fn, rows, params)
     except Exception as whole:
         if len(rows) == 1:
             out, bad = [], [(0, whole)]
@@ -96,7 +100,7 @@ def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: d
             out, bad = [], []
             for i, row in enumerate(rows):
                 try:
-                    out.extend(_call(fn, [row]))
+                    out.extend(_call(fn, [row], params))
                 except Exception as e:
                     bad.append((i, e))
             if not bad:  # fails on the whole only (e.g. a batch-level assumption)
