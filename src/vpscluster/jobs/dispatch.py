@@ -63,6 +63,10 @@ class DispatchOptions:
     speculation_factor: float = 2.5
     load_interval_s: float = 1.0
     job_id: str = ""
+    # "vpscluster": the loop above. "dask": every partition submitted at once, placed by Dask's
+    # scheduler alone (its queuing and work stealing; no admission, no speculation): the
+    # benchmark's plain-Dask baseline.
+    placement: str = "vpscluster"
 
 
 @dataclass
@@ -106,7 +110,7 @@ class Dispatcher:
                 if time.monotonic() >= self._next_sample:
                     await self._sample()
                 self._fill()
-                if self.opts.speculation and self.source_done and not self.pending:
+                if self.opts.speculation and self.opts.placement != "dask" and self.source_done and not self.pending:
                     self._speculate()
                 if self.source_done and not self.pending and not self.running:
                     break
@@ -189,6 +193,10 @@ class Dispatcher:
         return item[0], item[1], 1
 
     def _fill(self) -> None:
+        if self.opts.placement == "dask":
+            while self.workers and (item := self._next()) is not None:
+                self._submit(*item, worker=None, backup=False)
+            return
         for addr in self._idle_workers():
             item = self._next()
             if item is None:
@@ -213,15 +221,17 @@ class Dispatcher:
             self.stats.duplicated_rows += a.part.rows
             self._submit(a.part, a.rows, a.number, worker=idle[0], backup=True)
 
-    def _submit(self, part: Partition, rows: list[dict], number: int, worker: str, backup: bool) -> None:
+    def _submit(self, part: Partition, rows: list[dict], number: int, worker: str | None, backup: bool) -> None:
         from vpscluster.jobs.task import run_partition
 
-        w = self.workers[worker]
+        # worker None: Dask places it (the head's code dir and parameters stand for every node's).
+        w = self.workers[worker] if worker else {"name": None, "node": self.dask.head}
         key = f"vpsc-{self.opts.job_id[:8]}-p{part.index}-a{number}" + ("-backup" if backup else "")
         fut = self.client.submit(run_partition, self.opts.fn, self.opts.code_dirs.get(w["node"]), rows, part.to_dict(),
-                                 self.opts.on_error, self.opts.params.get(w["node"], {}), key=key, workers=[worker],
-                                 allow_other_workers=True, pure=False, resources={"GPU": 1} if self.opts.gpu else None)
-        a = Attempt(key, part, rows, number, worker, w["node"], backup, time.monotonic(), fut)
+                                 self.opts.on_error, self.opts.params.get(w["node"], {}), key=key,
+                                 workers=[worker] if worker else None, allow_other_workers=bool(worker), pure=False,
+                                 resources={"GPU": 1} if self.opts.gpu else None)
+        a = Attempt(key, part, rows, number, worker or "", w["node"], backup, time.monotonic(), fut)
         a.waiter = asyncio.ensure_future(_outcome(key, fut))
         self.running[key] = a
         self.log.write({"event": "assign", "partition": part.index, "attempt": number, "backup": backup,

@@ -34,6 +34,7 @@ class NodeWorkers:
 class DaskCluster:
     scheduler_address: str
     nodes: dict[str, NodeWorkers]
+    head: str = ""
     handles: list = field(default_factory=list)
     log_files: list = field(default_factory=list)
     log_dir: str = ""
@@ -119,7 +120,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     head = nodes[cluster.head]
     port = _free_port_here(head.address) if by_name[cluster.head].node.local else \
         await pf.free_port(by_name[cluster.head], head.address, timeout_s)
-    dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, code_dirs=code_dirs, params=node_params)
+    dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, cluster.head, code_dirs=code_dirs, params=node_params)
     dask.log_dir = log_dir
     os.makedirs(log_dir, exist_ok=True)
 

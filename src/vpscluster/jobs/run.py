@@ -41,6 +41,7 @@ class BatchSpec:
     workers_per_node: int | None = None
     load_interval_s: float = 1.0
     start_timeout_s: float = 120.0
+    placement: str = "vpscluster"  # or "dask": Dask's own placement only (the benchmark's baseline)
     params: dict[str, str] = field(default_factory=dict)  # keyword arguments of the function
     ship: dict[str, str] = field(default_factory=dict)  # parameter -> a local file every node needs
 
@@ -55,6 +56,8 @@ class BatchSpec:
             raise UserError(f"--format {self.output_format}: choose one of {', '.join(OUTPUT_FORMATS)}")
         if not 0 < self.max_load <= 1.0:
             raise UserError(f"--max-load {self.max_load}: a fraction of a node's CPU, in (0, 1]")
+        if self.placement not in ("vpscluster", "dask"):
+            raise UserError(f"placement {self.placement!r}: choose vpscluster or dask")
         if self.workers_per_node is not None and self.workers_per_node < 1:
             raise UserError(f"--workers-per-node {self.workers_per_node}: must be at least 1")
 
@@ -166,7 +169,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                         fn=spec.fn, code_dirs=dask.code_dirs, params=dask.params, output=output, output_format=spec.output_format,
                         on_error=spec.on_error, retries=spec.retries, gpu=gpu, max_load=spec.max_load,
                         admission=spec.admission, speculation=spec.speculation,
-                        load_interval_s=spec.load_interval_s, job_id=job_id)
+                        load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement)
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
             finally:
