@@ -33,6 +33,9 @@ from vpscluster.jobs.inputs import Partition
 from vpscluster.jobs.outputs import AssignmentLog, encode_rows, part_name, write_atomic
 
 
+NO_WORKERS_LIMIT_S = 60.0
+
+
 @dataclass
 class Attempt:
     key: str
@@ -101,6 +104,7 @@ class Dispatcher:
         self.stats = Stats(per_node={n: {"partitions": 0, "rows": 0, "seconds": 0.0} for n in dask.nodes})
         self.log = AssignmentLog(opts.output)
         self._next_sample = 0.0
+        self._no_workers_since: float | None = None
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -143,6 +147,14 @@ class Dispatcher:
             self.stats.workers_lost.append(self.workers[addr]["name"])
             self._event("worker_lost", worker=self.workers[addr]["name"], node=self.workers[addr]["node"])
         self.workers = alive
+        if alive:
+            self._no_workers_since = None
+        else:  # Dask would wait for a worker forever
+            self._no_workers_since = self._no_workers_since or time.monotonic()
+            if time.monotonic() - self._no_workers_since > NO_WORKERS_LIMIT_S:
+                self.stats.error = (f"every Dask worker has been gone for {NO_WORKERS_LIMIT_S:.0f} s "
+                                    f"({', '.join(self.stats.workers_lost) or 'none ever joined'}); "
+                                    "see the node logs; re-run to finish the remaining partitions")
         if not self.opts.admission or not alive:
             return
         one_per_node = {}
