@@ -53,6 +53,16 @@ FNS = textwrap.dedent('''
                 raise ValueError("cannot score id 17")
         return score(rows)
 
+    def straggle(rows):
+        # The first attempt of partition 0 hangs for a long time; any other attempt is quick.
+        if rows[0]["id"] == 0:
+            marker = os.path.join(os.environ["FLAKY_DIR"], "straggled")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(60)
+        time.sleep(0.05)
+        return score(rows)
+
     def slow(rows):
         time.sleep(0.3)
         return score(rows)
@@ -155,11 +165,16 @@ def test_failed_attempt_is_retried_and_row_errors_are_named_or_skipped(code, tmp
     assert r.error.startswith("partition 1 row 8 (in.jsonl row 18): ValueError: cannot score id 17"), r.error
     assert "\n" not in r.error
 
-    r = run_batch(BatchSpec(fn="batchfns:bad_row", input=str(data), output=str(tmp_path / "o3"), partition_rows=10,
+    # The same job goes on with --on-error skip: finished partitions are kept, the bad row left out.
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "o2").glob("part-*")}
+    r = run_batch(BatchSpec(fn="batchfns:bad_row", input=str(data), output=str(tmp_path / "o2"), partition_rows=10,
                             code_dir=str(code), on_error="skip"), local_cluster())
     assert r.ok, r.error
-    assert r.rows_out == 59 and [s["where"] for s in r.rows_skipped] == ["in.jsonl row 18"]
-    assert 17 not in [g["id"] for g in outputs(tmp_path / "o3")]
+    assert r.partitions_resumed == len(kept) and r.partitions_done == 6 - len(kept)
+    assert [s["where"] for s in r.rows_skipped] == ["in.jsonl row 18"]
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "o2").glob("part-*") if p.name in kept} == kept
+    got = outputs(tmp_path / "o2")
+    assert len(got) == 59 and 17 not in [g["id"] for g in got]
 
 
 def test_interrupted_job_rerun_skips_finished_partitions(cli, code, tmp_path):
@@ -257,3 +272,20 @@ def test_bundled_examples_sentiment_and_perplexity(cli, tmp_path, monkeypatch):
     assert [g["id"] for g in got] == list(range(12))
     assert all(abs(g["nll"] - w["nll"]) < 1e-5 for g, w in zip(got, want))
     assert all(200 < g["perplexity"] < 300 for g in got)  # an untrained byte model: ~ vocabulary size
+
+
+def test_straggler_gets_a_backup_and_output_is_written_once(code, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAKY_DIR", str(tmp_path))
+    data = make_input(tmp_path / "in.jsonl", 80)
+    out = tmp_path / "out"
+    started = time.monotonic()
+    r = run_batch(BatchSpec(fn="batchfns:straggle", input=str(data), output=str(out), partition_rows=10,
+                            code_dir=str(code), workers_per_node=2), local_cluster())
+    assert r.ok, r.error
+    assert time.monotonic() - started < 50  # did not wait for the 60 s straggler
+    assert r.backups == 1 and r.backups_won == 1 and r.duplicated_rows == 10
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert [p["backup"] for p in manifest["partitions_list"]] == [True] + [False] * 7
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
+    assert sorted(a["partition"] for a in assignments(out) if a["event"] == "done") == list(range(8))

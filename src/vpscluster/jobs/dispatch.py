@@ -12,8 +12,10 @@ is submitted only to an idle worker of an admitted node, pinned to it with a loo
   job on a busy machine is slowed, never stalled.
 - Speculation: once nothing is left to hand out, a partition running much longer than its node
   usually needs per row (median of its finished partitions; the cluster's median before it has
-  any) gets a backup copy on an idle worker of another admitted node. The first result wins,
-  the other copy is cancelled.
+  any) gets a backup copy on an idle worker of another admitted node (of its own node when there
+  is no other). The first result wins, the other copy is cancelled (a copy already running
+  finishes in its worker thread, as Dask cannot stop a running Python function; its result is
+  dropped).
 - Retries: a failed attempt (an error raised by the function, a worker lost more often than
   Dask allows) goes back to the front of the queue, up to `retries` times; then the job stops
   with the last error, one line naming the partition.
@@ -226,7 +228,8 @@ class Dispatcher:
             expected = statistics.median(spr) * a.part.rows
             if now - a.started < self.opts.speculation_factor * expected + 1.0:
                 continue
-            idle = self._idle_workers(exclude_node=a.node)
+            # Another node first (this one may be the slow one); on a one-node cluster, another worker.
+            idle = self._idle_workers(exclude_node=a.node) or [w for w in self._idle_workers() if w != a.worker]
             if not idle:
                 return
             self.stats.backups += 1

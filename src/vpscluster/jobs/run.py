@@ -100,8 +100,10 @@ def job_record(spec: BatchSpec, files) -> dict:
     """What makes a job the same job (for skipping finished partitions on a re-run)."""
     inputs = [{"path": f.path, "rows": f.rows, "size_bytes": f.size_bytes, "mtime_ns": f.mtime_ns} for f in files]
     params = {**spec.params, **{k: os.path.abspath(v) for k, v in spec.ship.items()}}
+    # --on-error is not part of it: a job stopped by a bad row can go on with `--on-error skip`
+    # (the finished partitions had no failing row).
     return {"fn": spec.fn, "inputs": inputs, "partition_rows": spec.partition_rows, "format": spec.output_format,
-            "on_error": spec.on_error, "params": params,
+            "params": params,
             "id": hashlib.sha256(json.dumps([spec.fn, inputs, spec.partition_rows, params]).encode()).hexdigest()[:16]}
 
 
