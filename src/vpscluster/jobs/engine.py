@@ -112,6 +112,14 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
             if not r.ok:
                 raise RemoteError(f"node {ex.node.name}: could not read its CPU capacity: {pf._why(r)}")
             cap = json.loads(r.stdout.strip().splitlines()[-1])
+            if cap.get("distributed") is None:
+                raise RemoteError(f"node {ex.node.name}: Dask is not installed for {ex.node.python}; "
+                                  "install it there: pip install 'dask[distributed]'")
+            import distributed
+
+            if cap["distributed"] != distributed.__version__:
+                say(f"warning: node {ex.node.name} has Dask {cap['distributed']}, this machine "
+                    f"{distributed.__version__}; install the same version everywhere if workers misbehave")
         gpus = int(ex.node.labels.get("gpus", 0) or 0)
         slots = workers_per_node or cap["slots"]
         return NodeWorkers(ex.node.name, pf.resolve_address(ex.node.host), cap["cores"], slots, gpus)

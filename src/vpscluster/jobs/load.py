@@ -1,7 +1,8 @@
 """How busy a node is with work that is not this job: cheap samples from /proc and the cgroup.
 
 Runs inside each Dask worker (`sample_load`, called by the client through `Client.run`) and as
-`python -m vpscluster.jobs.load` (prints the node's CPU capacity as JSON, before workers start).
+`python -m vpscluster.jobs.load` (prints the node's CPU capacity and its Dask version as JSON,
+before workers start).
 
 What a node can use: its CPU cgroup's quota when it has one (sandbox nodes, containers: quota /
 period cores, e.g. 0.45), else the CPUs this process may run on. What is busy: with a quota,
@@ -126,5 +127,13 @@ def sample_load(job_id: str | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    print(json.dumps(capacity()))
+def _distributed_version() -> str | None:
+    try:
+        import distributed
+    except ImportError:
+        return None
+    return distributed.__version__
+
+
+if __name__ == "__main__":  # what the launcher needs to know before it starts workers here
+    print(json.dumps({**capacity(), "distributed": _distributed_version()}))
