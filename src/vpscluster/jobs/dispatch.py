@@ -278,7 +278,15 @@ class Dispatcher:
             return
         node = self.dask.node_of(value["worker"])
         path = os.path.join(self.opts.output, part_name(idx, self.opts.output_format))
-        write_atomic(path, encode_rows(value["rows"], self.opts.output_format))
+        try:
+            write_atomic(path, encode_rows(value["rows"], self.opts.output_format))
+        except OSError as e:  # disk full, folder removed: stop; the finished partitions stay
+            self.stats.error = f"cannot write {path}: {e.strerror or e}; free space or fix the folder, then re-run"
+            return
+        except Exception as e:  # rows Parquet cannot hold (mixed types in a column, ...)
+            self.stats.error = (f"partition {idx}: the function's rows cannot be written as {self.opts.output_format}: "
+                                f"{_why(e)}")
+            return
         self.done.add(idx)
         if a.backup:
             self.stats.backups_won += 1
