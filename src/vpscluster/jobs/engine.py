@@ -110,7 +110,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
             r = await ex.run([ex.node.python, "-m", "vpscluster.jobs.load"], timeout_s=timeout_s, env=env,
                              cwd=workdirs[ex.node.name])
             if not r.ok:
-                raise RemoteError(f"node {ex.node.name}: could not read its CPU capacity: {pf._why(r)}")
+                raise RemoteError(f"node {ex.node.name}: could not read its CPU capacity: {_reason(r)}")
             cap = json.loads(r.stdout.strip().splitlines()[-1])
             if cap.get("distributed") is None:
                 raise RemoteError(f"node {ex.node.name}: Dask is not installed for {ex.node.python}; "
@@ -203,6 +203,16 @@ async def stop(executors, dask: DaskCluster | None, job_id: str) -> list:
     finally:
         for f in dask.log_files if dask else []:
             f.close()
+
+
+def _reason(r) -> str:
+    """One line: why a node command failed."""
+    if r.error:
+        return r.error
+    if r.timed_out:
+        return "timed out"
+    lines = (r.stderr or r.stdout or "").strip().splitlines()
+    return lines[-1] if lines else f"exit status {r.exit_status}"
 
 
 def _free_port_here(address: str) -> int:
