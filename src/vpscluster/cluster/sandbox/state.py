@@ -134,15 +134,8 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    # State written by another vpscluster version may hold fields this one does not know.
-    from dataclasses import fields
-
-    def known(cls, d: dict) -> dict:
-        names = {f.name for f in fields(cls)}
-        return {k: v for k, v in d.items() if k in names}
-
-    raw["nodes"] = [SandboxNode(**known(SandboxNode, n)) for n in raw["nodes"]]
-    return SandboxInfo(**known(SandboxInfo, raw))
+    raw["nodes"] = [SandboxNode(**n) for n in raw["nodes"]]
+    return SandboxInfo(**raw)
 
 
 def known_names() -> list[str]:
