@@ -106,19 +106,21 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
 
             cap = capacity()
         else:
-            env = {"PYTHONPATH": pythonpath[ex.node.name]}
-            r = await ex.run([ex.node.python, "-m", "vpscluster.jobs.load"], timeout_s=timeout_s, env=env,
-                             cwd=workdirs[ex.node.name])
+            from vpscluster.jobs.load import CAPACITY_SHELL, capacity_from_shell
+
+            r = await ex.run(CAPACITY_SHELL, timeout_s=timeout_s)
             if not r.ok:
                 raise RemoteError(f"node {ex.node.name}: could not read its CPU capacity: {_reason(r)}")
-            cap = json.loads(r.stdout.strip().splitlines()[-1])
-            if cap.get("distributed") is None:
+            cap = capacity_from_shell(r.stdout)
+            r = await ex.run([ex.node.python, "-m", "distributed.cli.dask_worker", "--version"], timeout_s=timeout_s)
+            if not r.ok:
                 raise RemoteError(f"node {ex.node.name}: Dask is not installed for {ex.node.python}; "
                                   "install it there: pip install 'dask[distributed]'")
             import distributed
 
-            if cap["distributed"] != distributed.__version__:
-                say(f"warning: node {ex.node.name} has Dask {cap['distributed']}, this machine "
+            theirs = r.stdout.strip().rsplit(" ", 1)[-1]
+            if theirs != distributed.__version__:
+                say(f"warning: node {ex.node.name} has Dask {theirs}, this machine "
                     f"{distributed.__version__}; install the same version everywhere if workers misbehave")
         gpus = int(ex.node.labels.get("gpus", 0) or 0)
         slots = workers_per_node or cap["slots"]

@@ -1,8 +1,7 @@
 """How busy a node is with work that is not this job: cheap samples from /proc and the cgroup.
 
-Runs inside each Dask worker (`sample_load`, called by the client through `Client.run`) and as
-`python -m vpscluster.jobs.load` (prints the node's CPU capacity and its Dask version as JSON,
-before workers start).
+Runs inside each Dask worker (`sample_load`, called by the client through `Client.run`); before
+any worker starts, `CAPACITY_SHELL` asks a node for the same capacity with plain shell tools.
 
 What a node can use: its CPU cgroup's quota when it has one (sandbox nodes, containers: quota /
 period cores, e.g. 0.45), else the CPUs this process may run on. What is busy: with a quota,
@@ -127,13 +126,24 @@ def sample_load(job_id: str | None = None) -> dict:
     return out
 
 
-def _distributed_version() -> str | None:
-    try:
-        import distributed
-    except ImportError:
-        return None
-    return distributed.__version__
+# A node's capacity asked before any worker runs there, without Python (nodes need no
+# vpscluster installed for it): usable CPUs, then the CFS quota and period of the cpu cgroup
+# this shell is in (v1), else cgroup v2's cpu.max; `capacity_from_shell` reads the answer.
+CAPACITY_SHELL = (
+    "nproc; p=$(awk -F: '$2 ~ /(^|,)cpu(,|$)/ {print $3}' /proc/self/cgroup | head -n1); "
+    "for d in /sys/fs/cgroup/cpu$p /sys/fs/cgroup/cpu,cpuacct$p; do "
+    "[ -r $d/cpu.cfs_quota_us ] && { cat $d/cpu.cfs_quota_us $d/cpu.cfs_period_us; exit 0; }; done; "
+    "q=$(awk -F: '$1 == \"0\" {print $3}' /proc/self/cgroup); "
+    "[ -r /sys/fs/cgroup$q/cpu.max ] && cat /sys/fs/cgroup$q/cpu.max; exit 0"
+)
 
 
-if __name__ == "__main__":  # what the launcher needs to know before it starts workers here
-    print(json.dumps({**capacity(), "distributed": _distributed_version()}))
+def capacity_from_shell(stdout: str) -> dict:
+    """`capacity()`'s answer from `CAPACITY_SHELL`'s output."""
+    words = stdout.split()
+    cpus = int(words[0])
+    quota = None
+    if len(words) >= 3 and words[1] not in ("-1", "max"):
+        quota = int(words[1]) / int(words[2])
+    cores = min(cpus, quota) if quota else float(cpus)
+    return {"cores": cores, "cpus": cpus, "cgroup": "yes" if quota else None, "slots": max(1, int(cores + 0.5))}
