@@ -289,3 +289,15 @@ def test_straggler_gets_a_backup_and_output_is_written_once(code, tmp_path, monk
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert digest(outputs(out)) == digest(serial(code, "score", rows))
     assert sorted(a["partition"] for a in assignments(out) if a["event"] == "done") == list(range(8))
+
+
+def test_plain_dask_placement_baseline_gives_the_same_outputs(code, tmp_path):
+    # The benchmark's "dask" mode: every partition submitted at once, placed by Dask alone.
+    data = make_input(tmp_path / "in.jsonl", 50)
+    out = tmp_path / "out"
+    r = run_batch(BatchSpec(fn="batchfns:score", input=str(data), output=str(out), partition_rows=5,
+                            code_dir=str(code), placement="dask", admission=False, speculation=False), local_cluster())
+    assert r.ok, r.error
+    assert r.partitions_done == 10 and r.backups == 0
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
