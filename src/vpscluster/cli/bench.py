@@ -10,6 +10,7 @@ import argparse
 
 SCENARIOS: dict[str, tuple[str, str]] = {
     "wan": ("vpscluster.cli.bench_wan", "baseline DDP vs vpscluster strategies on a shaped sandbox, same wall-clock budget"),
+    "batch": ("vpscluster.cli.bench_batch", "static split vs plain Dask vs vpscluster batch on uneven nodes with a CPU hog"),
     "plan": ("vpscluster.cli.bench_plan", "plan's predictions against measured step and communication time"),
 }
 

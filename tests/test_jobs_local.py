@@ -1,0 +1,303 @@
+"""Batch jobs on the local cluster: a real Dask scheduler and workers on this machine.
+
+Outputs equal a single-process run row for row, every partition exactly once; a failing attempt
+is retried; a row the function raises on is named (fail) or left out (skip); an interrupted job
+re-run does not recompute finished partitions; user mistakes are one line each, before anything
+starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vpscluster.cluster.inventory import local_cluster
+from vpscluster.jobs.outputs import read_rows
+from vpscluster.jobs.run import BatchSpec, run_batch
+
+FNS = textwrap.dedent('''
+    import os, time, hashlib
+    from vpscluster.jobs import dataframe_fn
+
+    def score(rows):
+        return [{"id": r["id"], "h": hashlib.sha256(str(r["text"]).encode()).hexdigest()[:12],
+                 "n": len(str(r["text"]))} for r in rows]
+
+    @dataframe_fn
+    def score_df(df):
+        df = df.copy()
+        df["n"] = df["text"].astype(str).str.len()
+        return df[["id", "n"]]
+
+    def flaky(rows):
+        # The first attempt of the partition holding id 25 fails; the retry succeeds.
+        if any(r["id"] == 25 for r in rows):
+            marker = os.path.join(os.environ["FLAKY_DIR"], "failed-once")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                raise RuntimeError("transient failure")
+        return score(rows)
+
+    def bad_row(rows):
+        for r in rows:
+            if r["id"] == 17:
+                raise ValueError("cannot score id 17")
+        return score(rows)
+
+    def straggle(rows):
+        # The first attempt of partition 0 hangs for a long time; any other attempt is quick.
+        if rows[0]["id"] == 0:
+            marker = os.path.join(os.environ["FLAKY_DIR"], "straggled")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(60)
+        time.sleep(0.05)
+        return score(rows)
+
+    def slow(rows):
+        time.sleep(0.3)
+        return score(rows)
+''')
+
+
+@pytest.fixture
+def code(tmp_path):
+    d = tmp_path / "code"
+    d.mkdir()
+    (d / "batchfns.py").write_text(FNS)
+    return d
+
+
+def make_input(path: Path, rows: int = 100) -> Path:
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": i, "text": f"comment {i} " + "x" * (i % 13)}) + "\n")
+    return path
+
+
+def serial(code: Path, fn: str, rows: list[dict]) -> list[dict]:
+    sys.path.insert(0, str(code))
+    try:
+        import importlib
+
+        mod = importlib.import_module("batchfns")
+        mod = importlib.reload(mod)
+        return getattr(mod, fn)(rows)
+    finally:
+        sys.path.remove(str(code))
+
+
+def outputs(out: Path) -> list[dict]:
+    rows = []
+    for p in sorted(out.glob("part-*")):
+        rows += read_rows(str(p))
+    return rows
+
+
+def digest(rows: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+def assignments(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "_assignments.jsonl").read_text().splitlines()]
+
+
+def test_outputs_equal_a_serial_run_each_partition_once(code, tmp_path):
+    data = make_input(tmp_path / "in.jsonl", 95)
+    out = tmp_path / "out"
+    r = run_batch(BatchSpec(fn="batchfns:score", input=str(data), output=str(out), partition_rows=10,
+                            code_dir=str(code)), local_cluster())
+    assert r.ok, r.error
+    assert r.partitions == 10 and r.partitions_done == 10 and r.rows_in == 95 and r.rows_out == 95
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
+    assert sorted(p.name for p in out.glob("part-*")) == [f"part-{i:05d}.jsonl" for i in range(10)]
+    assert not list(out.glob(".*.tmp"))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert [p["index"] for p in manifest["partitions_list"]] == list(range(10))
+    assert sum(v["partitions"] for v in r.per_node.values()) == 10
+    done = [a["partition"] for a in assignments(out) if a["event"] == "done"]
+    assert sorted(done) == list(range(10))  # each exactly once
+
+
+def test_csv_and_parquet_inputs_dataframe_fn_parquet_output(code, tmp_path):
+    import pandas as pd
+
+    rows = [{"id": i, "text": f"t{i}" * (i % 5 + 1)} for i in range(40)]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pd.DataFrame(rows[:25]).to_csv(folder / "a.csv", index=False)
+    pd.DataFrame(rows[25:]).to_parquet(folder / "b.parquet")
+    out = tmp_path / "out"
+    r = run_batch(BatchSpec(fn="batchfns:score_df", input=str(folder), output=str(out), partition_rows=10,
+                            code_dir=str(code), output_format="parquet"), local_cluster())
+    assert r.ok, r.error
+    # a.csv: 3 partitions (10, 10, 5), b.parquet: 2 (10, 5): partitions never span files.
+    assert r.partitions == 5
+    got = outputs(out)
+    assert [g["id"] for g in got] == list(range(40))
+    assert [g["n"] for g in got] == [len(x["text"]) for x in rows]
+
+
+def test_failed_attempt_is_retried_and_row_errors_are_named_or_skipped(code, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAKY_DIR", str(tmp_path))  # the workers inherit it
+    data = make_input(tmp_path / "in.jsonl", 60)
+    r = run_batch(BatchSpec(fn="batchfns:flaky", input=str(data), output=str(tmp_path / "o1"), partition_rows=10,
+                            code_dir=str(code), retries=1), local_cluster())
+    assert r.ok, r.error
+    assert r.retries == 1 and r.partitions_done == 6
+    log = assignments(tmp_path / "o1")
+    assert [a["partition"] for a in log if a["event"] == "retry"] == [2]
+    assert sorted(a["partition"] for a in log if a["event"] == "done") == list(range(6))
+
+    r = run_batch(BatchSpec(fn="batchfns:bad_row", input=str(data), output=str(tmp_path / "o2"), partition_rows=10,
+                            code_dir=str(code), retries=0), local_cluster())
+    assert not r.ok
+    assert r.error.startswith("partition 1 row 8 (in.jsonl row 18): ValueError: cannot score id 17"), r.error
+    assert "\n" not in r.error
+
+    # The same job goes on with --on-error skip: finished partitions are kept, the bad row left out.
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "o2").glob("part-*")}
+    r = run_batch(BatchSpec(fn="batchfns:bad_row", input=str(data), output=str(tmp_path / "o2"), partition_rows=10,
+                            code_dir=str(code), on_error="skip"), local_cluster())
+    assert r.ok, r.error
+    assert r.partitions_resumed == len(kept) and r.partitions_done == 6 - len(kept)
+    assert [s["where"] for s in r.rows_skipped] == ["in.jsonl row 18"]
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "o2").glob("part-*") if p.name in kept} == kept
+    got = outputs(tmp_path / "o2")
+    assert len(got) == 59 and 17 not in [g["id"] for g in got]
+
+
+def test_interrupted_job_rerun_skips_finished_partitions(cli, code, tmp_path):
+    data = make_input(tmp_path / "in.jsonl", 200)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "vpscluster", "batch", "--fn", "batchfns:slow", "--input", str(data),
+            "--output", str(out), "--partition-rows", "10", "--code", str(code), "--workers-per-node", "2", "--json"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(out.glob("part-*"))) < 4:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    first = {f.name: f.stat().st_mtime_ns for f in out.glob("part-*")}
+    assert 4 <= len(first) < 20, err
+    assert "interrupted" in err.strip().splitlines()[-1]
+
+    r = cli("batch", "--fn", "batchfns:slow", "--input", str(data), "--output", str(out), "--partition-rows", "10",
+            "--code", str(code), "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["partitions_resumed"] == len(first) and doc["partitions_done"] == 20 - len(first)
+    assert {f.name: f.stat().st_mtime_ns for f in out.glob("part-*") if f.name in first} == first  # not rewritten
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
+    assert len(list(out.glob("part-*"))) == 20
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fn", "batchfns:nope"], "--fn batchfns:nope: batchfns has no function 'nope'"),
+    (["--fn", "nomodule:f"], "--fn nomodule:f: no module 'nomodule'"),
+    (["--fn", "batchfns"], "--fn batchfns: write it as MODULE:FUNCTION"),
+    (["--fn", "batchfns:score", "--input", "missing.jsonl"], "--input missing.jsonl: no such file or folder"),
+    (["--fn", "batchfns:score", "--input", "bad.jsonl"], "line 2 is not JSON"),
+    (["--fn", "batchfns:score", "--input", "latin1.jsonl"], "line 1 is not UTF-8 text"),
+    (["--fn", "batchfns:score", "--input", "corrupt.parquet"], "not a readable Parquet file"),
+    (["--fn", "batchfns:score", "--partition-rows", "0"], "--partition-rows 0: must be at least 1"),
+])
+def test_user_mistakes_are_one_line(cli, code, tmp_path, args, message):
+    make_input(code / "in.jsonl", 5)
+    (code / "bad.jsonl").write_text('{"id": 1, "text": "a"}\n{oops\n')
+    (code / "latin1.jsonl").write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    (code / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    if "--input" not in args:
+        args = args + ["--input", "in.jsonl"]
+    started = time.monotonic()
+    r = cli("batch", *args, "--output", str(tmp_path / "out"), cwd=str(code), timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert time.monotonic() - started < 30  # refused before any Dask process started
+
+
+def test_output_folder_of_another_job_is_refused(cli, code, tmp_path):
+    data = make_input(tmp_path / "in.jsonl", 10)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = cli("batch", "--fn", "batchfns:score", "--input", str(data), "--output", str(out), "--code", str(code))
+    assert r.returncode != 0 and "is not empty and holds no batch job" in r.stderr.strip()
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bundled_examples_sentiment_and_perplexity(cli, tmp_path, monkeypatch):
+    import torch
+
+    from vpscluster.jobs import examples
+    from vpscluster.train.model import build_model
+    from vpscluster.train.presets import get_preset
+
+    # sentiment, as a user tries it: generated comments, no download.
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = cli("batch", "--example", "sentiment", "--rows", "3000", "--partition-rows", "1000", "--output",
+            str(tmp_path / "s"), "--workers-per-node", "1", "--json", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["rows_out"] == 3000
+    comments = [json.loads(line) for line in (tmp_path / "cache/vpscluster/examples/comments-3000.jsonl").read_text().splitlines()]
+    assert outputs(tmp_path / "s") == examples.sentiment(comments)
+    assert {row["label"] for row in outputs(tmp_path / "s")} == {"positive", "negative", "neutral"}
+
+    # perplexity with a checkpoint shipped to the workers as a parameter file.
+    ckpt = tmp_path / "rank-00000.pt"
+    torch.save({"model": build_model(get_preset("tiny"), seed=3).state_dict()}, ckpt)
+    docs = tmp_path / "docs.jsonl"
+    examples.generate_documents(str(docs), 12)
+    res = run_batch(BatchSpec(fn="vpscluster.jobs.examples:perplexity", input=str(docs), output=str(tmp_path / "p"),
+                              partition_rows=4, params={"preset": "tiny"}, ship={"checkpoint": str(ckpt)},
+                              workers_per_node=1), local_cluster())
+    assert res.ok, res.error
+    rows = [json.loads(line) for line in docs.read_text().splitlines()]
+    want = examples.perplexity(rows, checkpoint=str(ckpt), preset="tiny")
+    got = outputs(tmp_path / "p")
+    assert [g["id"] for g in got] == list(range(12))
+    assert all(abs(g["nll"] - w["nll"]) < 1e-5 for g, w in zip(got, want))
+    assert all(200 < g["perplexity"] < 300 for g in got)  # an untrained byte model: ~ vocabulary size
+
+
+def test_straggler_gets_a_backup_and_output_is_written_once(code, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAKY_DIR", str(tmp_path))
+    data = make_input(tmp_path / "in.jsonl", 80)
+    out = tmp_path / "out"
+    started = time.monotonic()
+    r = run_batch(BatchSpec(fn="batchfns:straggle", input=str(data), output=str(out), partition_rows=10,
+                            code_dir=str(code), workers_per_node=2), local_cluster())
+    assert r.ok, r.error
+    assert time.monotonic() - started < 50  # did not wait for the 60 s straggler
+    assert r.backups == 1 and r.backups_won == 1 and r.duplicated_rows == 10
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert [p["backup"] for p in manifest["partitions_list"]] == [True] + [False] * 7
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
+    assert sorted(a["partition"] for a in assignments(out) if a["event"] == "done") == list(range(8))
+
+
+def test_plain_dask_placement_baseline_gives_the_same_outputs(code, tmp_path):
+    # The benchmark's "dask" mode: every partition submitted at once, placed by Dask alone.
+    data = make_input(tmp_path / "in.jsonl", 50)
+    out = tmp_path / "out"
+    r = run_batch(BatchSpec(fn="batchfns:score", input=str(data), output=str(out), partition_rows=5,
+                            code_dir=str(code), placement="dask", admission=False, speculation=False), local_cluster())
+    assert r.ok, r.error
+    assert r.partitions_done == 10 and r.backups == 0
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
