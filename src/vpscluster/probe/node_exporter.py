@@ -335,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-capacity-bytes-per-s", type=float, default=None)
     p.add_argument("--cpu-quota-cores", type=float, default=None,
                    help="the node's CPU share where its cgroup file system is not visible (the probe's figure)")
+    p.add_argument("--fallback", action="store_true", help="serve on a free port when --port is taken (printed)")
     args = p.parse_args(argv)
     if args.cpu_quota_cores:
         os.environ[QUOTA_ENV] = str(args.cpu_quota_cores)
-    _server, port = serve(args.node, args.port, args.bind, args.path, args.link_capacity_bytes_per_s, fallback=False)
+    _server, port = serve(args.node, args.port, args.bind, args.path, args.link_capacity_bytes_per_s, fallback=args.fallback)
     print(f"node exporter for {args.node} on {args.bind}:{port}", flush=True)
     try:
         while True:
