@@ -230,6 +230,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
                        say=say, on_event=with_monitor)
     job.create_run = create_run
     result = launch(job)
+    _clear_targets(run, say)
     if result.interrupted:
         raise Interrupted()  # every process on every node has been stopped
     logs = run.run_dir / rundir.LOGS
@@ -267,6 +268,17 @@ def _publish_targets(run: TrainingRun, exporters: list[dict], say: Say) -> None:
             say(f"monitoring: could not add the run's exporters to Prometheus: {e}")
 
     threading.Thread(target=publish, name="vpsc-monitor-targets", daemon=True).start()
+
+
+def _clear_targets(run: TrainingRun, say: Say) -> None:
+    from vpscluster.monitor.server import load_record, publish_run_targets
+
+    if load_record(run.cluster) is None:
+        return
+    try:
+        publish_run_targets(run.cluster, run.run_dir.name, [])
+    except Exception as e:  # the run's outcome matters more than stale targets
+        say(f"monitoring: could not remove the finished run's exporters from Prometheus: {e}")
 
 
 def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,

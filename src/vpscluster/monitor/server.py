@@ -131,6 +131,12 @@ def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0
     return rec
 
 
+# An executor ends the process group of a command when it returns: wait until the started
+# program leads its own session (setsid ran), so it outlives the command.
+_DETACHED = ("for i in $(seq 100); do [ \"$(cut -d' ' -f6 /proc/$pid/stat 2>/dev/null)\" = \"$pid\" ] && break; "
+             "sleep 0.05; done")
+
+
 def _node_exporter_cmd(python: str, node: str, address: str, workdir: str, pythonpath: str | None,
                        quota: float | None) -> str:
     mdir = posixpath.join(workdir, MONITOR_DIR)
@@ -196,7 +202,8 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
                 f"--web.listen-address={address}:{port}"]
         log = shlex.quote(posixpath.join(mdir, "prometheus.log"))
         r = await head.run(f"command -v {shlex.quote(prometheus)} >/dev/null || {{ echo 'no prometheus binary' >&2; exit 127; }}; "
-                           f"setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & echo $!", timeout_s=timeout_s)
+                           f"setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & pid=$!; {_DETACHED}; echo $pid",
+                           timeout_s=timeout_s)
         if r.exit_status == 127:
             raise UserError(f"node {cluster.head}: no `{prometheus}` binary; install it (Debian/Ubuntu: apt install "
                             "prometheus; elsewhere the tarball from prometheus.io/download) or pass --prometheus PATH")
@@ -282,11 +289,13 @@ def status(cluster) -> dict[str, Any]:
 
 
 def publish_run_targets(cluster, run_id: str, exporters: list[dict[str, Any]]) -> str | None:
-    """Write the run's targets where Prometheus reads them (if monitoring runs): the path, or None."""
+    """Write the run's targets where Prometheus reads them (if monitoring runs): the path, or None.
+
+    An empty `exporters` clears them (the run ended: its stored series stay in Prometheus)."""
     from vpscluster.cluster.inventory import executor_for
 
     rec = load_record(cluster)
-    if rec is None or not exporters:
+    if rec is None:
         return None
     remote = posixpath.join(rec.monitor_dir, "targets", "run.json")
 

@@ -1,0 +1,103 @@
+"""`monitor up` starts the real Prometheus (Debian's binary) on the local cluster's head; it scrapes
+the node exporter and, once `train` publishes them, every rank; the load queries answer from it;
+`monitor down` leaves nothing running."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+from conftest import free_port, pid_alive, run_cli
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (apt install prometheus)")
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last})")
+
+
+def test_monitor_up_scrapes_node_and_ranks_then_down(tmp_path, monkeypatch):
+    from vpscluster.cluster.inventory import local_cluster
+    from vpscluster.launch.train import train
+    from vpscluster.monitor import query
+    from vpscluster.monitor.server import load_record
+    from vpscluster.train.config import TrainConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the monitor record lives under ~/.cache
+    monkeypatch.chdir(tmp_path)  # the local cluster's workdir: monitor/ goes here
+    env = {"HOME": str(tmp_path)}
+    port = free_port()
+    r = run_cli("monitor", "up", "--port", str(port), "--scrape-interval", "1", "--json", env=env, cwd=str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    try:
+        assert rec["url"] == f"http://127.0.0.1:{port}" and pid_alive(rec["prometheus_pid"])
+        prom = query.Prometheus(rec["url"])
+        wait_for(lambda: [t for t in prom.targets() if t["health"] == "up" and t["labels"]["exporter"] == "node"], 30,
+                 "the node exporter scraped")
+        assert (tmp_path / "monitor" / "prometheus.yml").exists()
+
+        # A run publishes its ranks; Prometheus picks them up without a restart.
+        cfg = TrainConfig(nodes=2, max_steps=100000, time_budget_s=30, eval_every=100000, checkpoint_every=100000,
+                          threads_per_rank=1, run_dir=str(tmp_path / "runs" / "mon-run"))
+        done: dict = {}
+        worker = threading.Thread(target=lambda: done.setdefault("report", train(cfg)), daemon=True)
+        worker.start()
+
+        def ranks_up():
+            assert worker.is_alive(), "the run ended before Prometheus scraped its ranks"
+            up = [t for t in prom.targets() if t["labels"].get("exporter") == "rank" and t["health"] == "up"]
+            return up if len(up) == 2 else None
+
+        # Starting two torch ranks takes seconds on a quiet machine, minutes on a loaded shared one.
+        ranks = wait_for(ranks_up, 300, "both ranks scraped")
+        assert sorted(t["labels"]["rank"] for t in ranks) == ["0", "1"]
+        def both_stepping():
+            steps = {lab["rank"]: v for lab, v in prom.query("vpscluster_step") if v > 0}
+            return steps if len(steps) == 2 else None
+
+        assert set(wait_for(both_stepping, 60, "steps of both ranks")) == {"0", "1"}
+
+        cpu = wait_for(lambda: query.cpu_utilization(prom), 30, "cpu utilisation per node")
+        assert set(cpu) == {"local"} and 0 <= cpu["local"] <= 1
+        rates = query.link_rates(prom, window="10s", include_loopback=True)
+        assert rates["local"]["lo"]["tx"] > 0  # gloo's all-reduces go over loopback
+        latency = wait_for(lambda: query.sync_latency(prom, window="30s").get("step"), 30, "sync latency quantiles")
+        assert 0 < latency["p50"] <= latency["p95"]
+        worker.join(timeout=120)
+        assert done["report"]["stopped_by"] == "time_budget"
+
+        # The ended run's targets go (file discovery notices within seconds); the node's stays.
+        wait_for(lambda: {t["labels"]["exporter"] for t in prom.targets()} == {"node"}, 60, "the run's targets removed")
+        status = json.loads(run_cli("monitor", "status", "--json", env=env, cwd=str(tmp_path)).stdout)
+        assert status["running"] and [t["health"] for t in status["targets"]] == ["up"]
+    finally:
+        down = run_cli("monitor", "down", env=env, cwd=str(tmp_path), timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not pid_alive(rec["prometheus_pid"])
+    assert not any(pid_alive(e["pid"]) for e in rec["node_exporters"].values())
+    assert load_record(local_cluster()) is None
+    again = run_cli("monitor", "down", env=env, cwd=str(tmp_path))
+    assert again.returncode == 0 and "not running" in again.stdout
+
+
+def test_dashboard_has_a_panel_per_metric(cli):
+    from vpscluster import telemetry as T
+
+    r = cli("monitor", "dashboard")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    exprs = " ".join(t["expr"] for p in doc["panels"] if p["type"] == "timeseries" for t in p["targets"])
+    for m in T.ALL_METRICS:
+        assert (m.name + "_bucket" if m.kind == "histogram" else m.sample) in exprs, m.name
