@@ -154,11 +154,27 @@ def run(args: argparse.Namespace) -> int:
     with ProgressView(json_mode=args.json, console=out) as view:
         say = _warnings_only(view.log_line) if prepared.local else view.log_line
         report = train.launch_training(prepared, say=say, on_event=view.handle)
+    html_report = _html_report(prepared.run_dir, out)
+    if html_report:
+        report["report_html"] = html_report
     if args.json:
         emit_json(report)
     else:
         view.summary(report)
+        if html_report:
+            out.print(f"charts: {html_report}")
     return 0
+
+
+def _html_report(run_dir, out) -> str | None:
+    """RUN_DIR/report.html; a run that trained fine is not failed by its charts."""
+    from vpscluster.monitor.report import write_report
+
+    try:
+        return str(write_report(run_dir))
+    except Exception as e:
+        out.print(f"[yellow]warning:[/] no report.html ({type(e).__name__}: {e}); try `vpscluster report {run_dir}`")
+        return None
 
 
 def _warnings_only(show):
