@@ -75,6 +75,13 @@ def test_monitor_up_scrapes_node_and_ranks_then_down(tmp_path, monkeypatch):
         assert rates["local"]["lo"]["tx"] > 0  # gloo's all-reduces go over loopback
         latency = wait_for(lambda: query.sync_latency(prom, window="30s").get("step"), 30, "sync latency quantiles")
         assert 0 < latency["p50"] <= latency["p95"]
+        # `top --json` during the run: every node, with non-zero rates and the ranks' step time.
+        top = json.loads(run_cli("top", "--json", "--window", "10s", env=env, cwd=str(tmp_path), timeout=60).stdout)
+        assert [n["node"] for n in top["nodes"]] == ["local"]
+        (row,) = top["nodes"]
+        assert row["tx_bytes_per_s"] > 0 and row["rx_bytes_per_s"] > 0 and row["step_seconds"] > 0
+        assert 0 <= row["comm_share"] <= 1 and row["sync_latency_s"] > 0
+        assert top["run"]["ranks"] == 2 and top["run"]["loss"] > 0
         worker.join(timeout=120)
         assert done["report"]["stopped_by"] == "time_budget"
 
@@ -101,3 +108,23 @@ def test_dashboard_has_a_panel_per_metric(cli):
     exprs = " ".join(t["expr"] for p in doc["panels"] if p["type"] == "timeseries" for t in p["targets"])
     for m in T.ALL_METRICS:
         assert (m.name + "_bucket" if m.kind == "histogram" else m.sample) in exprs, m.name
+
+
+def test_top_renders_alerts_for_busy_nodes_full_links_and_slow_syncs():
+    from rich.console import Console
+
+    from vpscluster.monitor.top import render
+
+    row = {"node": "a", "cpu_utilization": 0.93, "cpu_capacity_cores": 0.5, "memory_used_bytes": 2e9,
+           "memory_total_bytes": 8e9, "tx_bytes_per_s": 12.2e6, "rx_bytes_per_s": 1e6, "link_capacity_bytes_per_s": 12.5e6,
+           "step_seconds": 0.4, "comm_share": 0.6, "sync_latency_s": 0.9, "sync_latency_median_s": 0.1,
+           "alerts": ["CPU 93% of its quota: give it no new work", "link 98% full", "sync latency 900 ms, 9.0x its median: trace the path with `mtr 10.0.0.2`"]}
+    idle = {k: None for k in row} | {"node": "b", "alerts": []}
+    snap = {"prometheus": "http://h:9470", "window": "30s", "nodes": [row, idle],
+            "run": {"step": 10, "loss": 3.2, "tokens_per_s": 1234.0, "ranks": 2},
+            "alerts": [f"a: {a}" for a in row["alerts"]]}
+    con = Console(record=True, width=160)
+    con.print(render(snap))
+    text = con.export_text()
+    assert "93% of 0.5" in text and "98% of 12.5 MB/s" in text and "mtr 10.0.0.2" in text
+    assert "loss 3.200" in text and "1,234 tokens/s" in text
