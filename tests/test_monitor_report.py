@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
     r = run_cli("train", "--max-steps", "12", "--eval-every", "5", "--threads-per-rank", "1", "--run-dir", str(d), "--json",
                 cwd=str(d.parent), timeout=600)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["report_html"] == str(d / "report.html")
+    assert json.loads(r.stdout)["steps"] == 12 and (d / "report.html").exists()  # train wrote it
     return d
 
 

@@ -154,9 +154,7 @@ def run(args: argparse.Namespace) -> int:
     with ProgressView(json_mode=args.json, console=out) as view:
         say = _warnings_only(view.log_line) if prepared.local else view.log_line
         report = train.launch_training(prepared, say=say, on_event=view.handle)
-    html_report = _html_report(prepared.run_dir, out)
-    if html_report:
-        report["report_html"] = html_report
+    html_report = _html_report(prepared.run_dir, out)  # --json prints report.json exactly; the file is beside it
     if args.json:
         emit_json(report)
     else:
