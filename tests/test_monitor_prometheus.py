@@ -128,3 +128,21 @@ def test_top_renders_alerts_for_busy_nodes_full_links_and_slow_syncs():
     text = con.export_text()
     assert "93% of 0.5" in text and "98% of 12.5 MB/s" in text and "mtr 10.0.0.2" in text
     assert "loss 3.200" in text and "1,234 tokens/s" in text
+
+
+def test_generated_configuration_snapshots():
+    """What `monitor up` writes and runs on the nodes, as snapshots (VPSC_UPDATE_SNAPSHOTS=1 regenerates)."""
+    from test_launch_commands import check_snapshot
+
+    from vpscluster.monitor import server
+
+    exporters = [{"rank": 0, "local_rank": 0, "node": "a", "address": "10.0.0.2", "rank_port": 9480, "node_port": 9471},
+                 {"rank": 1, "local_rank": 0, "node": "b", "address": "10.0.0.3", "rank_port": 9480, "node_port": 9471}]
+    check_snapshot("monitor_generated.json", {
+        "prometheus.yml": json.loads(server.prometheus_config("/srv/vpscluster/monitor", 5.0)),
+        "targets/nodes.json": server.node_targets({"a": {"address": "10.0.0.2", "port": 9471, "pid": 1},
+                                                   "b": {"address": "10.0.0.3", "port": 9471, "pid": 2}}),
+        "targets/run.json": server.run_targets("run-1", exporters),
+        "node exporter command": server._node_exporter_cmd("/opt/venv/bin/python", "a", "10.0.0.2", "/srv/vpscluster",
+                                                           "/srv/vpscluster/code/src", 0.45, 12.5e6),
+    })

@@ -138,12 +138,14 @@ _DETACHED = ("for i in $(seq 100); do [ \"$(cut -d' ' -f6 /proc/$pid/stat 2>/dev
 
 
 def _node_exporter_cmd(python: str, node: str, address: str, workdir: str, pythonpath: str | None,
-                       quota: float | None) -> str:
+                       quota: float | None, link_capacity: float | None = None) -> str:
     mdir = posixpath.join(workdir, MONITOR_DIR)
     argv = [python, "-m", "vpscluster.probe.node_exporter", "--node", node, "--bind", address, "--path", workdir,
             "--port", str(T.NODE_PORT), "--fallback"]
     if quota:
         argv += ["--cpu-quota-cores", str(quota)]
+    if link_capacity:
+        argv += ["--link-capacity-bytes-per-s", f"{link_capacity:.0f}"]
     env = f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath else ""
     log, pid = shlex.quote(posixpath.join(mdir, "node-exporter.log")), shlex.quote(posixpath.join(mdir, "node-exporter.pid"))
     return (f"mkdir -p {shlex.quote(mdir)} && : > {log} || exit 1; {env}setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & "
@@ -160,7 +162,11 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
     from vpscluster.probe.store import load_probe
 
     timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
-    facts = {n["name"]: n for n in (load_probe(cluster) or {}).get("nodes", [])}
+    from vpscluster.monitor.top import link_capacity
+
+    probe = load_probe(cluster)
+    facts = {n["name"]: n for n in (probe or {}).get("nodes", [])}
+    capacity = link_capacity(probe)
     async with open_executors(cluster) as executors:
         workdirs = await resolve_workdirs(executors, timeout_s)
         code = SyncItem("code", os.path.dirname(os.path.abspath(vpscluster.__file__)), "code/src/vpscluster")
@@ -176,7 +182,8 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
                 pythonpath = posixpath.dirname(r.remote_path)
             f = facts.get(node.name, {})
             quota = f.get("cpu_share") if f.get("cpu_count") and (f.get("cpu_share") or 1e9) < f["cpu_count"] else None
-            r = await ex.run(_node_exporter_cmd(node.python, node.name, address, workdir, pythonpath, quota),
+            r = await ex.run(_node_exporter_cmd(node.python, node.name, address, workdir, pythonpath, quota,
+                                                capacity.get(node.name)),
                              timeout_s=timeout_s)
             lines = r.stdout.strip().splitlines()
             served = [ln for ln in lines if ln.startswith("node exporter for")]

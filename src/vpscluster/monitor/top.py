@@ -25,7 +25,7 @@ def _per_node(prom, promql: str) -> dict[str, float]:
     return {lab.get("node", ""): v for lab, v in prom.query(promql) if v == v}
 
 
-def _link_capacity(probe: dict | None) -> dict[str, float]:
+def link_capacity(probe: dict | None) -> dict[str, float]:
     """node -> bytes/s of its fastest measured link (the probe), else its advertised rate."""
     out: dict[str, float] = {}
     for link in (probe or {}).get("links", []):
@@ -49,7 +49,7 @@ def snapshot(cluster, window: str = "30s") -> dict[str, Any]:
     mem = _per_node(prom, f"max by (node) ({T.MEMORY_USED.sample})")
     mem_total = _per_node(prom, f"max by (node) ({T.MEMORY_TOTAL.sample})")
     rates = query.link_rates(prom, window, include_loopback=local)
-    link_cap = _link_capacity(load_probe(cluster))
+    link_cap = link_capacity(load_probe(cluster))
     for lab, v in prom.query(f"max by (node) ({T.LINK_CAPACITY.sample})"):
         link_cap.setdefault(lab.get("node", ""), v)
 
