@@ -96,16 +96,16 @@ def figures(run_dir: Path) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     figs.append(("Throughput and communication", f))
 
     per_rank = report.get("per_rank") or []
+    exporters = (_read_json(run_dir / "exporters.json") or {}).get("exporters", [])
+    node_of = {e["rank"]: e["node"] for e in exporters}
     f = go.Figure()
-    names = [f"rank {r['rank']}" for r in per_rank]
+    names = [f"rank {r['rank']}" + (f" ({node_of[r['rank']]})" if r["rank"] in node_of else "") for r in per_rank]
     f.add_bar(x=names, y=[r["compute_seconds"] for r in per_rank], name="compute")
     f.add_bar(x=names, y=[r["comm_seconds"] for r in per_rank], name="communication")
     f.update_layout(barmode="stack", yaxis_title="seconds")
-    figs.append(("Compute vs communication per rank", f))
+    figs.append(("Compute vs communication per rank (node)", f))
 
     cluster, probe = _cluster_and_probe(cfg)
-    exporters = (_read_json(run_dir / "exporters.json") or {}).get("exporters", [])
-    node_of = {e["rank"]: e["node"] for e in exporters}
     by_node: dict[str, float] = {}
     for r in per_rank:
         node = node_of.get(r["rank"], f"rank {r['rank']}")
