@@ -195,3 +195,25 @@ def test_node_exporter_host_cpu_figure_without_quota():
     used, util = meter.read()
     assert used > 0 and 0 < util <= 1
     assert meter.capacity_cores >= 1
+
+
+def test_outer_syncs_are_their_own_latency_kind():
+    """A step during which DiLoCo's outer-sync count rose is an outer sync's latency."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vpscluster.train.exporter import RankExporter
+
+    e = RankExporter(rank=3, local_rank=9, node="n", bind="127.0.0.1")  # not started: nothing served
+    e.start_outer_count(0)
+    for step, outer, comm_s in ((1, 0, 0.01), (2, 1, 2.0), (3, 1, 0.02), (4, 2, 3.0)):
+        e.step(step, 3.0, 100, 50, 4.0, comm_s, 10, outer)
+    samples = {}
+    for fam in text_string_to_metric_families(generate_latest(e.registry).decode()):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert value(samples, "vpscluster_outer_syncs_total") == 2
+    assert value(samples, "vpscluster_sync_latency_seconds_count", kind="outer") == 2
+    assert value(samples, "vpscluster_sync_latency_seconds_sum", kind="outer") == pytest.approx(5.0)
+    assert value(samples, "vpscluster_sync_latency_seconds_count", kind="step") == 2
+    assert value(samples, "vpscluster_bytes_sent_total", rank=3, node="n") == 40

@@ -126,6 +126,11 @@ def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0
     rec = load_record(cluster)
     if rec is not None and _ready(rec.url):
         raise UserError(f"monitoring already runs for this cluster at {rec.url}; `vpscluster monitor down` first")
+    if rec is not None:  # recorded but not answering (a node rebooted, Prometheus died): clear what is left
+        try:
+            down(cluster)
+        except Exception as e:
+            say(f"note: could not stop what the last `monitor up` left: {e}")
     rec = asyncio.run(_up(cluster, port, scrape_interval_s, prometheus, say))
     _save_record(cluster, rec)
     return rec

@@ -48,8 +48,8 @@ class RankExporter:
             kw = {"buckets": T.SECONDS_BUCKETS} if m.kind == "histogram" else {}
             made[m.name] = cls(m.name, m.help, list(m.labels), registry=self.registry, **kw)
         lab = {"rank": str(rank), "node": node}
-        self._m = {name: (metric.labels(**lab) if "kind" not in metric._labelnames else metric)
-                   for name, metric in made.items()}
+        # Children bound to this rank's labels; the sync histogram also takes its `kind` per call.
+        self._m = {m.name: made[m.name].labels(**lab) for m in T.RANK_METRICS if m.labels == T.RANK_LABELS}
         self._lab = lab
         self._sync = {kind: made[T.SYNC_SECONDS.name].labels(**lab, kind=kind) for kind in ("step", "outer")}
         self._servers: list = []
