@@ -146,3 +146,13 @@ def test_generated_configuration_snapshots():
         "node exporter command": server._node_exporter_cmd("/opt/venv/bin/python", "a", "10.0.0.2", "/srv/vpscluster",
                                                            "/srv/vpscluster/code/src", 0.45, 12.5e6),
     })
+
+
+def test_up_without_the_binary_is_one_line_and_starts_nothing(tmp_path):
+    env = {"HOME": str(tmp_path)}
+    r = run_cli("monitor", "up", "--prometheus", str(tmp_path / "no-such-prometheus"), env=env, cwd=str(tmp_path), timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and "apt install prometheus" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "monitor" / "node-exporter.pid").exists()
+    status = json.loads(run_cli("monitor", "status", "--json", env=env, cwd=str(tmp_path)).stdout)
+    assert status == {"running": False}

@@ -96,6 +96,15 @@ def test_monitor_a_sandbox_run(make_sandbox, tmp_path):
         worker.join(timeout=300)
         assert done["report"]["world_size"] == 3 and done["report"]["stopped_by"] == "time_budget"
         wait_for(lambda: {t["labels"]["exporter"] for t in prom.targets()} == {"node"}, 60, "the run's targets removed")
+
+        # The run's report: a cluster run has a probe (the launch makes one), so a heat map too.
+        from vpscluster.monitor.report import write_report
+        from vpscluster.probe.store import load_probe
+
+        page = write_report(tmp_path / "mon-run").read_text()
+        assert "Compute vs communication per rank" in page and all(n.name in page for n in info.nodes)
+        if any(x.get("bandwidth_mbit") for x in (load_probe(cluster) or {}).get("links", [])):
+            assert "Measured bandwidth between nodes" in page
     finally:
         down = run_cli("monitor", "down", "--cluster", info.cluster_file, timeout=120)
     assert down.returncode == 0, down.stderr

@@ -197,43 +197,59 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
                                   f"{(r.stderr or r.stdout).strip()[-300:] or r.error}")
             return node.name, {"address": address, "port": int(served[0].rsplit(":", 1)[1]), "pid": int(lines[0])}
 
-        exporters = dict(await asyncio.gather(*(start_exporter(ex) for ex in executors)))
-        say("node exporters: " + ", ".join(f"{n} {e['address']}:{e['port']}" for n, e in exporters.items()))
-
         head = next(ex for ex in executors if ex.node.name == cluster.head)
-        mdir = posixpath.join(workdirs[cluster.head], MONITOR_DIR)
-        address = exporters[cluster.head]["address"]
-        with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
-            Path(tmp, "prometheus.yml").write_text(prometheus_config(mdir, scrape_interval_s))
-            Path(tmp, "nodes.json").write_text(json.dumps(node_targets(exporters), indent=2))
-            await head.put(str(Path(tmp, "prometheus.yml")), posixpath.join(mdir, "prometheus.yml"), timeout_s=timeout_s)
-            await head.put(str(Path(tmp, "nodes.json")), posixpath.join(mdir, "targets", "nodes.json"), timeout_s=timeout_s)
-        argv = [prometheus, f"--config.file={posixpath.join(mdir, 'prometheus.yml')}",
-                f"--storage.tsdb.path={posixpath.join(mdir, 'data')}",
-                f"--storage.tsdb.retention.time={RETENTION_TIME}", f"--storage.tsdb.retention.size={RETENTION_SIZE}",
-                f"--web.listen-address={address}:{port}"]
-        log = shlex.quote(posixpath.join(mdir, "prometheus.log"))
-        r = await head.run(f"command -v {shlex.quote(prometheus)} >/dev/null || {{ echo 'no prometheus binary' >&2; exit 127; }}; "
-                           f"setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & pid=$!; {_DETACHED}; echo $pid",
-                           timeout_s=timeout_s)
-        if r.exit_status == 127:
+        r = await head.run(f"command -v {shlex.quote(prometheus)}", timeout_s=timeout_s)
+        if not r.ok:  # before anything is started
             raise UserError(f"node {cluster.head}: no `{prometheus}` binary; install it (Debian/Ubuntu: apt install "
                             "prometheus; elsewhere the tarball from prometheus.io/download) or pass --prometheus PATH")
-        if not r.ok:
-            raise RemoteError(f"node {cluster.head}: could not start Prometheus: {r.stderr.strip() or r.error}")
-        rec = MonitorRecord(head=cluster.head, url=f"http://{address}:{port}", monitor_dir=mdir,
-                            prometheus_pid=int(r.stdout.strip().splitlines()[-1]), scrape_interval_s=scrape_interval_s,
-                            node_exporters=exporters, started_at=time.time())
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(rec.url):
-            alive = await head.run(f"kill -0 {rec.prometheus_pid}", timeout_s=timeout_s)
-            if not alive.ok or time.monotonic() > deadline:
-                tail = await head.run(f"tail -n 5 {log}", timeout_s=timeout_s)
-                await _stop_all(executors, rec, timeout_s)
-                raise RemoteError(f"node {cluster.head}: Prometheus did not come up at {rec.url}: {tail.stdout.strip()[-500:]}")
-            await asyncio.sleep(0.3)
-        say(f"Prometheus at {rec.url} (data in {mdir}/data, kept {RETENTION_TIME} or {RETENTION_SIZE})")
-        return rec
+        results = await asyncio.gather(*(start_exporter(ex) for ex in executors), return_exceptions=True)
+        exporters = dict(x for x in results if not isinstance(x, BaseException))
+        started = MonitorRecord(head=cluster.head, url="", monitor_dir="", prometheus_pid=0,
+                                scrape_interval_s=scrape_interval_s, node_exporters=exporters)
+        failed = [x for x in results if isinstance(x, BaseException)]
+        if failed:  # stop the exporters that did start: a failed `up` leaves nothing running
+            await _stop_all(executors, started, timeout_s)
+            raise failed[0]
+        say("node exporters: " + ", ".join(f"{n} {e['address']}:{e['port']}" for n, e in exporters.items()))
+        try:
+            return await _start_prometheus(cluster, head, workdirs, exporters, port, scrape_interval_s, prometheus,
+                                           executors, timeout_s, say)
+        except BaseException:
+            await _stop_all(executors, started, timeout_s)
+            raise
+
+
+async def _start_prometheus(cluster, head, workdirs, exporters, port, scrape_interval_s, prometheus, executors,
+                            timeout_s, say) -> MonitorRecord:
+    mdir = posixpath.join(workdirs[cluster.head], MONITOR_DIR)
+    address = exporters[cluster.head]["address"]
+    with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
+        Path(tmp, "prometheus.yml").write_text(prometheus_config(mdir, scrape_interval_s))
+        Path(tmp, "nodes.json").write_text(json.dumps(node_targets(exporters), indent=2))
+        await head.put(str(Path(tmp, "prometheus.yml")), posixpath.join(mdir, "prometheus.yml"), timeout_s=timeout_s)
+        await head.put(str(Path(tmp, "nodes.json")), posixpath.join(mdir, "targets", "nodes.json"), timeout_s=timeout_s)
+    argv = [prometheus, f"--config.file={posixpath.join(mdir, 'prometheus.yml')}",
+            f"--storage.tsdb.path={posixpath.join(mdir, 'data')}",
+            f"--storage.tsdb.retention.time={RETENTION_TIME}", f"--storage.tsdb.retention.size={RETENTION_SIZE}",
+            f"--web.listen-address={address}:{port}"]
+    log = shlex.quote(posixpath.join(mdir, "prometheus.log"))
+    r = await head.run(f"setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & pid=$!; {_DETACHED}; echo $pid",
+                       timeout_s=timeout_s)
+    if not r.ok:
+        raise RemoteError(f"node {cluster.head}: could not start Prometheus: {r.stderr.strip() or r.error}")
+    rec = MonitorRecord(head=cluster.head, url=f"http://{address}:{port}", monitor_dir=mdir,
+                        prometheus_pid=int(r.stdout.strip().splitlines()[-1]), scrape_interval_s=scrape_interval_s,
+                        node_exporters=exporters, started_at=time.time())
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _ready(rec.url):
+        alive = await head.run(f"kill -0 {rec.prometheus_pid}", timeout_s=timeout_s)
+        if not alive.ok or time.monotonic() > deadline:
+            tail = await head.run(f"tail -n 5 {log}", timeout_s=timeout_s)
+            await _stop_all(executors, rec, timeout_s)
+            raise RemoteError(f"node {cluster.head}: Prometheus did not come up at {rec.url}: {tail.stdout.strip()[-500:]}")
+        await asyncio.sleep(0.3)
+    say(f"Prometheus at {rec.url} (data in {mdir}/data, kept {RETENTION_TIME} or {RETENTION_SIZE})")
+    return rec
 
 
 def _ready(url: str, timeout_s: float = 2.0) -> bool:
