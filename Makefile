@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 # Debian packages the sandbox (emulated cluster) and its tests need.
-SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux prometheus chromium
 
 .PHONY: setup demo test system-deps venv-deps clean
 

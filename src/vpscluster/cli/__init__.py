@@ -29,6 +29,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("vpscluster.cli.sandbox", "an emulated WAN cluster on this machine (root): up, down, status"),
     "batch": ("vpscluster.cli.batch", "run a Python function over partitioned data on every node (Dask)"),
     "bench": ("vpscluster.cli.bench", "run a benchmark scenario and write its table"),
+    "monitor": ("vpscluster.cli.monitor", "Prometheus for a cluster: up, down, status, a Grafana dashboard"),
+    "top": ("vpscluster.cli.top", "a live view of every node and the current run (from Prometheus)"),
+    "report": ("vpscluster.cli.report", "write RUN_DIR/report.html: where the time and the bytes of a run went"),
 }
 
 

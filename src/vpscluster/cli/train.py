@@ -31,6 +31,7 @@ FLAG_KEYS: dict[str, str] = {
     "checkpoint_every": "checkpoint_every",
     "nproc_per_node": "nproc_per_node",
     "threads_per_rank": "threads_per_rank",
+    "exporters": "exporters",
     "compress": "strategy.compress",
     "powersgd_rank": "strategy.powersgd_rank",
     "sync_every": "strategy.sync_every",
@@ -84,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--config", metavar="FILE.yaml", help="TrainConfig keys in YAML; flags override them")
     run.add_argument("--force", action="store_true", default=None, help="cluster: start even when the pre-flight checks report problems")
     run.add_argument("--accept-new-host-keys", action="store_true", default=None, help="cluster: trust SSH host keys seen for the first time")
+    run.add_argument("--no-exporters", dest="exporters", action="store_false", default=None,
+                     help="serve no Prometheus metrics from the ranks and nodes (see `vpscluster monitor`)")
     run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
     add_json_flag(parser)
 
@@ -151,11 +154,25 @@ def run(args: argparse.Namespace) -> int:
     with ProgressView(json_mode=args.json, console=out) as view:
         say = _warnings_only(view.log_line) if prepared.local else view.log_line
         report = train.launch_training(prepared, say=say, on_event=view.handle)
+    html_report = _html_report(prepared.run_dir, out)  # --json prints report.json exactly; the file is beside it
     if args.json:
         emit_json(report)
     else:
         view.summary(report)
+        if html_report:
+            out.print(f"charts: {html_report}")
     return 0
+
+
+def _html_report(run_dir, out) -> str | None:
+    """RUN_DIR/report.html; a run that trained fine is not failed by its charts."""
+    from vpscluster.monitor.report import write_report
+
+    try:
+        return str(write_report(run_dir))
+    except Exception as e:
+        out.print(f"[yellow]warning:[/] no report.html ({type(e).__name__}: {e}); try `vpscluster report {run_dir}`")
+        return None
 
 
 def _warnings_only(show):

@@ -154,6 +154,11 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         env = {"PYTHONPATH": posixpath.dirname(where["code"])} if "code" in where else {}
         if threads:  # also keeps torchrun from setting 1 and warning about it
             env["OMP_NUM_THREADS"] = str(threads)
+        share, count = state.facts.get("cpu_share"), state.facts.get("cpu_count")
+        if share and count and share < count:  # the node exporter's quota where no cgroup fs is visible
+            from vpscluster.probe.node_exporter import QUOTA_ENV
+
+            env[QUOTA_ENV] = str(share)
         return env
 
     async def prepare(ex, state, where, node_run_dir) -> None:
@@ -210,10 +215,17 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             rundir.create(run.run_dir)
         rundir.write_config(run.cfg, run.run_dir)
 
+    def with_monitor(event: dict) -> None:
+        if event.get("event") == "start" and event.get("exporters"):
+            _publish_targets(run, event["exporters"], say)
+        if on_event is not None:
+            on_event(event)
+
     job = training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force,
-                       say=say, on_event=on_event)
+                       say=say, on_event=with_monitor)
     job.create_run = create_run
     result = launch(job)
+    _clear_targets(run, say)
     if result.interrupted:
         raise Interrupted()  # every process on every node has been stopped
     logs = run.run_dir / rundir.LOGS
@@ -230,6 +242,38 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
         report["run_dir"] = str(run.run_dir)
         report["rank0_node"] = result.rank0_node
     return report
+
+
+def _publish_targets(run: TrainingRun, exporters: list[dict], say: Say) -> None:
+    """Tell the cluster's Prometheus (if `monitor up` runs) where this run's exporters are.
+
+    On a thread: the launch's event loop calls this and must not wait on a node."""
+    import threading
+
+    from vpscluster.monitor.server import load_record, publish_run_targets
+
+    if load_record(run.cluster) is None:
+        return
+
+    def publish() -> None:
+        try:
+            where = publish_run_targets(run.cluster, run.run_dir.name, exporters)
+            say(f"monitoring: the run's {len(exporters)} rank exporters added to Prometheus ({where})")
+        except Exception as e:  # monitoring must never stop a run
+            say(f"monitoring: could not add the run's exporters to Prometheus: {e}")
+
+    threading.Thread(target=publish, name="vpsc-monitor-targets", daemon=True).start()
+
+
+def _clear_targets(run: TrainingRun, say: Say) -> None:
+    from vpscluster.monitor.server import load_record, publish_run_targets
+
+    if load_record(run.cluster) is None:
+        return
+    try:
+        publish_run_targets(run.cluster, run.run_dir.name, [])
+    except Exception as e:  # the run's outcome matters more than stale targets
+        say(f"monitoring: could not remove the finished run's exporters from Prometheus: {e}")
 
 
 def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,

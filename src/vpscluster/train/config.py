@@ -120,6 +120,7 @@ class TrainConfig:
     nodes: Int = 2  # local worker processes when there is no cluster file
     nproc_per_node: Int = 0  # 0 = one per GPU, else one
     threads_per_rank: Int = 0  # 0 = the node's CPUs divided among its ranks
+    exporters: bool = True  # Prometheus metrics from every rank and node while training (telemetry.py)
     cluster: str | None = None
     run_dir: str | None = None
     # `strategy: diloco` is what users write; it means `strategy: {name: diloco}`.

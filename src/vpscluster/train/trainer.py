@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from vpscluster import fsutil
-from vpscluster.train import checkpoint, events, metrics, rundir
+from vpscluster.train import checkpoint, events, exporter, metrics, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
 
-RECENT_LOSSES = 10  # final_train_loss = mean of rank 0's last this-many step losses
+RECENT_LOSSES = 10
+EXPORTERS = "exporters.json"  # where every rank's and node's metrics are served (rank 0 writes it)  # final_train_loss = mean of rank 0's last this-many step losses
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -123,6 +124,7 @@ class Trainer:
         self.coll = checkpoint.Collectives(ctx.rank, ctx.world_size, ctx.local_rank, self._all_gather_object)
         self.events = events.event_writer(ctx.rank)
         self.metrics = metrics.metrics_log(ctx.rank, self.run_dir / rundir.METRICS)
+        self.exporter = exporter.rank_exporter(cfg.exporters, ctx.rank, ctx.local_rank, os.getcwd())
         self.shape = get_preset(cfg.preset)
         self.dataset = load_dataset(cfg.data, self.shape.seq_len, cfg.val_fraction)
         self.strategy = get_strategy_class(cfg.strategy.name)(cfg.strategy, ctx)
@@ -137,6 +139,19 @@ class Trainer:
         self.step = 0
         self._dist = dist if ctx.group is not None else None
         self._torch = torch
+        self.exporters = self._publish_exporters()
+
+    def _publish_exporters(self) -> list[dict[str, Any]]:
+        """Every rank's exporter address, gathered; rank 0 writes them to exporters.json."""
+        if not self.cfg.exporters:
+            return []
+        found = [e for e in self._all_gather_object(self.exporter.endpoint()) if e]
+        if self.ctx.rank == 0:
+            rundir.write_json_atomic(self.run_dir / EXPORTERS, {"exporters": found})
+        return found
+
+    def _outer_syncs(self) -> int | None:
+        return getattr(self.strategy, "outer_steps", None)  # DiLoCo counts its outer syncs
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if self.ctx.group is None:
@@ -163,7 +178,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         root = self.run_dir / rundir.CHECKPOINTS
+        t0 = time.perf_counter()
         d = checkpoint.save(root, self.step, self._payload(), self.coll, self.cfg.keep_checkpoints)
+        self.exporter.checkpoint(time.perf_counter() - t0)
         self.events.emit("checkpoint", step=self.step, path=str(d))
 
     def resume(self) -> None:
@@ -198,6 +215,7 @@ class Trainer:
         module.train()
         val = sum(losses) / len(losses)
         self.metrics.log(step=self.step, val_loss=val)
+        self.exporter.val_loss(val)
         self.events.emit("eval", step=self.step, val_loss=val)
         return val
 
@@ -222,7 +240,9 @@ class Trainer:
             "start", world_size=self.ctx.world_size, start_step=start_step, max_steps=cfg.max_steps,
             strategy=self.strategy.describe(), preset=cfg.preset, num_params=self.num_params,
             backend=self.ctx.backend, threads_per_rank=self.threads, run_dir=str(self.run_dir),
+            exporters=self.exporters,
         )
+        self.exporter.start_outer_count(self._outer_syncs())
         if start_step == 0:
             self.totals.initial_val_loss = self.evaluate()
         val_loss, val_step = self.totals.initial_val_loss, 0
@@ -258,6 +278,7 @@ class Trainer:
                 step=self.step, loss=loss_value, lr=lr, step_seconds=step_s, compute_seconds=max(0.0, step_s - comm_s),
                 comm_seconds=comm_s, tokens=tokens, bytes_sent=nbytes,
             )
+            self.exporter.step(self.step, loss_value, tokens, local_tokens, step_s, comm_s, nbytes, self._outer_syncs())
             if self.step % cfg.log_every == 0:
                 self.events.emit(
                     "step", step=self.step, max_steps=cfg.max_steps, loss=loss_value, lr=lr,
@@ -278,6 +299,7 @@ class Trainer:
         final_s, final_bytes = strategy.comm.take()
         self.totals.comm_seconds += final_s
         self.totals.bytes_sent += final_bytes
+        self.exporter.communicated(final_bytes)
         self.totals.wall_seconds += time.perf_counter() - t_final
         if val_step != self.step or val_loss is None:
             val_loss, val_step = self.evaluate(), self.step
@@ -343,6 +365,8 @@ class Trainer:
             self.strategy.close()
         if hasattr(self, "metrics"):
             self.metrics.close()
+        if hasattr(self, "exporter"):
+            self.exporter.close()
         # Whatever holds the process groups (DDP's reducer, PowerSGD's state, the context) must be
         # gone before the groups are destroyed; destroyed under them, the process can abort at exit.
         for name in ("model", "strategy", "optimizer", "ctx", "coll"):

@@ -1,0 +1,344 @@
+"""`vpscluster monitor up|down|status`: a real Prometheus server on the head, scraping every node
+exporter and the current run's ranks.
+
+    up      sends the package to every node (by content hash, as `train` does), starts a node
+            exporter on each (NODE_PORT, detached, pid in <workdir>/monitor/node-exporter.pid),
+            writes <head workdir>/monitor/{prometheus.yml, targets/nodes.json} and starts the
+            Prometheus binary on the head (PROMETHEUS_PORT, retention limited by time and size).
+    down    stops Prometheus and the node exporters (SIGTERM, then SIGKILL) and checks they are gone.
+    status  whether it runs, where, and the health of every target.
+
+Targets come from file-based service discovery (`targets/*.json`): `train` writes
+`targets/run.json` with the exporters its ranks really bound (exporters.json) when the run
+starts, and Prometheus picks it up without a restart. The launcher keeps a record of where the
+server runs next to the cluster's probe (`<cluster>.monitor.json`), so `top`, the queries and
+`train` find it.
+
+Prometheus itself: Debian/Ubuntu `apt install prometheus` (the package's service can stay
+disabled; vpscluster starts its own instance); elsewhere the release tarball from
+prometheus.io/download, with `prometheus` on the head's PATH or `--prometheus PATH`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import posixpath
+import shlex
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from vpscluster import telemetry as T
+from vpscluster.errors import RemoteError, UserError
+
+MONITOR_DIR = "monitor"
+RETENTION_TIME = "15d"
+RETENTION_SIZE = "1GB"
+START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class MonitorRecord:
+    """Where the monitoring of a cluster runs (the launcher's record)."""
+
+    head: str
+    url: str
+    monitor_dir: str  # on the head
+    prometheus_pid: int
+    scrape_interval_s: float
+    node_exporters: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> {address, port, pid}
+    started_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def record_path(cluster) -> Path:
+    from vpscluster.probe.store import probe_path
+
+    p = probe_path(cluster)
+    return p.with_name(p.name.replace(".probe.json", ".monitor.json"))
+
+
+def load_record(cluster) -> MonitorRecord | None:
+    try:
+        return MonitorRecord(**json.loads(record_path(cluster).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _save_record(cluster, rec: MonitorRecord | None) -> None:
+    from vpscluster.probe.store import write_json
+
+    path = record_path(cluster)
+    if rec is None:
+        path.unlink(missing_ok=True)
+    else:
+        write_json(path, rec.to_dict())
+
+
+# --- generated configuration (pure) ---------------------------------------------------------------
+
+
+def prometheus_config(monitor_dir: str, scrape_interval_s: float) -> str:
+    """prometheus.yml: one job reading every target file of `monitor_dir/targets`."""
+    interval = f"{max(1, round(scrape_interval_s))}s"
+    doc = {
+        "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+        "scrape_configs": [{
+            "job_name": "vpscluster",
+            "file_sd_configs": [{"files": [posixpath.join(monitor_dir, "targets", "*.json")], "refresh_interval": "30s"}],
+        }],
+    }
+    return json.dumps(doc, indent=2) + "\n"  # JSON is YAML
+
+
+def node_targets(exporters: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"targets": [f"{e['address']}:{e['port']}"], "labels": {"node": name, "exporter": "node"}}
+            for name, e in sorted(exporters.items())]
+
+
+def run_targets(run_id: str, exporters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The file_sd entries of a run's exporters.json (rank exporters and the run's node exporters)."""
+    out = []
+    for e in exporters:
+        labels = {"node": e["node"], "run": run_id}
+        out.append({"targets": [f"{e['address']}:{e['rank_port']}"], "labels": {**labels, "exporter": "rank", "rank": str(e["rank"])}})
+        if e.get("node_port"):
+            out.append({"targets": [f"{e['address']}:{e['node_port']}"], "labels": {**labels, "exporter": "run-node"}})
+    return out
+
+
+# --- up / down / status ----------------------------------------------------------------------------
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0, prometheus: str = "prometheus",
+       say: Callable[[str], None] = _quiet) -> MonitorRecord:
+    rec = load_record(cluster)
+    if rec is not None and _ready(rec.url):
+        raise UserError(f"monitoring already runs for this cluster at {rec.url}; `vpscluster monitor down` first")
+    if rec is not None:  # recorded but not answering (a node rebooted, Prometheus died): clear what is left
+        try:
+            down(cluster)
+        except Exception as e:
+            say(f"note: could not stop what the last `monitor up` left: {e}")
+    rec = asyncio.run(_up(cluster, port, scrape_interval_s, prometheus, say))
+    _save_record(cluster, rec)
+    return rec
+
+
+# An executor ends the process group of a command when it returns: wait until the started
+# program leads its own session (setsid ran), so it outlives the command.
+_DETACHED = ("for i in $(seq 100); do [ \"$(cut -d' ' -f6 /proc/$pid/stat 2>/dev/null)\" = \"$pid\" ] && break; "
+             "sleep 0.05; done")
+
+
+def _node_exporter_cmd(python: str, node: str, address: str, workdir: str, pythonpath: str | None,
+                       quota: float | None, link_capacity: float | None = None) -> str:
+    mdir = posixpath.join(workdir, MONITOR_DIR)
+    argv = [python, "-m", "vpscluster.probe.node_exporter", "--node", node, "--bind", address, "--path", workdir,
+            "--port", str(T.NODE_PORT), "--fallback"]
+    if quota:
+        argv += ["--cpu-quota-cores", str(quota)]
+    if link_capacity:
+        argv += ["--link-capacity-bytes-per-s", f"{link_capacity:.0f}"]
+    env = f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath else ""
+    log, pid = shlex.quote(posixpath.join(mdir, "node-exporter.log")), shlex.quote(posixpath.join(mdir, "node-exporter.pid"))
+    return (f"mkdir -p {shlex.quote(mdir)} && : > {log} || exit 1; {env}setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & "
+            f"echo $! > {pid}; for i in $(seq 100); do grep -q 'node exporter for' {log} && break; sleep 0.1; done; "
+            f"cat {pid}; cat {log}")
+
+
+async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say) -> MonitorRecord:
+    import vpscluster
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.pipeline import SyncItem, local_side
+    from vpscluster.launch.preflight import resolve_address, resolve_workdirs
+    from vpscluster.launch.sync import sync_dir
+    from vpscluster.probe.store import load_probe
+
+    timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
+    from vpscluster.monitor.top import link_capacity
+
+    probe = load_probe(cluster)
+    facts = {n["name"]: n for n in (probe or {}).get("nodes", [])}
+    capacity = link_capacity(probe)
+    async with open_executors(cluster) as executors:
+        workdirs = await resolve_workdirs(executors, timeout_s)
+        code = SyncItem("code", os.path.dirname(os.path.abspath(vpscluster.__file__)), "code/src/vpscluster")
+        root, manifest = local_side(code)
+
+        async def start_exporter(ex) -> tuple[str, dict[str, Any]]:
+            node, workdir = ex.node, workdirs[ex.node.name]
+            address = "127.0.0.1" if node.local else resolve_address(node.host)
+            pythonpath = None
+            if not node.local:
+                r = await sync_dir(ex, root, posixpath.join(workdir, code.remote_rel), timeout_s=max(timeout_s, 300.0),
+                                   manifest=manifest)
+                pythonpath = posixpath.dirname(r.remote_path)
+            f = facts.get(node.name, {})
+            quota = f.get("cpu_share") if f.get("cpu_count") and (f.get("cpu_share") or 1e9) < f["cpu_count"] else None
+            r = await ex.run(_node_exporter_cmd(node.python, node.name, address, workdir, pythonpath, quota,
+                                                capacity.get(node.name)),
+                             timeout_s=timeout_s)
+            lines = r.stdout.strip().splitlines()
+            served = [ln for ln in lines if ln.startswith("node exporter for")]
+            if not r.ok or not served:
+                raise RemoteError(f"node {node.name}: the node exporter did not start: "
+                                  f"{(r.stderr or r.stdout).strip()[-300:] or r.error}")
+            return node.name, {"address": address, "port": int(served[0].rsplit(":", 1)[1]), "pid": int(lines[0])}
+
+        head = next(ex for ex in executors if ex.node.name == cluster.head)
+        r = await head.run(f"command -v {shlex.quote(prometheus)}", timeout_s=timeout_s)
+        if not r.ok:  # before anything is started
+            raise UserError(f"node {cluster.head}: no `{prometheus}` binary; install it (Debian/Ubuntu: apt install "
+                            "prometheus; elsewhere the tarball from prometheus.io/download) or pass --prometheus PATH")
+        results = await asyncio.gather(*(start_exporter(ex) for ex in executors), return_exceptions=True)
+        exporters = dict(x for x in results if not isinstance(x, BaseException))
+        started = MonitorRecord(head=cluster.head, url="", monitor_dir="", prometheus_pid=0,
+                                scrape_interval_s=scrape_interval_s, node_exporters=exporters)
+        failed = [x for x in results if isinstance(x, BaseException)]
+        if failed:  # stop the exporters that did start: a failed `up` leaves nothing running
+            await _stop_all(executors, started, timeout_s)
+            raise failed[0]
+        say("node exporters: " + ", ".join(f"{n} {e['address']}:{e['port']}" for n, e in exporters.items()))
+        try:
+            return await _start_prometheus(cluster, head, workdirs, exporters, port, scrape_interval_s, prometheus,
+                                           executors, timeout_s, say)
+        except BaseException:
+            await _stop_all(executors, started, timeout_s)
+            raise
+
+
+async def _start_prometheus(cluster, head, workdirs, exporters, port, scrape_interval_s, prometheus, executors,
+                            timeout_s, say) -> MonitorRecord:
+    mdir = posixpath.join(workdirs[cluster.head], MONITOR_DIR)
+    address = exporters[cluster.head]["address"]
+    with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
+        Path(tmp, "prometheus.yml").write_text(prometheus_config(mdir, scrape_interval_s))
+        Path(tmp, "nodes.json").write_text(json.dumps(node_targets(exporters), indent=2))
+        await head.put(str(Path(tmp, "prometheus.yml")), posixpath.join(mdir, "prometheus.yml"), timeout_s=timeout_s)
+        await head.put(str(Path(tmp, "nodes.json")), posixpath.join(mdir, "targets", "nodes.json"), timeout_s=timeout_s)
+    argv = [prometheus, f"--config.file={posixpath.join(mdir, 'prometheus.yml')}",
+            f"--storage.tsdb.path={posixpath.join(mdir, 'data')}",
+            f"--storage.tsdb.retention.time={RETENTION_TIME}", f"--storage.tsdb.retention.size={RETENTION_SIZE}",
+            f"--web.listen-address={address}:{port}"]
+    log = shlex.quote(posixpath.join(mdir, "prometheus.log"))
+    r = await head.run(f"setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & pid=$!; {_DETACHED}; echo $pid",
+                       timeout_s=timeout_s)
+    if not r.ok:
+        raise RemoteError(f"node {cluster.head}: could not start Prometheus: {r.stderr.strip() or r.error}")
+    rec = MonitorRecord(head=cluster.head, url=f"http://{address}:{port}", monitor_dir=mdir,
+                        prometheus_pid=int(r.stdout.strip().splitlines()[-1]), scrape_interval_s=scrape_interval_s,
+                        node_exporters=exporters, started_at=time.time())
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _ready(rec.url):
+        alive = await head.run(f"kill -0 {rec.prometheus_pid}", timeout_s=timeout_s)
+        if not alive.ok or time.monotonic() > deadline:
+            tail = await head.run(f"tail -n 5 {log}", timeout_s=timeout_s)
+            await _stop_all(executors, rec, timeout_s)
+            raise RemoteError(f"node {cluster.head}: Prometheus did not come up at {rec.url}: {tail.stdout.strip()[-500:]}")
+        await asyncio.sleep(0.3)
+    say(f"Prometheus at {rec.url} (data in {mdir}/data, kept {RETENTION_TIME} or {RETENTION_SIZE})")
+    return rec
+
+
+def _ready(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/-/ready", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# Stop a pid from a pid file only if it is still the program named (pids get reused).
+_STOP = ("pid={pid}; if [ -n \"$pid\" ] && grep -q {pattern} /proc/$pid/cmdline 2>/dev/null; then kill $pid; "
+         "for i in $(seq 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done; kill -9 $pid 2>/dev/null; "
+         "sleep 0.2; kill -0 $pid 2>/dev/null && echo left $pid; fi; true")
+
+
+async def _stop_all(executors, rec: MonitorRecord, timeout_s: float) -> list[str]:
+    left = []
+
+    async def stop(ex, pid: int, pattern: str):
+        r = await ex.run(_STOP.format(pid=pid, pattern=shlex.quote(pattern)), timeout_s=timeout_s)
+        if not r.ok or "left" in r.stdout:
+            left.append(f"{ex.node.name}: {pattern} pid {pid} {r.stdout.strip() or r.error or ''}".strip())
+
+    by_name = {ex.node.name: ex for ex in executors}
+    jobs = [stop(by_name[n], e["pid"], "node_exporter") for n, e in rec.node_exporters.items() if n in by_name]
+    if rec.head in by_name:
+        jobs.append(stop(by_name[rec.head], rec.prometheus_pid, "prometheus"))
+    await asyncio.gather(*jobs)
+    return left
+
+
+def down(cluster, say: Callable[[str], None] = _quiet) -> bool:
+    """Stop it all; False when nothing was running."""
+    from vpscluster.cluster.inventory import open_executors
+
+    rec = load_record(cluster)
+    if rec is None:
+        return False
+
+    async def run() -> list[str]:
+        async with open_executors(cluster) as executors:
+            return await _stop_all(executors, rec, cluster.connect_timeout_s + cluster.command_timeout_s)
+
+    left = asyncio.run(run())
+    if left:
+        raise RemoteError("monitoring: could not stop " + "; ".join(left))
+    _save_record(cluster, None)
+    say(f"stopped Prometheus ({rec.url}) and {len(rec.node_exporters)} node exporters")
+    return True
+
+
+def status(cluster) -> dict[str, Any]:
+    from vpscluster.monitor.query import Prometheus
+
+    rec = load_record(cluster)
+    if rec is None:
+        return {"running": False}
+    if not _ready(rec.url):
+        return {"running": False, "url": rec.url, "note": "recorded but not answering; `monitor down` cleans up"}
+    return {"running": True, **rec.to_dict(), "targets": Prometheus(rec.url).targets()}
+
+
+# --- the current run's targets ---------------------------------------------------------------------
+
+
+def publish_run_targets(cluster, run_id: str, exporters: list[dict[str, Any]]) -> str | None:
+    """Write the run's targets where Prometheus reads them (if monitoring runs): the path, or None.
+
+    An empty `exporters` clears them (the run ended: its stored series stay in Prometheus)."""
+    from vpscluster.cluster.inventory import executor_for
+
+    rec = load_record(cluster)
+    if rec is None:
+        return None
+    remote = posixpath.join(rec.monitor_dir, "targets", "run.json")
+
+    async def put() -> None:
+        ex = executor_for(cluster.node(rec.head), cluster)
+        try:
+            with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
+                local = Path(tmp, "run.json")
+                local.write_text(json.dumps(run_targets(run_id, exporters), indent=2))
+                await ex.put(str(local), remote + ".tmp", timeout_s=30.0)
+                r = await ex.run(["mv", remote + ".tmp", remote], timeout_s=30.0)  # atomic for Prometheus
+                if not r.ok:
+                    raise RemoteError(r.stderr.strip() or r.error)
+        finally:
+            await ex.close()
+
+    asyncio.run(put())
+    return remote
