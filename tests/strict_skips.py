@@ -3,7 +3,8 @@
 On a developer's laptop (not root, no sshd) those tests skip politely with the reason. CI runs
 as root on a machine with every tool they need, so there a skip can only mean something broke
 (a tool missing, a cgroup not mounted, a fixture that gave up): `.ci/run` turns this on, and the
-suite cannot pass by skipping. Tests marked `sandbox` or `ssh` are covered; xfail is untouched.
+suite cannot pass by skipping. Tests marked `sandbox`, `ssh` or `tools` (needs a binary the Makefile
+installs: prometheus, chromium, a cgroup hierarchy) are covered; xfail is untouched.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import pytest
 
 ENV = "VPSC_TESTS_REQUIRE_SANDBOX"
-STRICT_MARKERS = ("sandbox", "ssh")
+STRICT_MARKERS = ("sandbox", "ssh", "tools")
 
 
 def required() -> bool:

@@ -131,6 +131,7 @@ def test_cpu_utilization_is_over_the_quota(make_sandbox):
     assert value(busy, "vpscluster_node_cpu_seconds_total") > 0.5
 
 
+@pytest.mark.tools
 def test_cpu_quota_read_from_the_cgroup(tmp_path):
     """Where the cgroup file system is visible the quota and usage come from it (a v1 cpu cgroup
     of our own, 0.3 core): a busy loop reads ~100%, the same cgroup idle ~0."""

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import free_port, pid_alive, run_cli
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (apt install prometheus)")
+pytestmark = [pytest.mark.tools, pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (apt install prometheus)")]
 
 
 def wait_for(check, timeout_s: float, what: str):

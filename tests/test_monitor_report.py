@@ -41,6 +41,7 @@ def test_report_is_self_contained_and_lists_the_exporters(run_dir, cli):
         assert f"{e['address']}:{e['rank_port']}" in page
 
 
+@pytest.mark.tools
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium (apt install chromium)")
 def test_report_renders_offline_in_headless_chromium(run_dir, tmp_path):
     net_log = tmp_path / "net.json"

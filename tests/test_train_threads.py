@@ -20,7 +20,7 @@ def _needs_cgroup_v1() -> None:
         pytest.skip("needs the cgroup-v1 cpu controller at /sys/fs/cgroup/cpu")
 
 
-@pytest.mark.sandbox  # a real cgroup: in CI (VPSC_TESTS_REQUIRE_SANDBOX=1) a skip here fails
+@pytest.mark.tools  # a real cgroup: in CI (VPSC_TESTS_REQUIRE_SANDBOX=1) a skip here fails
 @pytest.mark.parametrize("quota_cores, expected", [(0.45, 1), (1.5, 2), (None, None)])
 def test_threads_per_rank_respects_quota(quota_cores, expected):
     _needs_cgroup_v1()

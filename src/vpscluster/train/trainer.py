@@ -147,7 +147,7 @@ class Trainer:
             return []
         found = [e for e in self._all_gather_object(self.exporter.endpoint()) if e]
         if self.ctx.rank == 0:
-            rundir.write_json_atomic(self.run_dir / EXPORTERS, {"exporters": found})
+            fsutil.write_json(self.run_dir / EXPORTERS, {"exporters": found})
         return found
 
     def _outer_syncs(self) -> int | None:
