@@ -27,7 +27,7 @@ from vpscluster.cluster.sandbox.system import require_root, require_sandbox_supp
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
-__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "set_cpu", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
 Progress = Callable[[str], None]
@@ -273,6 +273,22 @@ def set_rate(name: str, node: str, bandwidth: str | float) -> float:
         info.node(node).bandwidth_mbit = rate_mbit
         state.save_info(info)
     return rate_mbit
+
+
+def set_cpu(name: str, node: str, cpu: str | float | None) -> float | None:
+    """Change a node's CPU share while it runs (a noisy neighbour, a throttled machine); returns
+    the new share (None = unlimited). Processes keep running; the quota holds from the next
+    20 ms period. The record (and `status`) follow; the cluster file is left as it was."""
+    n = _node_of(name, node)
+    share = _parse_cpu(str(cpu), "--cpu")
+    if not n.cgroup:
+        raise UserError(f"sandbox {name!r} node {node!r} has no cgroup; recreate the sandbox")
+    cgroup.set_quota(Path(n.cgroup), share)
+    with state.sandbox_lock():
+        info = state.load_info(name)
+        info.node(node).cpu = share
+        state.save_info(info)
+    return share
 
 
 def _node_of(name: str, node: str) -> SandboxNode:

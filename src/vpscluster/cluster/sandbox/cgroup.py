@@ -100,3 +100,15 @@ def remove_parent_if_empty() -> None:
         os.rmdir(parent())
     except OSError:  # absent, or another sandbox still lives in it
         pass
+
+
+def set_quota(path: Path, cpu: float | None) -> None:
+    """Change a node cgroup's CPU share while it runs (`sandbox set --cpu`); None = unlimited.
+
+    The kernel applies a new CFS quota from the next period on: every task already in the
+    cgroup (and all it spawns) is held to it within milliseconds, nothing restarts.
+    """
+    if not (path / "cpu.cfs_quota_us").exists():
+        raise UserError(f"sandbox: no cgroup at {path}; is the sandbox up? (`vpscluster sandbox status`)")
+    period = int((path / "cpu.cfs_period_us").read_text())
+    (path / "cpu.cfs_quota_us").write_text(str(-1 if cpu is None else max(1000, int(round(cpu * period)))))
