@@ -1,4 +1,5 @@
-"""`plan --flops a,b,c`: on uneven nodes the plan shows the shares and what balancing buys."""
+"""Uneven nodes from the command line: `plan --flops a,b,c` shows the shares and what balancing
+buys; `sandbox set` and `train --micro-batches` refuse bad input in one line."""
 
 from __future__ import annotations
 
@@ -36,3 +37,19 @@ def test_plan_even_flops_buys_nothing_and_wrong_count_is_one_line(plan):
     assert json.loads(r.stdout)["balance"]["speedup"] == pytest.approx(1.0)
     bad = plan("--model", "small", "--flops", "80,80,27", "--nodes", "2")
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "one per node" in bad.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("sandbox", "set", "--name", "ue-none", "--node", "node1"), "nothing to change"),
+    (("sandbox", "set", "--name", "ue-none", "--node", "node1", "--cpu", "0.1"), "does not exist"),
+    (("train", "--nodes", "2", "--balance"), "--micro-batches"),
+    (("train", "--nodes", "3", "--micro-batches", "2"), "at least 3"),
+    (("train", "--nodes", "2", "--micro-batches", "4", "--speeds", "3,x"), "comma-separated"),
+])
+def test_bad_uneven_input_is_one_line(cli, args, needle):
+    r = cli(*args, timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert needle in lines[-1] and "Traceback" not in r.stderr, r.stderr
+    if args[0] == "sandbox" or "--speeds" not in args:  # argparse's own errors come after its usage
+        assert len(lines) == 1, r.stderr
