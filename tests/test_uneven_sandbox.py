@@ -3,13 +3,14 @@
 Two nodes at 0.25 core train with `--micro-batches 8 --balance`; after a few steps node2's
 quota drops to 0.08 core through the CLI, live. Within a few rebalancing looks its share falls
 and node1's rises; the report counts the rebalances and metrics.jsonl has the shares per step.
-The sandbox is named "ue-..." (this module's prefix).
+The sandbox is named "[test prefix]ue-...".
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -17,18 +18,29 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_fixtures import SandboxFactory
+import sandbox_fixtures
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 
-@pytest.fixture
-def ue_sandbox():
-    factory = SandboxFactory(prefix="ue")
-    try:
-        yield factory
-    finally:
-        factory.close()
+def _quota(cgroup: str) -> float | None:
+    """The node's CPU share as the kernel holds it (cgroup v1 or v2)."""
+    d = Path(cgroup)
+    if (d / "cpu.max").exists():
+        q, period = (d / "cpu.max").read_text().split()
+        return None if q == "max" else int(q) / int(period)
+    q = int((d / "cpu.cfs_quota_us").read_text())
+    return None if q < 0 else q / int((d / "cpu.cfs_period_us").read_text())
+
+
+def _full_weight(cgroup: str) -> None:
+    """This sandbox at full weight among sandboxes, so the quotas, not the shared machine's load,
+    set the nodes' speeds."""
+    parent = Path(cgroup).parent
+    if (parent / "cpu.weight").exists():
+        (parent / "cpu.weight").write_text("10000")
+    else:
+        (parent / "cpu.shares").write_text("262144")
 
 
 def _latest_step(run_dir: Path) -> int:
@@ -42,10 +54,11 @@ def _latest_step(run_dir: Path) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_throttled_node_gets_fewer_micro_batches(ue_sandbox, cli, tmp_path):
-    info = ue_sandbox(nodes=2, bandwidth="1gbit", cpu="0.25,0.25")
-    # Full weight among sandboxes so the quotas, not the shared machine's load, set the speeds.
-    Path(info.nodes[0].cgroup).parent.joinpath("cpu.shares").write_text("262144")
+def test_throttled_node_gets_fewer_micro_batches(make_sandbox, cli, tmp_path):
+    # The test suite's sandbox prefix where there is one (teardown and `down --prefix` find it).
+    name = f"{getattr(sandbox_fixtures, 'TEST_PREFIX', '')}ue-{secrets.token_hex(3)}"
+    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.25,0.25", name=name)
+    _full_weight(info.nodes[0].cgroup)
     run_dir = tmp_path / "run"
     throttle_after = 6
     proc = subprocess.Popen(
@@ -62,8 +75,7 @@ def test_throttled_node_gets_fewer_micro_batches(ue_sandbox, cli, tmp_path):
         r = cli("sandbox", "set", "--name", info.name, "--node", info.nodes[1].name, "--cpu", "0.08", "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["cpu"] == pytest.approx(0.08)
-        quota = int(Path(info.nodes[1].cgroup, "cpu.cfs_quota_us").read_text())
-        assert quota == 1600  # 0.08 of the 20 ms period
+        assert _quota(info.nodes[1].cgroup) == pytest.approx(0.08)  # live in the kernel's cgroup
         throttled_at = _latest_step(run_dir)
         out, err = proc.communicate(timeout=400)
     finally:

@@ -27,7 +27,7 @@ from vpscluster.cluster.sandbox.system import require_root, require_sandbox_supp
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
-__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "set_cpu", "ssh_command", "DEFAULT_NAME"]
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
 Progress = Callable[[str], None]
