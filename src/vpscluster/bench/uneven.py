@@ -15,7 +15,8 @@ step and comes back later; the figure is the number of steps until throughput (t
 a 3-step window) is back within 90% of the new ideal (the `even` run's tokens/s scaled by the
 total CPU now available).
 
-Per run: tokens/s (and as % of `even`), compute utilisation per rank (compute / (compute +
+Per run: tokens/s (and as % of `even`; also over the second half of the steps, after start-up
+and the first re-splits), compute utilisation per rank (compute / (compute +
 communication)), final shares and rebalances, validation loss at the `even` run's token count.
 Results: `out` (default bench/results/uneven-<time>/): results.json, table.md, every run's files.
 """
@@ -192,13 +193,25 @@ def steps_to_recover(metrics: list[dict[str, Any]], start: int, end: int, ideal_
     return None
 
 
+def steady_tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
+    """Tokens/s over the second half of a run's steps: after start-up and the first re-splits
+    (a short run's report figure is dominated by them)."""
+    steps = [m for m in metrics if "loss" in m]
+    half = steps[len(steps) // 2 :]
+    seconds = sum(m["step_seconds"] for m in half)
+    return sum(m["tokens"] for m in half) / seconds if seconds > 0 else None
+
+
 def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, back: int) -> list[dict[str, Any]]:
     rows = []
     for name, r in runs.items():
         strategy = name.split("-")[0]
         even = runs.get(f"{strategy}-even")
+        steady, even_steady = steady_tokens_per_s(r["metrics"]), even and steady_tokens_per_s(even["metrics"])
         row = {"run": name, "steps": r["steps"], "tokens_per_s": r["tokens_per_s"],
                "pct_of_even": 100 * r["tokens_per_s"] / even["tokens_per_s"] if even else None,
+               "steady_tokens_per_s": steady,
+               "steady_pct_of_even": 100 * steady / even_steady if steady and even_steady else None,
                "utilization": "/".join(f"{u:.0%}" for u in r["utilization_per_rank"]),
                "shares": ":".join(str(v) for v in r["shares"]) if r.get("shares") else None,
                "rebalances": r.get("rebalances"), "final_val_loss": r["final_val_loss"],
@@ -213,7 +226,8 @@ def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, bac
 
 
 COLUMNS = [("run", "run", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok/s", "{:.0f}"),
-           ("pct_of_even", "% of even", "{:.0f}%"), ("utilization", "util per rank", "{}"), ("shares", "shares", "{}"),
+           ("pct_of_even", "% of even", "{:.0f}%"), ("steady_tokens_per_s", "tok/s 2nd half", "{:.0f}"),
+           ("steady_pct_of_even", "% of even (2nd half)", "{:.0f}%"), ("utilization", "util per rank", "{}"), ("shares", "shares", "{}"),
            ("rebalances", "rebal.", "{}"), ("val_at_even_tokens", "val @even tok", "{:.3f}"),
            ("steps_to_90pct_after_drop", "steps to 90% (drop)", "{}"),
            ("steps_to_90pct_after_recovery", "steps to 90% (back)", "{}")]

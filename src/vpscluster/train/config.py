@@ -61,7 +61,7 @@ class StrategyConfig:
     speeds: list[Float] | None = None
     min_share: Int = 1
     max_spread: Float = 8.0
-    rebalance_every: Int = 10
+    rebalance_every: Int = 5
 
     def __post_init__(self) -> None:
         self.validate()
