@@ -148,3 +148,15 @@ def test_global_stream_uses_every_sample_once_per_epoch_whatever_the_shares():
     a.next_step_indices(5)
     b.load_state_dict(a.state_dict())
     assert a.next_step_indices(3) == b.next_step_indices(3)
+
+
+def test_bench_recovery_and_steady_figures():
+    from vpscluster.bench.uneven import steady_tokens_per_s, steps_to_recover
+
+    # 100 tokens per step; 1 s per step, 4 s per step after a drop at step 10, back to 2 s by step 14
+    seconds = {s: 1.0 if s <= 10 else 4.0 if s <= 12 else 2.0 for s in range(1, 21)}
+    metrics = [{"step": s, "loss": 1.0, "tokens": 100, "step_seconds": seconds[s]} for s in range(1, 21)]
+    metrics.insert(5, {"step": 5, "val_loss": 2.0})  # evaluation lines are skipped
+    assert steps_to_recover(metrics, 10, 20, ideal_tps=50) == 5  # steps 13-15: 50 tok/s
+    assert steps_to_recover(metrics, 10, 20, ideal_tps=100) is None
+    assert steady_tokens_per_s(metrics) == pytest.approx(1000 / 24)  # steps 11-20: 2 x 4 s + 8 x 2 s
