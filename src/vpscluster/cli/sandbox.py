@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("set", help="change a running node's CPU share or link rate",
                        description="Change a node while it runs: its cgroup CPU quota and/or its shaped link rate.")
     p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
-    p.add_argument("--node", required=True, help="the node to change, e.g. node2")
+    p.add_argument("--node", required=True, help="the node to change, e.g. node-2")
     p.add_argument("--cpu", default=None, help="new CPU share, a fraction of one core (e.g. 0.15), or 'unlimited'")
     p.add_argument("--bandwidth", default=None, help="new link rate, e.g. 50mbit")
     add_json_flag(p)
