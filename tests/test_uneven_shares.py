@@ -160,3 +160,17 @@ def test_bench_recovery_and_steady_figures():
     assert steps_to_recover(metrics, 10, 20, ideal_tps=50) == 5  # steps 13-15: 50 tok/s
     assert steps_to_recover(metrics, 10, 20, ideal_tps=100) is None
     assert steady_tokens_per_s(metrics) == pytest.approx(1000 / 24)  # steps 11-20: 2 x 4 s + 8 x 2 s
+
+
+@pytest.mark.parametrize("total", [12, 24])
+def test_default_interval_recovers_within_20_steps(total):
+    """The issue's target, on simulated timings: with the default look every 5 steps, the
+    predicted step is within 10% of the new ideal <= 20 steps after a drop to a third and after
+    the recovery."""
+    from vpscluster.train.config import StrategyConfig
+
+    every = StrategyConfig().rebalance_every
+    c, trace = _simulate(lambda s: [4.0, 4.0, 4.0 / 3 if 100 < s <= 200 else 4.0], every=every, total=total)
+    by_step = {s: ratio for s, _, ratio in trace}
+    assert max(by_step[s] for s in range(120, 201, every)) <= 1.1, trace
+    assert max(by_step[s] for s in range(220, 301, every)) <= 1.1, trace
