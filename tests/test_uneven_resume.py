@@ -1,8 +1,8 @@
 """Uneven shares survive a resume: k steps + --resume to N == N steps uninterrupted.
 
-Shares 3:1 of 4 micro-batches (`--speeds 3,1`), balancing on but with a measurement interval
-longer than the run, so the shares are fixed and the runs are comparable bit for bit; the shared
-data stream's position and the controller's state come back from the checkpoint.
+Shares 3:1 of 4 micro-batches (`--speeds 3,1`) without re-balancing, so the shares are fixed and
+the runs are comparable bit for bit; the shared data stream's position and the controller's state
+come back from the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _train(*args: str) -> dict:
 def test_uneven_resume_equals_uninterrupted(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(f"lr_decay_steps: {N}\nwarmup_steps: 2\nbatch_size: 1\ncheckpoint_every: 2\neval_every: 100\n"
-                      "strategy: {micro_batches: 4, speeds: [3, 1], balance: true, rebalance_every: 1000}\n")
+                      "strategy: {micro_batches: 4, speeds: [3, 1]}\n")
     full = _train("--config", str(config), "--nodes", "2", "--max-steps", str(N), "--run-dir", str(tmp_path / "full"))
     _train("--config", str(config), "--nodes", "2", "--max-steps", str(K), "--run-dir", str(tmp_path / "part"))
     resumed = _train("--resume", str(tmp_path / "part"), "--max-steps", str(N))

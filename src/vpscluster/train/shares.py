@@ -14,7 +14,8 @@ world/total per micro-batch, the averaged gradient - is exactly that of an even 
   before splitting. A node 20x slower than the fastest is treated as max_spread x slower: it
   keeps a share (and a voice in DiLoCo's token-weighted average) instead of being starved, and
   the others wait for it at most a bounded time. 0 disables the rule.
-- `ShareController`: every `every` steps the ranks all-gather (compute seconds, micro-batches)
+- `ShareController`: every `rebalance_every` steps (and once early in every session, at its
+  third step; a session's first step, with its one-off costs, is not measured) the ranks all-gather (compute seconds, micro-batches)
   measured since the last look; the controller turns them into speeds (micro-batches per
   compute second), smooths them with an exponential moving average (`DAMPING`: the weight of
   the new measurement; the starting speeds are first rescaled to the measured unit by the mean

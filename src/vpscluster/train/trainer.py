@@ -277,9 +277,15 @@ class Trainer:
                     **extra,
                 )
             if self.shares is not None:
-                self._window[0] += max(0.0, step_s - comm_s)
-                self._window[1] += n_micro
-                if cfg.strategy.balance and self.step % cfg.strategy.rebalance_every == 0:
+                session_step = self.step - start_step
+                if session_step == 1:  # a session's first step pays one-off costs: not a speed
+                    self._window = [0.0, 0]
+                else:
+                    self._window[0] += max(0.0, step_s - comm_s)
+                    self._window[1] += n_micro
+                # A first look early in every session (steps 2-3), then every rebalance_every.
+                if cfg.strategy.balance and (session_step == 3 or self.step % cfg.strategy.rebalance_every == 0) \
+                        and session_step > 1:
                     self._rebalance()
             last = stop or self.step == cfg.max_steps
             if last:
