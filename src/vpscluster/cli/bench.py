@@ -10,8 +10,8 @@ import argparse
 
 SCENARIOS: dict[str, tuple[str, str]] = {
     "wan": ("vpscluster.cli.bench_wan", "baseline DDP vs vpscluster strategies on a shaped sandbox, same wall-clock budget"),
-    "uneven": ("vpscluster.cli.bench_uneven", "balanced shares vs an even split on uneven (and changing) sandbox CPUs"),
     "plan": ("vpscluster.cli.bench_plan", "plan's predictions against measured step and communication time"),
+    "uneven": ("vpscluster.cli.bench_uneven", "balanced shares vs an even split on uneven (and changing) sandbox CPUs"),
 }
 
 
