@@ -12,6 +12,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "wan": ("vpscluster.cli.bench_wan", "baseline DDP vs vpscluster strategies on a shaped sandbox, same wall-clock budget"),
     "batch": ("vpscluster.cli.bench_batch", "static split vs plain Dask vs vpscluster batch on uneven nodes with a CPU hog"),
     "plan": ("vpscluster.cli.bench_plan", "plan's predictions against measured step and communication time"),
+    "uneven": ("vpscluster.cli.bench_uneven", "balanced shares vs an even split on uneven (and changing) sandbox CPUs"),
 }
 
 

@@ -17,6 +17,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _flops(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not GFLOP/s (a number, or one per node: 80,80,27)") from None
+
+
 def _tokens(text: str) -> float:
     t = text.strip().lower().replace("_", "")
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
@@ -59,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"diloco: streaming fragments (default {s.fragments})")
     parser.add_argument("--bandwidth", metavar="RATE", help="assume this rate on every link (e.g. 100mbit) instead of the probe's")
     parser.add_argument("--rtt-ms", type=float, metavar="MS", help="assume this round-trip time on every link")
-    parser.add_argument("--flops", metavar="GFLOPS", type=float, help="assume this fp32 GFLOP/s per rank instead of the probe's")
+    parser.add_argument("--flops", metavar="GFLOPS[,...]", type=_flops,
+                        help="assume this fp32 GFLOP/s per rank instead of the probe's; one per node (e.g. 80,80,27) for uneven nodes")
     parser.add_argument("--memory", metavar="SIZE", help="assume this memory per rank (e.g. 32GB) instead of the probe's")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="plan bf16 mixed precision on GPU nodes (vpscluster's trainer itself trains in fp32)")
@@ -81,8 +89,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rtt_ms is not None and args.rtt_ms < 0:
         raise UserError(f"--rtt-ms must not be negative, got {args.rtt_ms}")
-    if args.flops is not None and args.flops <= 0:
-        raise UserError(f"--flops must be positive GFLOP/s, got {args.flops}")
+    flops = args.flops or []
+    if any(f <= 0 for f in flops):
+        raise UserError(f"--flops must be positive GFLOP/s, got {','.join(f'{f:g}' for f in flops)}")
+    if len(flops) > 1 and not args.cluster and not args.probe and args.nodes is None:
+        args.nodes = len(flops)  # one figure per local node: that many nodes
     if args.cluster and args.nodes:
         raise UserError("--nodes plans local workers; with --cluster the cluster file says how many nodes")
     memory_bytes = parse_size_bytes(args.memory, "--memory") if args.memory else None
@@ -92,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, tokens=args.tokens, cluster=args.cluster, probe=args.probe, strategy=args.strategy,
         batch_size=args.batch_size, seq_len=args.seq_len, nodes=args.nodes,
         bandwidth_mbit=parse_rate_mbit(args.bandwidth, "--bandwidth") if args.bandwidth else None,
-        rtt_ms=args.rtt_ms, flops=args.flops * 1e9 if args.flops else None, memory_bytes=memory_bytes,
+        rtt_ms=args.rtt_ms, flops=flops[0] * 1e9 if flops else None, memory_bytes=memory_bytes,
+        flops_per_node=[f * 1e9 for f in flops] if len(flops) > 1 else None,
         compress=args.compress, powersgd_rank=args.powersgd_rank, sync_every=args.sync_every,
         wire_dtype=args.wire_dtype, fragments=args.fragments, calibrate=args.calibrate,
         threads_per_rank=args.threads_per_rank, mixed_precision=args.mixed_precision,

@@ -70,8 +70,15 @@ class ProgressView:
         if self._progress is None:
             return
         val = f" val {self._val:.3f}" if self._val is not None else ""
-        stats = f"loss {ev['loss']:.3f}{val} {ev.get('tokens_per_s', 0):,.0f} tok/s comm {100 * ev.get('comm_share', 0):.0f}%"
+        loss = f"loss {ev['loss']:.3f}" if ev.get("loss") is not None else "loss -"
+        shares = f" shares {':'.join(str(v) for v in ev['shares'])}" if ev.get("shares") else ""
+        stats = f"{loss}{val} {ev.get('tokens_per_s', 0):,.0f} tok/s comm {100 * ev.get('comm_share', 0):.0f}%{shares}"
         self._progress.update(self._task, completed=ev["step"], stats=stats)
+
+    def _on_rebalance(self, ev: dict[str, Any]) -> None:
+        before = ":".join(str(v) for v in ev.get("shares_before", []))
+        after = ":".join(str(v) for v in ev.get("shares", []))
+        self.console.print(f"step {ev['step']}: shares {before} -> {after} (rebalance {ev.get('rebalances')})")
 
     def _on_eval(self, ev: dict[str, Any]) -> None:
         self._val = ev["val_loss"]
@@ -115,6 +122,9 @@ class ProgressView:
             ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in report["bytes_sent"])),
             ("run directory", str(report.get("run_dir", ""))),
         ]
+        if report.get("shares"):
+            rows.insert(-1, ("shares", f"{':'.join(str(v) for v in report['shares'])} of {report.get('micro_batches')} "
+                                       f"micro-batches ({report.get('rebalances', 0)} rebalance(s))"))
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)

@@ -5,6 +5,7 @@
     down    remove a sandbox (or those named --prefix P*, or --all): namespaces, links, cgroups,
             processes, files
     status  what exists and whether every node's sshd is alive
+    set     change a running node's CPU share or link rate (rehearse a node that degrades)
 """
 
 from __future__ import annotations
@@ -46,9 +47,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="only this sandbox (default: all)")
     add_json_flag(p)
 
+    p = sub.add_parser("set", help="change a running node's CPU share or link rate",
+                       description="Change a node while it runs: its cgroup CPU quota and/or its shaped link rate.")
+    p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
+    p.add_argument("--node", required=True, help="the node to change, e.g. node-2")
+    p.add_argument("--cpu", default=None, help="new CPU share, a fraction of one core (e.g. 0.15), or 'unlimited'")
+    p.add_argument("--bandwidth", default=None, help="new link rate, e.g. 50mbit")
+    add_json_flag(p)
+
 
 def run(args: argparse.Namespace) -> int:
-    return {"up": _up, "down": _down, "status": _status}[args.action](args)
+    return {"up": _up, "down": _down, "status": _status, "set": _set}[args.action](args)
+
+
+def _set(args: argparse.Namespace) -> int:
+    from vpscluster.cluster import sandbox
+    from vpscluster.errors import UserError
+
+    if args.cpu is None and args.bandwidth is None:
+        raise UserError("sandbox set: nothing to change; give --cpu SHARE and/or --bandwidth RATE")
+    out: dict = {"name": args.name, "node": args.node}
+    if args.cpu is not None:
+        out["cpu"] = sandbox.set_cpu(args.name, args.node, args.cpu)
+    if args.bandwidth is not None:
+        out["bandwidth_mbit"] = sandbox.set_rate(args.name, args.node, args.bandwidth)
+    if args.json:
+        emit_json(out)
+        return 0
+    changes = []
+    if "cpu" in out:
+        changes.append(f"cpu {_cpu(out['cpu'])}")
+    if "bandwidth_mbit" in out:
+        changes.append(f"bandwidth {_rate(out['bandwidth_mbit'])}")
+    console().print(f"sandbox {args.name} {args.node}: {', '.join(changes)}")
+    return 0
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -39,6 +39,12 @@ FLAG_KEYS: dict[str, str] = {
     "outer_momentum": "strategy.outer_momentum",
     "wire_dtype": "strategy.wire_dtype",
     "fragments": "strategy.fragments",
+    "micro_batches": "strategy.micro_batches",
+    "balance": "strategy.balance",
+    "speeds": "strategy.speeds",
+    "min_share": "strategy.min_share",
+    "max_spread": "strategy.max_spread",
+    "rebalance_every": "strategy.rebalance_every",
 }
 RESUME_FLAGS = ("max_steps", "time_budget")
 
@@ -79,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {s.wire_dtype})")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
 
+    uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
+    uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")
+    uneven.add_argument("--balance", action="store_true", default=None, help="measure each rank's speed as it trains and re-split the micro-batches when it changes")
+    uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default: even)")
+    uneven.add_argument("--min-share", type=int, metavar="N", help=f"micro-batches every rank keeps (default {s.min_share})")
+    uneven.add_argument("--max-spread", type=float, metavar="X", help=f"treat no rank as more than X times slower than the fastest (default {s.max_spread:g}; 0 = no bound)")
+    uneven.add_argument("--rebalance-every", type=int, metavar="K", help=f"steps between speed measurements (default {s.rebalance_every})")
+
     run = parser.add_argument_group("run directory and configuration")
     run.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<UTC time>-<random>)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid checkpoint (only --max-steps/--time-budget may change)")
@@ -89,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="serve no Prometheus metrics from the ranks and nodes (see `vpscluster monitor`)")
     run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
     add_json_flag(parser)
+
+
+def _speeds(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 3,1)") from None
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:

@@ -41,6 +41,7 @@ class PlanRequest:
     bandwidth_mbit: float | None = None
     rtt_ms: float | None = None
     flops: float | None = None
+    flops_per_node: list[float] | None = None  # uneven nodes: GFLOP/s... as FLOP/s, one per node
     memory_bytes: float | None = None
     compress: str = _STRATEGY.compress
     powersgd_rank: int = _STRATEGY.powersgd_rank
@@ -93,6 +94,13 @@ def make_plan(req: PlanRequest) -> dict:
     res = gather_resources(cluster, probe, nodes=req.nodes, bandwidth_mbit=req.bandwidth_mbit, rtt_ms=req.rtt_ms,
                            flops=req.flops, memory_bytes=req.memory_bytes)
     res.mixed_precision = req.mixed_precision
+    if req.flops_per_node is not None:
+        if len(req.flops_per_node) != len(res.nodes):
+            raise UserError(
+                f"--flops gives {len(req.flops_per_node)} figures for {len(res.nodes)} node(s); give one, or one per node"
+            )
+        for node, f in zip(res.nodes, req.flops_per_node):
+            node.flops = f
     threads = req.threads_per_rank or _probe_threads(probe)
     eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster,
                          matmul_threads=_probe_threads(probe))
@@ -132,6 +140,7 @@ def make_plan(req: PlanRequest) -> dict:
         guidance=guidance(model, res, chosen.settings.name, eff.value, req.checkpoint_load_s),
         assumptions=assumptions,
         measured=res.measured,
+        balance=balance_doc(chosen, res, model.shape.batch_size),
     )
     worst = doc["ring"]["worst_order_weakest_link_mbit"]
     if worst is not None and doc["ring"]["weakest_link_mbit"] and worst < doc["ring"]["weakest_link_mbit"]:
@@ -141,6 +150,38 @@ def make_plan(req: PlanRequest) -> dict:
     if res.collective_fit and res.world_size > 1:
         doc["collective_fit_check"] = _fit_check(model, res, ring)
     return doc
+
+
+def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
+    """Shares on uneven nodes (`train/shares.py`): the global batch of world x batch_size
+    sequences split by speed in whole sequences (`--batch-size 1 --micro-batches N --speeds ...`),
+    the predicted step with those shares and without (even split: everyone waits for the slowest).
+    Communication is the same either way; only the compute part changes."""
+    from vpscluster.train.shares import predicted_step, split
+
+    per_rank = [p.compute_seconds for p, r in zip(chosen.nodes, res.nodes) for _ in range(r.ranks)]
+    if len(per_rank) < 2 or min(per_rank) <= 0:
+        return None
+    total = len(per_rank) * batch_size
+    speeds = [batch_size / c for c in per_rank]  # sequences per second of each rank
+    shares = split(speeds, total, min_share=1, max_spread=_STRATEGY.max_spread)
+    even_compute = max(per_rank)
+    balanced_compute = predicted_step(shares, speeds)
+    comm = chosen.step_seconds - chosen.compute_seconds
+    even_step, balanced_step = even_compute + comm, balanced_compute + comm
+    rel = [round(v / min(speeds), 3) for v in speeds]
+    return {
+        "shares": shares,
+        "unit": "sequences of the global batch",
+        "global_batch": total,
+        "speeds": rel,
+        "even_step_seconds": even_step,
+        "balanced_step_seconds": balanced_step,
+        "speedup": even_step / balanced_step,
+        "tokens_per_s_even": chosen.tokens_per_step / even_step,
+        "tokens_per_s_balanced": chosen.tokens_per_step / balanced_step,
+        "train_flags": f"--batch-size 1 --micro-batches {total} --speeds {','.join(f'{v:g}' for v in rel)} --balance",
+    }
 
 
 def _probe_threads(probe: dict | None) -> int | None:

@@ -50,6 +50,15 @@ def render(doc: dict, console) -> None:
                       f"{format_rate_mbit(ring['weakest_link_mbit'])}"
                       + (f" (a bad order would be {format_rate_mbit(worst)})" if worst and worst < ring['weakest_link_mbit'] else ""))
 
+    bal = doc.get("balance")
+    if bal and bal["speedup"] > 1.005:
+        console.print(
+            f"[bold]Uneven nodes[/]: shares {':'.join(str(v) for v in bal['shares'])} of {bal['global_batch']} sequences "
+            f"(speeds {':'.join(f'{v:g}' for v in bal['speeds'])}): step {duration(bal['balanced_step_seconds'])} "
+            f"vs {duration(bal['even_step_seconds'])} split evenly, {bal['speedup']:.2f}x "
+            f"({bal['tokens_per_s_balanced']:,.0f} vs {bal['tokens_per_s_even']:,.0f} tokens/s); "
+            f"train with {bal['train_flags']}")
+
     cands = Table(title="Strategies, fastest to the token target first", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("strategy", "step", "comm", "util", "to train", "sent/day", "risk"):

@@ -48,6 +48,20 @@ class StrategyConfig:
     # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
     # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
     fragments: Int = 1
+    # Uneven nodes (`train/shares.py`). A step's global batch is `micro_batches` micro-batches
+    # of batch_size sequences, split among the ranks (0 = one per rank: the classic even split).
+    # ddp: a rank accumulates its share (no_sync for all but the last); diloco: each of its
+    # micro-batches is one inner step. `speeds`: relative speed per rank to start from (the
+    # probe's or plan's figures; none = even). `balance`: re-measure every `rebalance_every`
+    # steps and re-split. `min_share`: micro-batches every rank keeps (0 allowed: such a rank
+    # still joins every collective). `max_spread`: speeds are clamped to at least
+    # max(speeds) / max_spread (0 = no rule).
+    micro_batches: Int = 0
+    balance: bool = False
+    speeds: list[Float] | None = None
+    min_share: Int = 1
+    max_spread: Float = 8.0
+    rebalance_every: Int = 5
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +85,20 @@ class StrategyConfig:
             raise UserError(
                 f"strategy.fragments ({self.fragments}) cannot exceed sync_every ({self.sync_every}): "
                 "each fragment needs its own step in the round"
+            )
+        if self.micro_batches < 0:
+            raise UserError(f"strategy.micro_batches must not be negative (0 = one per rank), got {self.micro_batches}")
+        if self.min_share < 0:
+            raise UserError(f"strategy.min_share must not be negative, got {self.min_share}")
+        if self.max_spread < 0 or 0 < self.max_spread < 1:
+            raise UserError(f"strategy.max_spread must be 0 (no rule) or at least 1, got {self.max_spread}")
+        if self.rebalance_every < 1:
+            raise UserError(f"strategy.rebalance_every must be at least 1, got {self.rebalance_every}")
+        if self.speeds is not None and (not self.speeds or any(v <= 0 for v in self.speeds)):
+            raise UserError(f"strategy.speeds must be positive numbers, one per rank, got {self.speeds}")
+        if (self.balance or self.speeds is not None) and self.micro_batches == 0:
+            raise UserError(
+                "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"
             )
 
 
@@ -182,6 +210,16 @@ class TrainConfig:
             raise UserError(f"unknown strategy {s.name!r}; choose one of: {', '.join(CHOICES)}")
         if s.compress != "none" and s.name == "diloco":
             raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
+        if s.micro_batches and self.cluster is None:
+            # nproc_per_node 0 = one per GPU: at least one per node (the trainer checks the rest).
+            world = self.nodes * max(1, self.nproc_per_node)
+            if s.speeds is not None and len(s.speeds) != world and self.nproc_per_node:
+                raise UserError(f"strategy.speeds has {len(s.speeds)} entries for {world} ranks; give one per rank")
+            if s.micro_batches < s.min_share * world:
+                raise UserError(
+                    f"--micro-batches {s.micro_batches} cannot give each of {world} ranks at least "
+                    f"{s.min_share}; use at least {s.min_share * world} or lower strategy.min_share"
+                )
         if s.name == "diloco" and self.checkpoint_every % s.sync_every:
             raise UserError(
                 f"checkpoint_every ({self.checkpoint_every}) must be a multiple of sync_every "

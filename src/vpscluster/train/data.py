@@ -174,3 +174,56 @@ def encode(text: str) -> list[int]:
 
 def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+class GlobalBatchSampler:
+    """One global stream of micro-batches, the same on every rank; each rank reads its share.
+
+    For uneven shares (`train/shares.py`): every epoch the samples are permuted by a generator
+    seeded from (seed, epoch), as `shard_indices(..., 0, 1, ...)`. A step consumes the next
+    `total * batch_size` samples of that stream, cut into `total` micro-batches in order;
+    rank r takes micro-batches offsets[r] .. offsets[r] + shares[r] - 1. Which samples a step
+    uses, and in which order, does not depend on the shares, so every sample is used once per
+    epoch and a balanced run sees exactly the batches an even one does. Every rank advances the
+    same position (checkpointed) whatever its share.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, batch_size: int) -> None:
+        self.dataset, self.seed, self.batch_size = dataset, seed, batch_size
+        self.epoch, self.index = 0, 0
+        self._order = shard_indices(dataset.num_train_samples, 0, 1, seed, 0)
+
+    def _next_index(self) -> int:
+        if self.index >= len(self._order):
+            self._set_epoch(self.epoch + 1)
+        i = int(self._order[self.index])
+        self.index += 1
+        return i
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.epoch, self.index = epoch, 0
+        self._order = shard_indices(self.dataset.num_train_samples, 0, 1, self.seed, epoch)
+
+    def next_step_indices(self, total: int) -> list[list[int]]:
+        """The sample indices of the next step's `total` micro-batches (advances the stream)."""
+        return [[self._next_index() for _ in range(self.batch_size)] for _ in range(total)]
+
+    def next_step(self, shares: list[int], rank: int) -> list:
+        """This rank's (inputs, targets) micro-batches of the next step."""
+        import torch
+
+        start = sum(shares[:rank])
+        micro = self.next_step_indices(sum(shares))[start : start + shares[rank]]
+        return [_to_xy(torch, np.stack([self.dataset.window(self.dataset.train, i) for i in m])) for m in micro]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index, "shard": 0, "num_shards": 1, "global": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state.get("global"):
+            raise UserError(
+                "checkpoint was taken with per-rank data shards, this run uses shared micro-batches "
+                "(--micro-batches); resume with the run's own settings"
+            )
+        self._set_epoch(int(state["epoch"]))
+        self.index = int(state["index"])

@@ -113,7 +113,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from vpscluster.train.data import ShardSampler, load_dataset
+        from vpscluster.train.data import GlobalBatchSampler, ShardSampler, load_dataset
         from vpscluster.train.model import build_model, count_parameters
         from vpscluster.train.presets import get_preset
         from vpscluster.train.strategies import get_strategy_class
@@ -128,8 +128,17 @@ class Trainer:
         self.shape = get_preset(cfg.preset)
         self.dataset = load_dataset(cfg.data, self.shape.seq_len, cfg.val_fraction)
         self.strategy = get_strategy_class(cfg.strategy.name)(cfg.strategy, ctx)
-        shard, num_shards = self.strategy.data_shard()
-        self.sampler = ShardSampler(self.dataset, shard, num_shards, cfg.seed, cfg.micro_batch())
+        self.shares = None
+        if cfg.strategy.micro_batches:  # uneven shares of one global stream (train/shares.py)
+            from vpscluster.train.shares import ShareController
+
+            s = cfg.strategy
+            self.shares = ShareController.start(ctx.world_size, s.micro_batches, s.speeds, s.min_share, s.max_spread, s.balance)
+            self.sampler = GlobalBatchSampler(self.dataset, cfg.seed, cfg.micro_batch())
+        else:
+            shard, num_shards = self.strategy.data_shard()
+            self.sampler = ShardSampler(self.dataset, shard, num_shards, cfg.seed, cfg.micro_batch())
+        self._window = [0.0, 0]  # compute seconds, micro-batches since the last rebalancing look
         model = build_model(self.shape, cfg.seed, ctx.device)
         self.num_params = count_parameters(model)
         self.model = self.strategy.setup(model)
@@ -174,6 +183,8 @@ class Trainer:
             "rng": rng,
             "totals": self.totals.to_dict(),
             "recent_losses": list(self.recent_losses),
+            "shares": self.shares.state_dict() if self.shares is not None else None,
+            "share_window": list(self._window),
         }
 
     def save_checkpoint(self) -> None:
@@ -198,6 +209,9 @@ class Trainer:
             self._torch.cuda.set_rng_state(p["rng"]["cuda"], self.ctx.device)
         self.totals = metrics.Totals.from_dict(p["totals"])
         self.recent_losses.extend(p["recent_losses"])
+        if self.shares is not None and p.get("shares") is not None:
+            self.shares.load_state_dict(p["shares"])
+            self._window = list(p.get("share_window", [0.0, 0]))
         self.step = point.step
         if self.ctx.rank == 0:
             metrics.truncate_after(self.run_dir / rundir.METRICS, self.step)
@@ -249,34 +263,41 @@ class Trainer:
         stopped_by = "max_steps"
         session_start = time.perf_counter()
         wall_before = self.totals.wall_seconds
-        local_tokens = cfg.micro_batch() * self.shape.seq_len
+        local_tokens = micro_tokens = cfg.micro_batch() * self.shape.seq_len
+        global_micro = cfg.strategy.micro_batches or self.ctx.world_size
         model, opt, strategy = self.model, self.optimizer, self.strategy
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
             self.step += 1
-            x, y = self.sampler.next_batch()
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
             lr = lr_at(cfg, self.step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(strategy.unwrap().parameters(), cfg.grad_clip)
-            strategy.tokens_processed(local_tokens)  # before step: an outer sync in it weighs by them
-            strategy.step(opt, self.step)
+            if self.shares is None:
+                x, y = self.sampler.next_batch()
+                x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+                loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(strategy.unwrap().parameters(), cfg.grad_clip)
+                strategy.tokens_processed(local_tokens)  # before step: an outer sync in it weighs by them
+                strategy.step(opt, self.step)
+                loss_value, n_micro = loss.item(), 1
+            else:
+                loss_value, n_micro = self._shared_step()
+                local_tokens = n_micro * micro_tokens
             opt.zero_grad(set_to_none=True)
             over = cfg.time_budget_s is not None and time.perf_counter() - session_start >= cfg.time_budget_s
             stop = self._agree_stop(over) if cfg.time_budget_s is not None else False
             comm_s, nbytes = strategy.comm.take()
             step_s = time.perf_counter() - t0
-            loss_value = loss.item()
             self.totals.add_step(local_tokens, step_s, comm_s, nbytes)
             self.totals.wall_seconds = wall_before + (time.perf_counter() - session_start)
-            self.recent_losses.append(loss_value)
-            tokens = local_tokens * self.ctx.world_size
+            if loss_value is not None:  # None: this rank ran no micro-batch this step
+                self.recent_losses.append(loss_value)
+            tokens = micro_tokens * global_micro
+            extra = {"shares": list(self.shares.shares)} if self.shares is not None else {}
             self.metrics.log(
                 step=self.step, loss=loss_value, lr=lr, step_seconds=step_s, compute_seconds=max(0.0, step_s - comm_s),
-                comm_seconds=comm_s, tokens=tokens, bytes_sent=nbytes,
+                comm_seconds=comm_s, tokens=tokens, bytes_sent=nbytes, **extra,
             )
             self.exporter.step(self.step, loss_value, tokens, local_tokens, step_s, comm_s, nbytes, self._outer_syncs())
             if self.step % cfg.log_every == 0:
@@ -284,7 +305,19 @@ class Trainer:
                     "step", step=self.step, max_steps=cfg.max_steps, loss=loss_value, lr=lr,
                     tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
                     comm_share=self.totals.comm_seconds / max(1e-9, self.totals.compute_seconds + self.totals.comm_seconds),
+                    **extra,
                 )
+            if self.shares is not None:
+                session_step = self.step - start_step
+                if session_step == 1:  # a session's first step pays one-off costs: not a speed
+                    self._window = [0.0, 0]
+                else:
+                    self._window[0] += max(0.0, step_s - comm_s)
+                    self._window[1] += n_micro
+                # A first look early in every session (steps 2-3), then every rebalance_every.
+                if cfg.strategy.balance and (session_step == 3 or self.step % cfg.strategy.rebalance_every == 0) \
+                        and session_step > 1:
+                    self._rebalance()
             last = stop or self.step == cfg.max_steps
             if last:
                 stopped_by = "time_budget" if stop else "max_steps"
@@ -310,6 +343,64 @@ class Trainer:
             fsutil.write_json(self.run_dir / rundir.REPORT, report)
             self.events.emit("end", report=report)
         return report
+
+    def _shared_step(self) -> tuple[float | None, int]:
+        """This rank's share of the step's micro-batches (see train/shares.py); returns (mean
+        loss of its micro-batches or None, how many it ran). The optimizer step is included.
+
+        ddp: each micro-batch's loss is scaled by world/total before backward and DDP averages
+        over the world, so the gradient is the mean over the whole global batch - the even
+        split's gradient - whatever the shares. All but the last backward run under no_sync; a
+        rank with no micro-batch runs an empty batch (zero gradients) so it joins the all-reduce.
+        diloco: every micro-batch is an inner step of its own (a faster rank does more per round);
+        tokens are counted per micro-batch, so the outer average is weighted by them.
+        """
+        torch, cfg, strategy, opt = self._torch, self.cfg, self.strategy, self.optimizer
+        model, device = self.model, self.ctx.device
+        batches = self.sampler.next_step(self.shares.shares, self.ctx.rank)
+        n = len(batches)
+        micro_tokens = cfg.micro_batch() * self.shape.seq_len
+        params = strategy.unwrap().parameters
+        losses = []
+        if strategy.micro_batches_are_steps:
+            for i, (x, y) in enumerate(batches):
+                loss = model(x.to(device), y.to(device))
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params(), cfg.grad_clip)
+                strategy.tokens_processed(micro_tokens)
+                losses.append(loss.detach())
+                if i < n - 1:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            strategy.step(opt, self.step)  # the last inner step, and the outer sync when due
+        else:
+            scale = self.ctx.world_size / cfg.strategy.micro_batches
+            if n == 0:
+                empty = torch.zeros((0, self.shape.seq_len), dtype=torch.long, device=device)
+                (model(empty).sum() * 0.0).backward()
+            for i, (x, y) in enumerate(batches):
+                with strategy.no_sync(i < n - 1):
+                    loss = model(x.to(device), y.to(device))
+                    (loss * scale).backward()
+                losses.append(loss.detach())
+            torch.nn.utils.clip_grad_norm_(params(), cfg.grad_clip)
+            strategy.tokens_processed(n * micro_tokens)
+            strategy.step(opt, self.step)
+        return (torch.stack(losses).mean().item() if losses else None), n
+
+    def _rebalance(self) -> None:
+        """All ranks share what they measured since the last look; each feeds the same figures
+        to the same controller, so the new shares are identical everywhere."""
+        window = self._window
+        with self.strategy.comm.timed(0):
+            measured = self._all_gather_object((float(window[0]), int(window[1])))
+        self._window = [0.0, 0]
+        before = list(self.shares.shares)
+        if self.shares.observe(measured, self.step):
+            self.events.emit(
+                "rebalance", step=self.step, shares_before=before, shares=list(self.shares.shares),
+                speeds=[round(v, 4) for v in self.shares.speeds], rebalances=self.shares.rebalances,
+            )
 
     def build_report(self, val_loss: float, stopped_by: str, start_step: int):
         """Gather every rank's totals; rank 0 returns the report (contract keys first)."""
@@ -354,6 +445,18 @@ class Trainer:
             "model_sha256": mine["model_sha256"],
             "optimizer_sha256": checkpoint.state_hash(self.optimizer.state_dict()),
             "run_dir": str(self.run_dir),
+            **(
+                {
+                    "micro_batches": self.cfg.strategy.micro_batches,
+                    "balance": self.cfg.strategy.balance,
+                    "shares": list(self.shares.shares),
+                    "speeds": [round(v, 4) for v in self.shares.speeds],
+                    "rebalances": self.shares.rebalances,
+                    "share_history": self.shares.history,
+                }
+                if self.shares is not None
+                else {}
+            ),
         }
 
     def close(self) -> None:

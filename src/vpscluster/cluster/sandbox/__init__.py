@@ -296,6 +296,22 @@ def set_rate(name: str, node: str, bandwidth: str | float) -> float:
     return rate_mbit
 
 
+def set_cpu(name: str, node: str, cpu: str | float | None) -> float | None:
+    """Change a node's CPU share while it runs (a noisy neighbour, a throttled machine); returns
+    the new share (None = unlimited). Processes keep running; the quota holds from the next
+    20 ms period. The record (and `status`) follow; the cluster file is left as it was."""
+    n = _node_of(name, node)
+    share = _parse_cpu(str(cpu), "--cpu")
+    if not n.cgroup:
+        raise UserError(f"sandbox {name!r} node {node!r} has no cgroup; recreate the sandbox")
+    cgroup.set_quota(Path(n.cgroup), share)
+    with state.sandbox_lock():
+        info = state.load_info(name)
+        info.node(node).cpu = share
+        state.save_info(info)
+    return share
+
+
 def _node_of(name: str, node: str) -> SandboxNode:
     require_root()
     info = state.load_info(state.check_name(name))

@@ -255,3 +255,23 @@ def remove_parent_if_empty() -> None:
         os.rmdir(p)
     except OSError:  # absent, or another sandbox still lives in it
         pass
+
+
+
+def set_quota(path: Path, cpu: float | None) -> None:
+    """Change a node cgroup's CPU share while it runs (`sandbox set --cpu`); None = unlimited.
+
+    Works on either hierarchy, read from the files the node's cgroup has: cgroup v1
+    (cpu.cfs_quota_us, -1 = unlimited) or v2 (cpu.max, "QUOTA PERIOD" or "max PERIOD"). The
+    kernel applies a new quota from the next period on: every task already in the cgroup (and
+    all it spawns) is held to it within milliseconds, nothing restarts.
+    """
+    v2, v1 = path / "cpu.max", path / "cpu.cfs_quota_us"
+    if v2.exists():
+        period = int(v2.read_text().split()[1])
+        v2.write_text(f"{'max' if cpu is None else max(1000, int(round(cpu * period)))} {period}")
+    elif v1.exists():
+        period = int((path / "cpu.cfs_period_us").read_text())
+        v1.write_text(str(-1 if cpu is None else max(1000, int(round(cpu * period)))))
+    else:
+        raise UserError(f"sandbox: no cgroup CPU quota at {path}; is the sandbox up? (`vpscluster sandbox status`)")

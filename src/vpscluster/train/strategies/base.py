@@ -104,6 +104,10 @@ class Strategy(ABC):
     """One way of synchronising ranks. Subclasses register a `name` in `strategies/__init__.py`."""
 
     name: ClassVar[str]
+    # Uneven shares (`--micro-batches`): False = a rank's micro-batches of a step are one
+    # gradient (accumulated, synchronised once: ddp); True = each is an inner optimizer step of
+    # its own, only the last goes through `step` (diloco).
+    micro_batches_are_steps: ClassVar[bool] = False
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         self.config = config

@@ -83,6 +83,7 @@ def sync_offset(fragment: int, n_fragments: int, sync_every: int) -> int:
 
 class DiLoCoStrategy(Strategy):
     name = "diloco"
+    micro_batches_are_steps = True  # uneven shares: a faster rank does more inner steps per round
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         super().__init__(config, ctx)

@@ -1,0 +1,166 @@
+"""Per-rank shares of the global batch on uneven and changing nodes (pure Python, no torch).
+
+A step's global batch is `total` micro-batches of the same shape. Rank r runs `shares[r]` of
+them; the shares always sum to `total`, so the global batch - and with the loss scaled by
+world/total per micro-batch, the averaged gradient - is exactly that of an even split (see
+`train/trainer.py`). Only *who* computes which micro-batch changes.
+
+- `split(speeds, total, ...)`: the integer shares that minimise the predicted step time
+  max_r(shares[r] / speeds[r]) - every rank starts at `min_share`, then each further
+  micro-batch goes to the rank that would finish it first (ties: the lower rank). Greedy is
+  optimal for this makespan and deterministic, so every rank computes the same shares from the
+  same speeds.
+- The spread rule (`max_spread`): speeds are clamped from below to max(speeds) / max_spread
+  before splitting. A node 20x slower than the fastest is treated as max_spread x slower: it
+  keeps a share (and a voice in DiLoCo's token-weighted average) instead of being starved, and
+  the others wait for it at most a bounded time. 0 disables the rule.
+- `ShareController`: every `rebalance_every` steps (and once early in every session, at its
+  third step; a session's first step, with its one-off costs, is not measured) the ranks all-gather (compute seconds, micro-batches)
+  measured since the last look; the controller turns them into speeds (micro-batches per
+  compute second), smooths them with an exponential moving average (`DAMPING`: the weight of
+  the new measurement; the starting speeds are first rescaled to the measured unit by the mean
+  ratio of the first measurements), and re-splits only when the new shares are predicted to be at least
+  `THRESHOLD` faster than the current ones under the same estimates (hysteresis: noise that
+  would move a micro-batch back and forth is ignored). Changes happen at step boundaries only.
+  A rank with no micro-batches in the window has no measurement and keeps its estimate.
+  Every rank feeds the same gathered figures into the same code, so shares agree everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from vpscluster.errors import UserError
+
+DAMPING = 0.5  # weight of a new measurement in the speed estimate
+THRESHOLD = 0.05  # re-split only when predicted >= 5% faster than the current shares
+
+
+def clamp_speeds(speeds: Sequence[float], max_spread: float) -> list[float]:
+    """The spread rule: no speed below max(speeds) / max_spread (0 = no rule)."""
+    if any(s <= 0 for s in speeds):
+        raise UserError(f"speeds must be positive, got {list(speeds)}")
+    top = max(speeds)
+    if max_spread and max_spread > 0:
+        return [max(s, top / max_spread) for s in speeds]
+    return [float(s) for s in speeds]
+
+
+def split(speeds: Sequence[float], total: int, min_share: int = 1, max_spread: float = 0.0) -> list[int]:
+    """Integer micro-batch shares summing to `total` that minimise max(shares / speeds)."""
+    n = len(speeds)
+    if n == 0:
+        raise ValueError("no ranks")
+    if total < min_share * n:
+        raise UserError(
+            f"{total} micro-batches per step cannot give each of {n} ranks at least {min_share}; "
+            f"raise --micro-batches to {min_share * n} or lower strategy.min_share"
+        )
+    s = clamp_speeds(speeds, max_spread)
+    shares = [min_share] * n
+    for _ in range(total - min_share * n):
+        best = min(range(n), key=lambda r: ((shares[r] + 1) / s[r], r))
+        shares[best] += 1
+    return shares
+
+
+def even(world: int, total: int) -> list[int]:
+    """The even split: total // world each, the remainder to the lowest ranks."""
+    base, extra = divmod(total, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def predicted_step(shares: Sequence[int], speeds: Sequence[float]) -> float:
+    """Seconds per step when rank r runs shares[r] micro-batches at speeds[r] per second."""
+    return max(sh / sp for sh, sp in zip(shares, speeds))
+
+
+def offsets(shares: Sequence[int]) -> list[int]:
+    """The first micro-batch (in the step's global order) each rank runs."""
+    out, acc = [], 0
+    for sh in shares:
+        out.append(acc)
+        acc += sh
+    return out
+
+
+@dataclass
+class ShareController:
+    """Shares for every rank, re-split from measured speeds (see the module docstring)."""
+
+    total: int
+    speeds: list[float]  # current estimates, micro-batches per second (relative is enough)
+    min_share: int = 1
+    max_spread: float = 0.0
+    balance: bool = True
+    shares: list[int] = field(default_factory=list)
+    rebalances: int = 0
+    calibrated: bool = False  # speeds in micro-batches per second (after the first measurement)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.shares:
+            self.shares = split(self.speeds, self.total, self.min_share, self.max_spread)
+
+    @classmethod
+    def start(cls, world: int, total: int, speeds: Sequence[float] | None, min_share: int,
+              max_spread: float, balance: bool) -> "ShareController":
+        if speeds is not None and len(speeds) != world:
+            raise UserError(f"strategy.speeds has {len(speeds)} entries for {world} ranks; give one per rank")
+        sp = [float(v) for v in speeds] if speeds is not None else [1.0] * world
+        if speeds is None:
+            shares = even(world, total)
+            if min(shares) < min_share:
+                raise UserError(
+                    f"{total} micro-batches per step cannot give each of {world} ranks at least {min_share}; "
+                    f"raise --micro-batches to {min_share * world} or lower strategy.min_share"
+                )
+            return cls(total, sp, min_share, max_spread, balance, shares=shares)
+        return cls(total, sp, min_share, max_spread, balance)
+
+    def observe(self, measured: Sequence[tuple[float, int]], step: int) -> bool:
+        """Feed every rank's (compute seconds, micro-batches) since the last call; True when
+        the shares changed. Does nothing when balancing is off."""
+        if not self.balance:
+            return False
+        if not self.calibrated:
+            # The starting speeds are relative figures in any unit: bring them to micro-batches
+            # per second with the mean ratio of the first measurements, then smooth as usual.
+            ratios = [m / sec / self.speeds[r] for r, (sec, m) in enumerate(measured) if m > 0 and sec > 0]
+            if not ratios:
+                return False
+            factor = sum(ratios) / len(ratios)
+            self.speeds = [v * factor for v in self.speeds]
+            self.calibrated = True
+        for r, (seconds, micro) in enumerate(measured):
+            if micro > 0 and seconds > 0:
+                self.speeds[r] = (1 - DAMPING) * self.speeds[r] + DAMPING * (micro / seconds)
+        proposal = split(self.speeds, self.total, self.min_share, self.max_spread)
+        if proposal == self.shares:
+            return False
+        eff = clamp_speeds(self.speeds, self.max_spread)
+        now, new = predicted_step(self.shares, eff), predicted_step(proposal, eff)
+        if new > now * (1 - THRESHOLD):
+            return False
+        self.history.append({"step": step, "from": list(self.shares), "to": proposal,
+                             "predicted_speedup": round(now / new, 4)})
+        self.shares = proposal
+        self.rebalances += 1
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"speeds": list(self.speeds), "shares": list(self.shares), "rebalances": self.rebalances,
+                "history": list(self.history), "calibrated": self.calibrated}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["shares"]) != len(self.shares) or sum(state["shares"]) != self.total:
+            raise UserError(
+                f"checkpoint was taken with shares {state['shares']}, this run has {len(self.shares)} ranks and "
+                f"{self.total} micro-batches per step; resume with the same ranks and --micro-batches"
+            )
+        self.speeds = [float(v) for v in state["speeds"]]
+        self.shares = [int(v) for v in state["shares"]]
+        self.rebalances = int(state["rebalances"])
+        self.history = list(state.get("history", []))
+        self.calibrated = bool(state.get("calibrated", False))

@@ -1,0 +1,55 @@
+"""Uneven nodes from the command line: `plan --flops a,b,c` shows the shares and what balancing
+buys; `sandbox set` and `train --micro-batches` refuse bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture
+def plan(cli, tmp_path):
+    def run(*args):
+        return cli("plan", *args, timeout=120, env={"HOME": str(tmp_path)})
+    return run
+
+
+def test_plan_balance_section_for_uneven_flops(plan):
+    r = plan("--model", "small", "--flops", "80,80,27", "--bandwidth", "1gbit", "--strategy", "ddp", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["world_size"] == 3
+    bal = doc["balance"]
+    assert sum(bal["shares"]) == bal["global_batch"] == 3 * doc["model"]["batch_size"]
+    assert bal["shares"][0] == bal["shares"][1] > bal["shares"][2]
+    # balanced: the 27 GFLOP/s node no longer sets the pace (even split ~ 3x the fast nodes' step)
+    assert bal["speedup"] > 1.5
+    assert bal["balanced_step_seconds"] < bal["even_step_seconds"] == pytest.approx(doc["step_seconds"])
+    assert "--micro-batches 12" in bal["train_flags"]
+    human = plan("--model", "small", "--flops", "80,80,27", "--bandwidth", "1gbit", "--strategy", "ddp")
+    assert human.returncode == 0 and "Uneven nodes" in human.stdout and "5:5:2" in human.stdout
+
+
+def test_plan_even_flops_buys_nothing_and_wrong_count_is_one_line(plan):
+    r = plan("--model", "small", "--flops", "80,80", "--bandwidth", "1gbit", "--strategy", "ddp", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["balance"]["speedup"] == pytest.approx(1.0)
+    bad = plan("--model", "small", "--flops", "80,80,27", "--nodes", "2")
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "one per node" in bad.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("sandbox", "set", "--name", "ue-none", "--node", "node1"), "nothing to change"),
+    (("sandbox", "set", "--name", "ue-none", "--node", "node1", "--cpu", "0.1"), "does not exist"),
+    (("train", "--nodes", "2", "--balance"), "--micro-batches"),
+    (("train", "--nodes", "3", "--micro-batches", "2"), "at least 3"),
+    (("train", "--nodes", "2", "--micro-batches", "4", "--speeds", "3,x"), "comma-separated"),
+])
+def test_bad_uneven_input_is_one_line(cli, args, needle):
+    r = cli(*args, timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert needle in lines[-1] and "Traceback" not in r.stderr, r.stderr
+    if args[0] == "sandbox" or "--speeds" not in args:  # argparse's own errors come after its usage
+        assert len(lines) == 1, r.stderr
