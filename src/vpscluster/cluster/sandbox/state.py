@@ -102,6 +102,7 @@ class SandboxInfo:
     latency_ms: float | None = None
     identity_file: str = ""
     known_hosts: str = ""
+    own_root: bool = False  # each node has its own filesystem (an overlay of the host's /)
 
     def to_dict(self) -> dict[str, Any]:
         """The `sandbox up --json` document: name, cluster_file, nodes[...] first, extras after."""
@@ -112,7 +113,8 @@ class SandboxInfo:
         ]
         return {"name": self.name, "cluster_file": self.cluster_file, "nodes": nodes, "subnet": self.subnet,
                 "bridge": self.bridge, "gateway": self.gateway, "latency_ms": self.latency_ms,
-                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts}
+                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts,
+                "own_root": self.own_root}
 
     def node(self, name: str) -> SandboxNode:
         for n in self.nodes:
