@@ -8,10 +8,14 @@ namespace whose root is an overlay of the host's `/`:
     workdir   <state>/nodes/<node>/rootfs/work     (overlayfs bookkeeping)
     merged    <state>/nodes/<node>/rootfs/merged   (the node's `/`; sshd is chrooted into it)
 
-So a node's /etc, /srv, /opt, /tmp, its venvs and its workdir are its own; what it installs
+So a node's /etc, /srv, /opt, its venvs and its workdir are its own; what it installs
 or writes never reaches the host or another node, and what the controller wants on a node has
 to travel there (SSH, SFTP), as on a rented machine. /proc, /sys and /dev are the node's
-namespace views bound in; /run is a fresh tmpfs. The node's /etc/hosts and /etc/hostname are
+namespace views bound in; /run is a fresh tmpfs. /root (a fresh home from /etc/skel, as on a
+bare VPS) and /tmp are the node's own directories outside the overlay (rootfs/root, rootfs/tmp):
+the host keeps changing its own /root and /tmp (shells, pyenv's rehash lock) while nodes run,
+and overlayfs leaves changes to a mounted lower layer undefined — a node could see a file the
+host has since deleted. The node's /etc/hosts and /etc/hostname are
 written into its own /etc. sshd's pid file and log are bound back to the host's node directory
 so `status` and error messages work as for plain nodes.
 
@@ -45,6 +49,11 @@ mount --rbind /proc "$M/proc"
 mount --rbind /sys "$M/sys"
 mount --rbind /dev "$M/dev"
 mount -t tmpfs -o mode=755 tmpfs "$M/run"
+mkdir -p "$R/root" "$R/tmp"
+[ -e "$R/root/.profile" ] || cp -a /etc/skel/. "$R/root/"
+chmod 700 "$R/root"; chmod 1777 "$R/tmp"
+mount --bind "$R/root" "$M/root"
+mount --bind "$R/tmp" "$M/tmp"
 mkdir -p "$M/run/sshd" "$M/srv"
 cp /etc/hosts "$M/etc/hosts"
 echo "$1" > "$M/etc/hostname"
