@@ -1,0 +1,137 @@
+"""`vpscluster provision` on a real 2-node sandbox whose nodes have their own filesystem
+(`--own-root`): ansible-core applies the tcp and firewall roles; --check changes nothing; a
+second run reports no changes; the node's sysctls match the plan; the firewall lets peers and
+SSH in and keeps a stranger on the same bridge out of the cluster's ports; the host's own
+sysctls and nftables ruleset are untouched throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sandbox_fixtures import sandbox_unavailable_reason, ssh_run
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+HOST_SYSCTLS = ["net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
+                "net.ipv4.tcp_congestion_control", "net.ipv4.tcp_mtu_probing", "net.ipv4.tcp_slow_start_after_idle"]
+STORE_PORT, EXPORTER_PORT, USER_PORT = 29500, 9400, 5432
+
+
+def host_state() -> dict:
+    values = {k: Path("/proc/sys/" + k.replace(".", "/")).read_text().split() for k in HOST_SYSCTLS}
+    ruleset = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True, timeout=10).stdout
+    return {"sysctls": values, "nft": ruleset, "sysctl.d": sorted(p.name for p in Path("/etc/sysctl.d").glob("*"))}
+
+
+@pytest.fixture(scope="module")
+def own_root():
+    import shutil
+
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.sandbox import rootfs
+
+    why = sandbox_unavailable_reason() or rootfs.supported() or (None if shutil.which("nft") else "nft missing (apt-get install nftables)")
+    if why:
+        pytest.skip(f"sandbox unavailable: {why}")
+    name = f"pv-{secrets.token_hex(3)}"
+    try:
+        info = sandbox.up(name, nodes=2, bandwidth="1gbit", own_root=True)
+        doc = yaml.safe_load(Path(info.cluster_file).read_text())
+        doc["firewall"] = {"allow": [USER_PORT]}
+        path = Path(info.state_dir) / "cluster-fw.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        yield info, str(path)
+    finally:
+        sandbox.down(name)
+
+
+def provision(cli, cluster_file: str, *extra: str) -> dict:
+    r = cli("provision", "--cluster", cluster_file, "--json", *extra, timeout=300)
+    assert r.stdout.strip(), r.stderr
+    report = json.loads(r.stdout)
+    assert r.returncode == (0 if report["ok"] else 1)
+    return report
+
+
+@pytest.fixture
+def stranger(own_root):
+    """A namespace on the sandbox's bridge that is not a cluster node (like a scanner on the same LAN)."""
+    from vpscluster.cluster.sandbox import netns
+
+    info, _ = own_root
+    tag = secrets.token_hex(3)
+    ns, veth, peer = f"pvx-{tag}", f"pvx{tag}", f"pvy{tag}"
+    address = info.gateway.rsplit(".", 1)[0] + ".250"
+    try:
+        netns.create_node(ns, veth, peer, info.bridge, f"{address}/24")
+        yield ns
+    finally:
+        netns.delete_namespace(ns)
+        netns.delete_link(veth)
+
+
+def can_connect_from_ns(ns: str, address: str, port: int) -> bool:
+    code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=2).close()"
+    return subprocess.run(["ip", "netns", "exec", ns, "python3", "-c", code], capture_output=True, timeout=20).returncode == 0
+
+
+def can_connect_from_node(info, node: str, address: str, port: int) -> bool:
+    code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=2).close()"
+    return ssh_run(info, node, f"python3 -c \"{code}\"").returncode == 0
+
+
+def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, stranger, cli):
+    info, cluster_file = own_root
+    before = host_state()
+
+    # --check: what would change; nothing changes.
+    check = provision(cli, cluster_file, "--check")
+    assert check["ok"] and check["check"] and check["changed"] > 0, check
+    assert all(n["status"] == "changed" for n in check["nodes"])
+    assert any("net.ipv4.tcp_wmem" in line for line in check["nodes"][0]["changes"]), check["nodes"][0]["changes"]
+    r = ssh_run(info, "node-1", "test -e /etc/sysctl.d/60-vpscluster-tcp.conf || echo absent; nft list tables")
+    assert r.stdout.split() == ["absent"], r.stdout
+
+    # Apply, then again: no changes.
+    first = provision(cli, cluster_file)
+    assert first["ok"] and first["changed"] > 0, first
+    assert set(first["nodes"][0]["roles"]) == {"tcp", "firewall"}
+    second = provision(cli, cluster_file)
+    assert second["ok"] and second["changed"] == 0 and second["summary"] == "no changes", second
+
+    # The node's sysctls match the plan (16 MB maxima); what a namespace cannot set is reported.
+    for n in info.nodes:
+        r = ssh_run(info, n.name, "cat /proc/sys/net/ipv4/tcp_rmem /proc/sys/net/ipv4/tcp_wmem "
+                                  "/proc/sys/net/ipv4/tcp_mtu_probing; cat /etc/sysctl.d/60-vpscluster-tcp.conf")
+        lines = r.stdout.splitlines()
+        assert int(lines[0].split()[2]) >= 16 << 20 and int(lines[1].split()[2]) >= 16 << 20, lines
+        assert lines[2] == "1" and any(line.startswith("net.ipv4.tcp_wmem = ") for line in lines), lines
+    reported = first["nodes"][0]["not_settable"]
+    assert "net.core.default_qdisc" in reported and "network namespace" in reported["net.core.default_qdisc"]
+
+    # Firewall: listeners on node-1; a peer reaches them, a stranger only SSH and the user's port.
+    node1 = info.nodes[0].address
+    listen = ("import socket,time\nss=[]\nfor p in (%d,%d,%d):\n s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              " s.bind(('0.0.0.0',p)); s.listen(16); ss.append(s)\ntime.sleep(90)\n") % (STORE_PORT, EXPORTER_PORT, USER_PORT)
+    ssh_run(info, "node-1", "cat > /tmp/pv-listen.py <<'EOF'\n" + listen + "EOF\n"
+                            "nohup python3 /tmp/pv-listen.py >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 20
+    while not can_connect_from_node(info, "node-2", node1, STORE_PORT):
+        assert time.monotonic() < deadline, "the peer cannot reach the store port"
+        time.sleep(0.5)
+    assert can_connect_from_node(info, "node-2", node1, EXPORTER_PORT)
+    assert not can_connect_from_ns(stranger, node1, STORE_PORT)
+    assert not can_connect_from_ns(stranger, node1, EXPORTER_PORT)
+    assert can_connect_from_ns(stranger, node1, 22)
+    assert can_connect_from_ns(stranger, node1, USER_PORT)
+
+    # The host (root namespace, own /etc) saw none of it.
+    assert host_state() == before
