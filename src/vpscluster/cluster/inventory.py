@@ -7,6 +7,7 @@
     command_timeout_s: 60        # optional
     defaults: {user: root, port: 22, identity_file: id_ed25519, python: ..., workdir: ...}
     firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24]}   # optional; see `vpscluster provision`
+    insecure_network: false      # optional; true: launch over public addresses anyway (cluster/netsafety.py)
     nodes:
       - {name: node-a, host: 203.0.113.10, port: 22, user: root, identity_file: ~/.ssh/id_ed25519,
          python: /opt/venv/bin/python, workdir: /srv/vpscluster, labels: {region: fra},
@@ -87,6 +88,7 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         command_timeout_s=spec.command_timeout_s,
         firewall_allow=tuple(spec.firewall.allow),
         firewall_ssh_from=tuple(spec.firewall.ssh_from),
+        insecure_network=spec.insecure_network,
     )
 
 
@@ -261,6 +263,7 @@ class ClusterFile:
     defaults: Annotated[NodeSettings, Before(_mapping_or_empty)] = field(default_factory=NodeSettings)
     nodes: Annotated[list[NodeEntry], Before(_node_list)] = field(default_factory=list)
     firewall: Annotated[FirewallSettings, Before(_mapping_or_empty)] = field(default_factory=FirewallSettings)
+    insecure_network: Annotated[bool, Before(_flag)] = False  # launch over public addresses (no overlay) anyway
 
     def __post_init__(self) -> None:
         """Rules across nodes; ValueError so that pydantic reports them like any other key."""
