@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 from vpscluster.cluster.node import Cluster
 from vpscluster.errors import UserError
 
-ROLES = ("tcp", "firewall")  # in the order the playbook runs them
-FUTURE_ROLES = {"env": "a pinned venv pushed from the controller", "overlay": "a WireGuard mesh"}
+ROLES = ("env", "tcp", "firewall")  # in the order the playbook runs them
+FUTURE_ROLES = {"overlay": "a WireGuard mesh"}
 DEFAULT_TIMEOUT_S = 900.0
 
 
@@ -53,15 +53,49 @@ def parse_roles(text: str | Sequence[str] | None) -> list[str]:
 
 def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S, probe: dict | None = None,
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, env_packages: Sequence[str] | None = None,
+              wheelhouse: Path | None = None) -> dict:
+    """Run the roles on every node; the report (see the module's docstring).
+
+    `env_packages` narrows the env role to these installed packages (default: vpscluster and its
+    whole run-time closure); `wheelhouse` is where the controller keeps the wheels.
+    """
     from vpscluster.provision.inventory import build_inventory, tcp_buffer_bytes
     from vpscluster.provision.runner import run_playbook, summarize
 
+    say = progress or (lambda _m: None)
     chosen = parse_roles(roles)
-    extra = {"tcp_buffer_bytes": tcp_buffer_bytes(probe)}
+    extra: dict = {"tcp_buffer_bytes": tcp_buffer_bytes(probe)}
+    if "env" in chosen:
+        extra.update(env_vars(env_packages, wheelhouse, say))
     inventory = build_inventory(cluster, extra)
     raw = run_playbook(playbook_dir() / "site.yml", inventory, tags=chosen, check=check, timeout_s=timeout_s,
                        progress=progress)
     report = summarize(raw, [n.name for n in cluster.nodes], chosen, check)
     report["tcp_buffer_bytes"] = extra["tcp_buffer_bytes"]
+    if "env" in chosen:
+        report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
+                         "packages": extra["env_requirements"]}
     return report
+
+
+def env_vars(packages: Sequence[str] | None, wheelhouse: Path | None, say: Callable[[str], None]) -> dict:
+    """The env role's inventory variables: the pinned list, its hash, the wheels (made here once)."""
+    from vpscluster.provision import env
+
+    if packages is None:
+        reqs = env.pinned_requirements()
+    else:
+        from importlib import metadata
+
+        reqs = {}
+        for name in packages:
+            try:
+                reqs[env.canonical(name)] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                raise UserError(f"provision env: {name} is not installed on this machine; install it here first") from None
+    say(f"wheelhouse: {len(reqs)} packages")
+    directory = env.build_wheelhouse(reqs, wheelhouse, say)
+    wheels = [str(env._have_wheel(directory, n, v)) for n, v in reqs.items()]
+    return {"env_requirements": reqs, "env_hash": env.env_hash(reqs), "env_python_version": env.python_version(),
+            "env_wheels": wheels}
