@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 # Debian packages the sandbox (emulated cluster) and its tests need.
-SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps nftables python3-venv
 
 .PHONY: setup demo test system-deps clean
 

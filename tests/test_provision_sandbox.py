@@ -93,7 +93,7 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
     before = host_state()
 
     # --check: what would change; nothing changes.
-    check = provision(cli, cluster_file, "--check")
+    check = provision(cli, cluster_file, "--check", "--only", "tcp,firewall")
     assert check["ok"] and check["check"] and check["changed"] > 0, check
     assert all(n["status"] == "changed" for n in check["nodes"])
     assert any("net.ipv4.tcp_wmem" in line for line in check["nodes"][0]["changes"]), check["nodes"][0]["changes"]
@@ -101,10 +101,10 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
     assert r.stdout.split() == ["absent"], r.stdout
 
     # Apply, then again: no changes.
-    first = provision(cli, cluster_file)
+    first = provision(cli, cluster_file, "--only", "tcp,firewall")
     assert first["ok"] and first["changed"] > 0, first
     assert set(first["nodes"][0]["roles"]) == {"tcp", "firewall"}
-    second = provision(cli, cluster_file)
+    second = provision(cli, cluster_file, "--only", "firewall,tcp")
     assert second["ok"] and second["changed"] == 0 and second["summary"] == "no changes", second
 
     # The node's sysctls match the plan (16 MB maxima); what a namespace cannot set is reported.
@@ -135,3 +135,48 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
 
     # The host (root namespace, own /etc) saw none of it.
     assert host_state() == before
+
+
+ENV_PACKAGES = ["pyyaml", "rich", "markdown-it-py", "mdurl", "pygments"]
+
+
+def test_env_one_pinned_venv_per_node_found_and_fixed_after_a_hand_change(own_root, tmp_path):
+    """The env role with a few of vpscluster's packages (all of them means pushing torch: too slow
+    for a test): the same env hash on every node, idempotent, a hand-made change found and fixed."""
+    from importlib import metadata
+
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.provision import env, provision
+
+    info, cluster_file = own_root
+    cluster = load_cluster(cluster_file)
+    reqs = {env.canonical(p): metadata.version(p) for p in ENV_PACKAGES}
+    wheelhouse = env.build_wheelhouse(reqs, tmp_path / "wheels", download=False)  # offline: re-packed here
+
+    def run(check: bool = False) -> dict:
+        return provision(cluster, roles=["env"], check=check, env_packages=ENV_PACKAGES, wheelhouse=wheelhouse)
+
+    first = run()
+    assert first["ok"] and first["changed"] > 0, first
+    hashes = set()
+    for n in info.nodes:
+        venv = f"{n.workdir}/venv"
+        r = ssh_run(info, n.name, f"cat {venv}/vpscluster-env.json && echo && {venv}/bin/python -c 'import yaml, rich; print(yaml.__version__)'")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout[:r.stdout.rindex("}") + 1])
+        hashes.add(doc["env_hash"])
+        assert r.stdout.split()[-1] == reqs["pyyaml"]
+        assert not Path(venv).exists()  # on the node's own disk only
+    assert hashes == {first["env"]["hash"]}
+    assert run()["summary"] == "no changes"
+
+    # By hand on node-2: a package removed. --check finds it there only; provision fixes it.
+    assert ssh_run(info, "node-2", f"{info.nodes[1].workdir}/venv/bin/python -m pip uninstall -y -q mdurl").returncode == 0
+    check = run(check=True)
+    by_node = {n["name"]: n for n in check["nodes"]}
+    assert by_node["node-1"]["changed"] == 0 and by_node["node-2"]["changed"] == 1, check
+    assert any("mdurl" in c and "installed" in c for c in by_node["node-2"]["changes"]), by_node["node-2"]["changes"]
+    fixed = run()
+    assert fixed["ok"] and {n["name"]: n["changed"] for n in fixed["nodes"]} == {"node-1": 0, "node-2": 1}, fixed
+    r = ssh_run(info, "node-2", f"{info.nodes[1].workdir}/venv/bin/python -c 'import mdurl; print(mdurl.__version__)'")
+    assert r.stdout.strip() == reqs["mdurl"], (r.stdout, r.stderr)

@@ -92,13 +92,22 @@ def build_wheelhouse(reqs: dict[str, str], directory: Path | None = None, say=la
     directory = directory or default_wheelhouse()
     directory.mkdir(parents=True, exist_ok=True)
     for name, version in reqs.items():
-        if _have_wheel(directory, name, version):
-            continue
         dist = metadata.distribution(name)
         source = _editable_source(dist)
-        if source:
+        stamp = directory / f"{canonical(name)}-{version}.source-hash"
+        if source:  # a working tree: its version number does not change with its code
+            digest = _tree_hash(source)
+            if _have_wheel(directory, name, version) and stamp.is_file() and stamp.read_text() == digest:
+                continue
+            old = _have_wheel(directory, name, version)
+            if old:
+                old.unlink()
             say(f"building {name} {version} from {source}")
             _pip(["wheel", "--no-deps", "--no-build-isolation", "-w", str(directory), str(source)])
+            stamp.write_text(digest)
+            continue
+        if _have_wheel(directory, name, version):
+            continue
         elif not download or "+" in version or not _pip(["download", "--no-deps", "--only-binary=:all:", "-d", str(directory),
                                          f"{name}=={version}"], check=False):
             say(f"re-packing {name} {version} as installed here")
@@ -120,6 +129,18 @@ def _pip(args: list[str], check: bool = True) -> bool:
         said = (proc.stderr or proc.stdout).strip().splitlines()
         raise UserError(f"provision env: `pip {' '.join(args)}` failed: {said[-1] if said else proc.returncode}")
     return proc.returncode == 0
+
+
+def _tree_hash(root: Path) -> str:
+    """A hash of a source tree's package files (what a wheel built from it would hold)."""
+    h = hashlib.sha256()
+    for p in sorted((root / "src").rglob("*") if (root / "src").is_dir() else root.rglob("*.py")):
+        if p.is_file() and "__pycache__" not in p.parts:
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    for extra in ("pyproject.toml", "setup.py", "setup.cfg"):
+        if (root / extra).is_file():
+            h.update((root / extra).read_bytes())
+    return h.hexdigest()
 
 
 def _editable_source(dist) -> Path | None:

@@ -136,8 +136,10 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    raw["nodes"] = [SandboxNode(**n) for n in raw["nodes"]]
-    return SandboxInfo(**raw)
+    # Keys this version does not know (a record written by a newer vpscluster) are left out.
+    known_node = SandboxNode.__dataclass_fields__
+    raw["nodes"] = [SandboxNode(**{k: v for k, v in n.items() if k in known_node}) for n in raw["nodes"]]
+    return SandboxInfo(**{k: v for k, v in raw.items() if k in SandboxInfo.__dataclass_fields__})
 
 
 def known_names() -> list[str]:
