@@ -70,3 +70,22 @@ def test_down_leaves_no_mounts_and_no_files():
     state_dir = str(Path("/var/lib/vpscluster/sandboxes") / name)
     assert rootfs.host_mounts(state_dir) == []
     assert not Path(state_dir).exists()
+
+
+def test_provision_refuses_sandbox_nodes_that_share_this_machines_files(cli):
+    """Without --own-root a node's /etc is the host's: provision must not write there."""
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.sandbox import rootfs
+
+    why = sandbox_unavailable_reason() or rootfs.supported()
+    if why:
+        pytest.skip(f"sandbox unavailable: {why}")
+    name = f"pv-{secrets.token_hex(3)}"
+    try:
+        info = sandbox.up(name, nodes=1)
+        r = cli("provision", "--cluster", info.cluster_file, "--only", "tcp", timeout=120)
+    finally:
+        sandbox.down(name)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "shares this machine's filesystem" in lines[0] and "--own-root" in lines[0]

@@ -65,6 +65,7 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
 
     say = progress or (lambda _m: None)
     chosen = parse_roles(roles)
+    refuse_shared_filesystem_sandbox(cluster)
     extra: dict = {"tcp_buffer_bytes": tcp_buffer_bytes(probe)}
     if "env" in chosen:
         extra.update(env_vars(env_packages, wheelhouse, say))
@@ -77,6 +78,25 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
     return report
+
+
+def refuse_shared_filesystem_sandbox(cluster: Cluster) -> None:
+    """Sandbox nodes without --own-root share this machine's files: provisioning them would write
+    this machine's /etc (sysctl.d, nftables.conf). Refused, with the fix."""
+    from vpscluster.cluster.sandbox import state
+
+    for n in cluster.nodes:
+        name = n.labels.get("sandbox")
+        if not name:
+            continue
+        try:
+            info = state.load_info(state.check_name(name))
+        except UserError:
+            continue
+        if info is not None and not info.own_root and any(x.address == n.host for x in info.nodes):
+            raise UserError(f"provision: node {n.name} is a node of sandbox {name!r}, which shares this machine's "
+                            "filesystem: provisioning it would change this machine's /etc; rebuild it with "
+                            f"`vpscluster sandbox down --name {name} && vpscluster sandbox up --name {name} --own-root`")
 
 
 def env_vars(packages: Sequence[str] | None, wheelhouse: Path | None, say: Callable[[str], None]) -> dict:
