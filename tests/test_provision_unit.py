@@ -17,9 +17,9 @@ from vpscluster.provision.runner import summarize
 
 
 def test_roles():
-    assert parse_roles(None) == ["env", "tcp", "firewall"]
+    assert parse_roles(None) == ["env", "tcp", "firewall", "overlay"]
     assert parse_roles("firewall,tcp") == ["tcp", "firewall"]
-    for bad, msg in [("", "empty"), ("tcp,dns", "unknown role 'dns'"), ("overlay", "not built yet")]:
+    for bad, msg in [("", "empty"), ("tcp,dns", "unknown role 'dns'")]:
         with pytest.raises(UserError, match=msg):
             parse_roles(bad)
 
@@ -38,7 +38,8 @@ def test_inventory_peers_keys_and_strict_host_keys(tmp_path):
                       firewall_ssh_from=("198.51.100.0/24",))
     inv = build_inventory(cluster, {"tcp_buffer_bytes": 1})["all"]["children"]["cluster"]
     a, b = inv["hosts"]["a"], inv["hosts"]["b"]
-    assert a["firewall_peers"] == ["10.0.0.3"] and b["firewall_peers"] == ["10.0.0.2"]
+    assert a["firewall_peers"] == ["10.0.0.3", "10.77.0.2"] and b["firewall_peers"] == ["10.0.0.2", "10.77.0.1"]
+    assert (a["overlay_address"], b["overlay_address"]) == ("10.77.0.1", "10.77.0.2")
     assert a["ansible_ssh_private_key_file"] == "/k" and b["ansible_port"] == 2222 and b["ansible_become"] is True
     assert b["firewall_ssh_port"] == 2222
     args = inv["vars"]["ansible_ssh_common_args"]

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", metavar="FILE", required=True, help="cluster file of the nodes to provision")
     parser.add_argument("--check", action="store_true", help="show what would change; change nothing")
     parser.add_argument("--only", metavar="ROLES", default=None,
-                        help="comma-separated roles to run: env,tcp,firewall (default: all)")
+                        help="comma-separated roles to run: env,tcp,firewall,overlay (default: all)")
     parser.add_argument("--probe", metavar="FILE", default=None,
                         help="probe.json whose measured bandwidth-delay products size the TCP buffers (min 16 MB)")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",

@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 from vpscluster.cluster.node import Cluster
 from vpscluster.errors import UserError
 
-ROLES = ("env", "tcp", "firewall")  # in the order the playbook runs them
-FUTURE_ROLES = {"overlay": "a WireGuard mesh"}
+ROLES = ("env", "tcp", "firewall", "overlay")  # in the order the playbook runs them
+FUTURE_ROLES: dict[str, str] = {}
 DEFAULT_TIMEOUT_S = 900.0
 
 

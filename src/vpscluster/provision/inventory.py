@@ -19,6 +19,8 @@ from typing import Any
 from vpscluster.cluster.node import Cluster, Node
 from vpscluster.errors import UserError
 
+OVERLAY_SUBNET = "10.77.0.0/24"  # the WireGuard mesh's private addresses, in node order
+OVERLAY_PORT = 51820
 SEED_BUFFER_BYTES = 16 << 20  # the field's usual minimum for long fat links
 MAX_BUFFER_BYTES = 256 << 20
 
@@ -69,6 +71,10 @@ def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) 
         raise UserError("provision: the local cluster has nothing to provision; pass --cluster with a cluster file "
                         "(or a sandbox's: vpscluster sandbox up --own-root)")
     addresses = {n.name: node_address(n) for n in cluster.nodes}
+    subnet = ipaddress.ip_network(OVERLAY_SUBNET)
+    if len(cluster.nodes) > subnet.num_addresses - 2:
+        raise UserError(f"provision: {len(cluster.nodes)} nodes do not fit the overlay subnet {OVERLAY_SUBNET}")
+    overlay = {n.name: str(subnet.network_address + i + 1) for i, n in enumerate(cluster.nodes)}
     hosts: dict[str, dict] = {}
     for n in cluster.nodes:
         h: dict[str, Any] = {
@@ -77,7 +83,10 @@ def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) 
             "ansible_user": n.user,
             "vpscluster_address": addresses[n.name],
             "vpscluster_workdir": n.workdir,
-            "firewall_peers": [a for name, a in addresses.items() if name != n.name],
+            # Peers by their underlay and their overlay address (traffic over the mesh comes from the latter).
+            "firewall_peers": [a for name, a in addresses.items() if name != n.name]
+                              + [a for name, a in overlay.items() if name != n.name],
+            "overlay_address": overlay[n.name],
             "firewall_ssh_port": n.port,
         }
         if n.identity_file:
@@ -90,6 +99,9 @@ def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) 
         "ansible_ssh_common_args": ssh_args(cluster),
         "firewall_allow": list(cluster.firewall_allow),
         "firewall_ssh_from": list(cluster.firewall_ssh_from),
+        "firewall_overlay_port": OVERLAY_PORT,
+        "overlay_port": OVERLAY_PORT,
+        "overlay_prefix": subnet.prefixlen,
         **(extra_vars or {}),
     }
     return {"all": {"children": {"cluster": {"hosts": hosts, "vars": group_vars}}}}
