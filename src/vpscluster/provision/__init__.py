@@ -3,10 +3,10 @@
     provision(cluster, roles=None, check=False, timeout_s=900, probe=None) -> dict
 
 runs the playbook shipped in `vpscluster/provision/playbook/` (site.yml, one role per concern:
-tcp, firewall) with ansible-core's `ansible-playbook` against an inventory generated from the
+env, tcp, firewall, overlay) with ansible-core's `ansible-playbook` against an inventory generated from the
 cluster file (inventory.py), and returns what happened per node and role:
 
-    {"check": false, "roles": ["tcp", "firewall"], "changed": 0, "failed": 0, "summary": "no changes",
+    {"check": false, "roles": ["env", "tcp", "firewall", "overlay"], "changed": 0, "failed": 0, "summary": "no changes",
      "nodes": [{"name", "status", "ok", "changed", "failed", "skipped", "unreachable",
                 "roles": {"tcp": {"ok", "changed", "failed", "skipped"}}, "changes": [...],
                 "not_settable": {...}, "errors": [...]}], "notes": [...]}

@@ -63,9 +63,12 @@ done
 CGVIEW
 exec chroot "$M" "$6" -f "$4" -E "$5"
 '''
-# The node's own view of its cgroup (as sshd.start makes it), now below the bound /sys.
-_CGVIEW = ('{ mount -t tmpfs -o mode=755 cgroup "$M/sys/fs/cgroup" && mkdir -p "$M/sys/fs/cgroup/cpu" '
-           '&& mount -t cgroup -o cpu cpu "$M/sys/fs/cgroup/cpu"; } >/dev/null 2>&1 || true')
+# The node's own view of its cgroup (as sshd.start makes it), now below the bound /sys: the
+# unified hierarchy where /sys/fs/cgroup is cgroup2, else v1's cpu controller.
+_CGVIEW = ('if [ "$(stat -f -c %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ]; then '
+           '{ mount -t cgroup2 cgroup2 "$M/sys/fs/cgroup"; } >/dev/null 2>&1 || true; else '
+           '{ mount -t tmpfs -o mode=755 cgroup "$M/sys/fs/cgroup" && mkdir -p "$M/sys/fs/cgroup/cpu" '
+           '&& mount -t cgroup -o cpu cpu "$M/sys/fs/cgroup/cpu"; } >/dev/null 2>&1 || true; fi')
 
 
 def supported() -> str | None:

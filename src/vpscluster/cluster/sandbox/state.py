@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -100,9 +100,9 @@ class SandboxInfo:
     gateway: str  # the bridge's address in the root namespace (the launcher's side)
     state_dir: str
     latency_ms: float | None = None
+    own_root: bool = False  # each node has its own filesystem (an overlay of the host's /; rootfs.py)
     identity_file: str = ""
     known_hosts: str = ""
-    own_root: bool = False  # each node has its own filesystem (an overlay of the host's /)
 
     def to_dict(self) -> dict[str, Any]:
         """The `sandbox up --json` document: name, cluster_file, nodes[...] first, extras after."""
@@ -113,8 +113,7 @@ class SandboxInfo:
         ]
         return {"name": self.name, "cluster_file": self.cluster_file, "nodes": nodes, "subnet": self.subnet,
                 "bridge": self.bridge, "gateway": self.gateway, "latency_ms": self.latency_ms,
-                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts,
-                "own_root": self.own_root}
+                "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts}
 
     def node(self, name: str) -> SandboxNode:
         for n in self.nodes:
@@ -136,10 +135,15 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    # Keys this version does not know (a record written by a newer vpscluster) are left out.
-    known_node = SandboxNode.__dataclass_fields__
-    raw["nodes"] = [SandboxNode(**{k: v for k, v in n.items() if k in known_node}) for n in raw["nodes"]]
-    return SandboxInfo(**{k: v for k, v in raw.items() if k in SandboxInfo.__dataclass_fields__})
+    # Keys this version does not know (a record written by a newer vpscluster) are left out,
+    # so one machine's sandboxes stay readable across versions.
+    raw["nodes"] = [SandboxNode(**_known(SandboxNode, n)) for n in raw["nodes"]]
+    return SandboxInfo(**_known(SandboxInfo, raw))
+
+
+def _known(cls, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
 
 
 def known_names() -> list[str]:
