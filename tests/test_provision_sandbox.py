@@ -213,6 +213,11 @@ class BridgeCapture:
 
 
 def test_overlay_mesh_carries_traffic_encrypted_and_is_idempotent(own_root, cli):
+    import shutil
+
+    missing = [t for t in ("wg", "wireguard-go") if not shutil.which(t)]
+    if missing:
+        pytest.skip(f"overlay needs {', '.join(missing)} (apt-get install wireguard-tools wireguard-go)")
     info, cluster_file = own_root
     first = provision(cli, cluster_file, "--only", "overlay,firewall")
     assert first["ok"], first
