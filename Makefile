@@ -12,6 +12,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# vpscluster provision's firewall and overlay roles, rehearsed on sandbox nodes.
+PROVISION_PACKAGES := nftables wireguard-tools wireguard-go
 
 # Debian packages the sandbox (emulated cluster) and its tests need.
 SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux prometheus chromium
@@ -46,7 +48,7 @@ venv-deps:
 # Installs the Debian packages the integration tests use when running as root and any is
 # missing; without root the sandbox tests skip and say why.
 system-deps:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(SYSTEM_PACKAGES) $(PROVISION_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$missing"; \

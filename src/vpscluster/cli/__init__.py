@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "exec": ("vpscluster.cli.exec_", "run a shell command on every node in parallel"),
     "probe": ("vpscluster.cli.probe", "measure every node and every link; report problems"),
     "plan": ("vpscluster.cli.plan", "predict memory, step time, egress and time to train; pick a strategy"),
+    "provision": ("vpscluster.cli.provision", "pin the environment, tune, firewall and mesh every node of a cluster (Ansible), idempotently"),
     "sandbox": ("vpscluster.cli.sandbox", "an emulated WAN cluster on this machine (root): up, down, status"),
     "batch": ("vpscluster.cli.batch", "run a Python function over partitioned data on every node (Dask)"),
     "bench": ("vpscluster.cli.bench", "run a benchmark scenario and write its table"),

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="start even when the probe finds blocking problems")
     p.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust unknown SSH host keys on first use (recorded in known_hosts)")
+    p.add_argument("--insecure-network", action="store_true",
+                   help="launch even over public addresses without an overlay (the rendezvous store and gloo are unauthenticated)")
     p.add_argument("--rdzv-id", metavar="ID", help="rendezvous id (default: a fresh one per launch)")
     p.add_argument("--rdzv-port", type=int, metavar="PORT", help="rendezvous port on the head (default: a free one)")
     p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -83,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--rdzv-port {args.rdzv_port} is not a port (1-65535)")
     console = make_console(args.json)
     cluster = load(args)
+    if args.insecure_network:
+        import dataclasses
+
+        cluster = dataclasses.replace(cluster, insecure_network=True)
     job = script_job(cluster, command, sync=args.sync, run_dir=args.run_dir, nproc_per_node=args.nproc_per_node,
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
                      join_timeout_s=args.join_timeout, say=make_say(console))

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CPU share per node as a fraction of one core, or one per node: 0.45 or 1,0.5 (default unlimited)")
     p.add_argument("--latency", type=float, default=None, metavar="MS",
                    help="added round-trip time between nodes in ms (needs the kernel's netem)")
+    p.add_argument("--own-root", action="store_true",
+                   help="give each node its own filesystem (an overlay of this machine's /, removed by down)")
     add_json_flag(p)
 
     p = sub.add_parser("down", help="remove a sandbox and everything it made",
@@ -89,7 +91,7 @@ def _up(args: argparse.Namespace) -> int:
     con = console(args.json)
     with con.status(f"sandbox {args.name}: starting", spinner="dots") as spinner:
         info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, latency_ms=args.latency,
-                          progress=lambda msg: spinner.update(f"sandbox {args.name}: {msg}"))
+                          own_root=args.own_root, progress=lambda msg: spinner.update(f"sandbox {args.name}: {msg}"))
     if args.json:
         emit_json(info.to_dict())
         return 0

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--accept-new-host-keys", action="store_true", default=None, help="cluster: trust SSH host keys seen for the first time")
     run.add_argument("--no-exporters", dest="exporters", action="store_false", default=None,
                      help="serve no Prometheus metrics from the ranks and nodes (see `vpscluster monitor`)")
+    run.add_argument("--insecure-network", action="store_true", default=None,
+                     help="cluster: launch even over public addresses without an overlay (the rendezvous store and gloo are unauthenticated)")
     run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
     add_json_flag(parser)
 
@@ -163,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_resume(args) if args.resume is not None else resolve_config(args)
     # Everything is checked (the cluster file loaded, the data read) before anything is created.
     prepared = train.prepare_training(cfg, resume_dir=args.resume, force=bool(args.force),
-                                      accept_new_host_keys=bool(args.accept_new_host_keys))
+                                      accept_new_host_keys=bool(args.accept_new_host_keys),
+                                      insecure_network=bool(args.insecure_network))
     if prepared.strategy_reason:
         out.print(f"strategy auto -> [bold]{prepared.cfg.strategy.name}[/]: {prepared.strategy_reason}")
     if args.dry_run:

@@ -6,6 +6,8 @@
     connect_timeout_s: 10        # optional
     command_timeout_s: 60        # optional
     defaults: {user: root, port: 22, identity_file: id_ed25519, python: ..., workdir: ...}
+    firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24]}   # optional; see `vpscluster provision`
+    insecure_network: false      # optional; true: launch over public addresses anyway (cluster/netsafety.py)
     nodes:
       - {name: node-a, host: 203.0.113.10, port: 22, user: root, identity_file: ~/.ssh/id_ed25519,
          python: /opt/venv/bin/python, workdir: /srv/vpscluster, labels: {region: fra},
@@ -84,6 +86,9 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         accept_new_host_keys=spec.accept_new_host_keys,
         connect_timeout_s=spec.connect_timeout_s,
         command_timeout_s=spec.command_timeout_s,
+        firewall_allow=tuple(spec.firewall.allow),
+        firewall_ssh_from=tuple(spec.firewall.ssh_from),
+        insecure_network=spec.insecure_network,
     )
 
 
@@ -187,6 +192,41 @@ def _mapping_or_empty(value: Any) -> Any:
     return {} if value is None else value
 
 
+def _allow_ports(value: Any) -> Any:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{show(value)} is not a list of ports; write e.g. [5432, 9092]")
+    for v in value:
+        _port(v)
+    return sorted(set(value))
+
+
+def _sources(value: Any) -> Any:
+    import ipaddress
+
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{show(value)} is not a list of addresses; write e.g. [198.51.100.7, 203.0.113.0/24]")
+    out = []
+    for v in value:
+        try:
+            out.append(str(ipaddress.ip_network(str(v), strict=False)))
+        except ValueError:
+            raise ValueError(f"{show(v)} is not an IP address or network (e.g. 203.0.113.0/24)") from None
+    return out
+
+
+@dataclass
+class FirewallSettings:
+    """`firewall:` of the cluster file, for `vpscluster provision` (nftables on every node)."""
+
+    __pydantic_config__ = _FILE_CONFIG
+    allow: Annotated[list[int], Before(_allow_ports)] = field(default_factory=list)  # TCP ports open to anyone
+    ssh_from: Annotated[list[str], Before(_sources)] = field(default_factory=list)  # SSH sources; empty: anywhere
+
+
 @dataclass
 class NodeSettings:
     """What `defaults:` may set for every node (None: not set here)."""
@@ -222,6 +262,8 @@ class ClusterFile:
     command_timeout_s: Annotated[float, Before(_seconds)] = 60.0
     defaults: Annotated[NodeSettings, Before(_mapping_or_empty)] = field(default_factory=NodeSettings)
     nodes: Annotated[list[NodeEntry], Before(_node_list)] = field(default_factory=list)
+    firewall: Annotated[FirewallSettings, Before(_mapping_or_empty)] = field(default_factory=FirewallSettings)
+    insecure_network: Annotated[bool, Before(_flag)] = False  # launch over public addresses (no overlay) anyway
 
     def __post_init__(self) -> None:
         """Rules across nodes; ValueError so that pydantic reports them like any other key."""

@@ -172,6 +172,9 @@ def dry_run(job: Job) -> dict[str, Any]:
 
 def launch(job: Job) -> LaunchResult:
     """Run the job on the cluster; never leaves a process behind."""
+    from vpscluster.cluster.netsafety import require_safe_network
+
+    require_safe_network(job.cluster)  # public addresses without an overlay: refused, one line
     return asyncio.run(_launch(job))
 
 

@@ -72,7 +72,7 @@ class TrainingRun:
 
 
 def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
-                     accept_new_host_keys: bool = False) -> TrainingRun:
+                     accept_new_host_keys: bool = False, insecure_network: bool = False) -> TrainingRun:
     """Check everything a run needs and resolve what is left open; create nothing.
 
     Loads the cluster file (or takes the local cluster), resolves `strategy auto` with the
@@ -93,6 +93,8 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cluster = load_cluster(cfg.cluster)
         if accept_new_host_keys:
             cluster = dataclasses.replace(cluster, accept_new_host_keys=True)
+        if insecure_network:
+            cluster = dataclasses.replace(cluster, insecure_network=True)
     else:
         from vpscluster.cluster.inventory import local_cluster
 
@@ -277,9 +279,11 @@ def _clear_targets(run: TrainingRun, say: Say) -> None:
 
 
 def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
-          accept_new_host_keys: bool = False, say: Say = _quiet, on_event: OnEvent | None = None) -> dict[str, Any]:
+          accept_new_host_keys: bool = False, say: Say = _quiet, on_event: OnEvent | None = None,
+          insecure_network: bool = False) -> dict[str, Any]:
     """Train with `cfg` (a TrainConfig) on its cluster file or the local cluster; the report."""
-    run = prepare_training(cfg, resume_dir=resume_dir, force=force, accept_new_host_keys=accept_new_host_keys)
+    run = prepare_training(cfg, resume_dir=resume_dir, force=force, accept_new_host_keys=accept_new_host_keys,
+                           insecure_network=insecure_network)
     if run.strategy_reason:
         say(f"strategy auto -> {run.cfg.strategy.name}: {run.strategy_reason}")
     return launch_training(run, say=say, on_event=on_event)

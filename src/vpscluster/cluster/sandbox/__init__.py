@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
-from vpscluster.cluster.sandbox import cgroup, checks, netns, shaping, sshd, state
+from vpscluster.cluster.sandbox import cgroup, checks, netns, rootfs, shaping, sshd, state
 from vpscluster.cluster.sandbox.checks import ssh_command
 from vpscluster.cluster.sandbox.clusterfile import write_cluster_file
 from vpscluster.cluster.sandbox.state import SandboxInfo, SandboxNode
@@ -61,6 +61,7 @@ def up(
     cpu: str | float | Sequence | None = None,
     latency_ms: float | None = None,
     progress: Progress | None = None,
+    own_root: bool = False,
 ) -> SandboxInfo:
     """Build sandbox `name`; raise UserError (and leave nothing behind) when it cannot."""
     say = progress or (lambda _msg: None)
@@ -72,6 +73,8 @@ def up(
     if latency_ms is not None and latency_ms < 0:
         raise UserError(f"--latency: {latency_ms:g} must be >= 0 ms")
     require_sandbox_support()
+    if own_root and (why := rootfs.supported()):
+        raise UserError(why)
     if latency_ms and not shaping.netem_available():
         raise UserError("--latency needs the kernel's netem qdisc (sch_netem), which this kernel does not have; "
                         "run without --latency, or on a kernel with netem (modprobe sch_netem)")
@@ -89,6 +92,7 @@ def up(
             bridge=state.bridge_name(name), gateway=f"{prefix}.1", state_dir=str(root), latency_ms=latency_ms,
             identity_file=str(root / "id_ed25519"), known_hosts=str(root / "known_hosts"), cgroup=hierarchy.version,
         )
+        info.own_root = own_root
         for i in range(nodes):
             node = state.node_name(i + 1)
             info.nodes.append(SandboxNode(
@@ -147,7 +151,10 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         host_pub = sshd.generate_key(host_key, f"{n.name}.{info.name}")
         known_hosts.append(f"{n.address} {' '.join(host_pub.split()[:2])}")
         config = sshd.write_config(node_dir, n.address, host_key, authorized_keys)
-        sshd.start(n.namespace, n.name, config, node_dir / "sshd.log", cg)
+        if info.own_root:  # its own filesystem: an overlay of the host's / (rootfs.py)
+            rootfs.start(n.namespace, n.name, config, node_dir / "sshd.log", cg, node_dir)
+        else:
+            sshd.start(n.namespace, n.name, config, node_dir / "sshd.log", cg)
     Path(info.known_hosts).write_text("\n".join(known_hosts) + "\n")
     write_cluster_file(info)
     say("checking ssh to every node and node-to-node links")

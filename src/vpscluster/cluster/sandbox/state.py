@@ -101,6 +101,7 @@ class SandboxInfo:
     gateway: str  # the bridge's address in the root namespace (the launcher's side)
     state_dir: str
     latency_ms: float | None = None
+    own_root: bool = False  # each node has its own filesystem (an overlay of the host's /; rootfs.py)
     identity_file: str = ""
     known_hosts: str = ""
     cgroup: str = ""  # the hierarchy limiting CPU: "v1" (cpu.cfs_quota_us) or "v2" (cpu.max)

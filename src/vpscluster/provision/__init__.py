@@ -1,0 +1,121 @@
+"""Provisioning: from bare rented machines to identical, tuned, firewalled nodes (Ansible).
+
+    provision(cluster, roles=None, check=False, timeout_s=900, probe=None) -> dict
+
+runs the playbook shipped in `vpscluster/provision/playbook/` (site.yml, one role per concern:
+env, tcp, firewall, overlay) with ansible-core's `ansible-playbook` against an inventory generated from the
+cluster file (inventory.py), and returns what happened per node and role:
+
+    {"check": false, "roles": ["env", "tcp", "firewall", "overlay"], "changed": 0, "failed": 0, "summary": "no changes",
+     "nodes": [{"name", "status", "ok", "changed", "failed", "skipped", "unreachable",
+                "roles": {"tcp": {"ok", "changed", "failed", "skipped"}}, "changes": [...],
+                "not_settable": {...}, "errors": [...]}], "notes": [...]}
+
+Idempotent: a second run reports "no changes". `check=True` is Ansible's check mode with diffs:
+what would change, nothing changed. The playbook is plain Ansible and may be run by hand
+(`playbook_dir()`), e.g. `ansible-playbook -i inventory.json site.yml --check --diff`.
+Safety (refusing public launches without an overlay) is in `netsafety.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+from vpscluster.cluster.node import Cluster
+from vpscluster.errors import UserError
+
+ROLES = ("env", "tcp", "firewall", "overlay")  # in the order the playbook runs them
+FUTURE_ROLES: dict[str, str] = {}
+DEFAULT_TIMEOUT_S = 900.0
+
+
+def playbook_dir() -> Path:
+    return Path(__file__).resolve().parent / "playbook"
+
+
+def parse_roles(text: str | Sequence[str] | None) -> list[str]:
+    """`--only tcp,firewall` -> ["tcp", "firewall"] (playbook order); None: every role."""
+    if text is None:
+        return list(ROLES)
+    items = text.split(",") if isinstance(text, str) else list(text)
+    wanted = [r.strip() for r in items if r.strip()]
+    if not wanted:
+        raise UserError(f"provision: --only is empty; name roles from {', '.join(ROLES)}")
+    for r in wanted:
+        if r in FUTURE_ROLES:
+            raise UserError(f"provision: role {r!r} ({FUTURE_ROLES[r]}) is not built yet; "
+                            f"available: {', '.join(ROLES)}")
+        if r not in ROLES:
+            raise UserError(f"provision: unknown role {r!r} in --only; choose from {', '.join(ROLES)}")
+    return [r for r in ROLES if r in wanted]
+
+
+def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check: bool = False,
+              timeout_s: float = DEFAULT_TIMEOUT_S, probe: dict | None = None,
+              progress: Callable[[str], None] | None = None, env_packages: Sequence[str] | None = None,
+              wheelhouse: Path | None = None) -> dict:
+    """Run the roles on every node; the report (see the module's docstring).
+
+    `env_packages` narrows the env role to these installed packages (default: vpscluster and its
+    whole run-time closure); `wheelhouse` is where the controller keeps the wheels.
+    """
+    from vpscluster.provision.inventory import build_inventory, tcp_buffer_bytes
+    from vpscluster.provision.runner import run_playbook, summarize
+
+    say = progress or (lambda _m: None)
+    chosen = parse_roles(roles)
+    refuse_shared_filesystem_sandbox(cluster)
+    extra: dict = {"tcp_buffer_bytes": tcp_buffer_bytes(probe)}
+    if "env" in chosen:
+        extra.update(env_vars(env_packages, wheelhouse, say))
+    inventory = build_inventory(cluster, extra)
+    raw = run_playbook(playbook_dir() / "site.yml", inventory, tags=chosen, check=check, timeout_s=timeout_s,
+                       progress=progress)
+    report = summarize(raw, [n.name for n in cluster.nodes], chosen, check)
+    report["tcp_buffer_bytes"] = extra["tcp_buffer_bytes"]
+    if "env" in chosen:
+        report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
+                         "packages": extra["env_requirements"]}
+    return report
+
+
+def refuse_shared_filesystem_sandbox(cluster: Cluster) -> None:
+    """Sandbox nodes without --own-root share this machine's files: provisioning them would write
+    this machine's /etc (sysctl.d, nftables.conf). Refused, with the fix."""
+    from vpscluster.cluster.sandbox import state
+
+    for n in cluster.nodes:
+        name = n.labels.get("sandbox")
+        if not name:
+            continue
+        try:
+            info = state.load_info(state.check_name(name))
+        except UserError:
+            continue
+        if info is not None and not info.own_root and any(x.address == n.host for x in info.nodes):
+            raise UserError(f"provision: node {n.name} is a node of sandbox {name!r}, which shares this machine's "
+                            "filesystem: provisioning it would change this machine's /etc; rebuild it with "
+                            f"`vpscluster sandbox down --name {name} && vpscluster sandbox up --name {name} --own-root`")
+
+
+def env_vars(packages: Sequence[str] | None, wheelhouse: Path | None, say: Callable[[str], None]) -> dict:
+    """The env role's inventory variables: the pinned list, its hash, the wheels (made here once)."""
+    from vpscluster.provision import env
+
+    if packages is None:
+        reqs = env.pinned_requirements()
+    else:
+        from importlib import metadata
+
+        reqs = {}
+        for name in packages:
+            try:
+                reqs[env.canonical(name)] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                raise UserError(f"provision env: {name} is not installed on this machine; install it here first") from None
+    say(f"wheelhouse: {len(reqs)} packages")
+    directory = env.build_wheelhouse(reqs, wheelhouse, say)
+    wheels = [str(env._have_wheel(directory, n, v)) for n, v in reqs.items()]
+    return {"env_requirements": reqs, "env_hash": env.env_hash(reqs), "env_python_version": env.python_version(),
+            "env_wheels": wheels}

@@ -1,0 +1,72 @@
+"""Refusing launches over public addresses: the address classification, the rule, and the one
+line `vpscluster run`/`train` print (before any connection is tried)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vpscluster.cluster.inventory import local_cluster
+from vpscluster.cluster.netsafety import classify, require_safe_network
+from vpscluster.cluster.node import Cluster, Node
+from vpscluster.errors import UserError
+
+
+@pytest.mark.parametrize("address,kind", [
+    ("127.0.0.1", "loopback"), ("127.8.9.10", "loopback"), ("::1", "loopback"), ("0.0.0.0", "loopback"),
+    ("10.0.0.5", "private"), ("10.231.7.2", "private"), ("172.16.0.1", "private"), ("172.31.255.254", "private"),
+    ("192.168.1.20", "private"), ("100.64.0.1", "private"), ("100.127.255.1", "private"),
+    ("169.254.10.1", "private"), ("fd12:3456::1", "private"), ("fe80::1", "private"), ("fe80::1%eth0", "private"),
+    ("::ffff:10.1.2.3", "private"), ("::ffff:8.8.8.8", "public"),
+    ("8.8.8.8", "public"), ("172.32.0.1", "public"), ("172.15.255.255", "public"), ("100.128.0.1", "public"),
+    ("11.0.0.1", "public"), ("203.0.113.10", "public"), ("198.51.100.7", "public"), ("2001:db8::1", "public"),
+    ("2a01:4f8::1", "public"), ("192.169.0.1", "public"),
+])
+def test_classify(address, kind):
+    assert classify(address) == kind
+
+
+def cluster_of(*hosts: str, insecure: bool = False) -> Cluster:
+    nodes = tuple(Node(name=f"n{i}", host=h) for i, h in enumerate(hosts))
+    return Cluster(nodes=nodes, head="n0", source="c.yaml", insecure_network=insecure)
+
+
+def test_private_loopback_and_local_clusters_pass():
+    require_safe_network(cluster_of("10.231.4.2", "10.231.4.3"))  # the sandbox's bridge
+    require_safe_network(cluster_of("127.0.0.1", "localhost"))
+    require_safe_network(local_cluster())
+
+
+def test_a_public_node_is_refused_in_one_line_naming_why_and_the_fix():
+    with pytest.raises(UserError) as e:
+        require_safe_network(cluster_of("10.0.0.2", "203.0.113.10"))
+    msg = str(e.value)
+    assert "\n" not in msg and "n1 (203.0.113.10)" in msg and "n0" not in msg
+    assert "no authentication" in msg and "vpscluster provision --cluster c.yaml" in msg and "--insecure-network" in msg
+
+
+def test_insecure_network_opt_in_allows_it():
+    require_safe_network(cluster_of("203.0.113.10", insecure=True))
+
+
+def test_cluster_file_key_and_cli_refusal(tmp_path, cli):
+    from vpscluster.cluster.inventory import load_cluster
+
+    key = tmp_path / "k"
+    key.write_text("x")
+    (tmp_path / "c.yaml").write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    (tmp_path / "ok.yaml").write_text(f"insecure_network: true\ndefaults: {{identity_file: {key}}}\n"
+                                      "nodes:\n  - {name: a, host: 192.0.2.50}\n")
+    assert load_cluster(tmp_path / "ok.yaml").insecure_network is True
+    assert load_cluster(tmp_path / "c.yaml").insecure_network is False
+    script = tmp_path / "s.py"
+    script.write_text("print('hi')\n")
+    r = cli("run", "--cluster", str(tmp_path / "c.yaml"), "--sync", str(tmp_path), "--", "python", "s.py",
+            timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to launch over public addresses: a (192.0.2.50)" in lines[0], lines
+    assert "vpscluster provision" in lines[0] and not (tmp_path / "runs").exists()
+    # A dry run exposes nothing and stays allowed.
+    r = cli("run", "--cluster", str(tmp_path / "c.yaml"), "--dry-run", "--sync", str(tmp_path), "--", "python", "s.py",
+            timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
