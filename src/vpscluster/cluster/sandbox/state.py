@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -134,8 +134,11 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    raw["nodes"] = [SandboxNode(**n) for n in raw["nodes"]]
-    return SandboxInfo(**raw)
+    # Fields this version does not know (a record written by a newer vpscluster) are ignored, so one
+    # sandbox's record never breaks the commands that look at all of them.
+    node_keys, info_keys = {f.name for f in fields(SandboxNode)}, {f.name for f in fields(SandboxInfo)}
+    raw["nodes"] = [SandboxNode(**{k: v for k, v in n.items() if k in node_keys}) for n in raw["nodes"]]
+    return SandboxInfo(**{k: v for k, v in raw.items() if k in info_keys})
 
 
 def known_names() -> list[str]:
