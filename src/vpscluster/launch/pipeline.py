@@ -215,6 +215,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.logs import LogRouter
     from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch import guard
     from vpscluster.launch.teardown import teardown
 
     timeout_s = job.cluster.connect_timeout_s + job.cluster.command_timeout_s
@@ -272,7 +273,9 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         for c in commands:
             router.note(c.node, "$ " + c.shell())
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
-            handles.append(await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)))
+            # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
+            line = guard.wrap(c.argv[0], rdzv_id, c.shell())
+            handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
     finally:
         if was_interrupted:
