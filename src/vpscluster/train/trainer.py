@@ -154,7 +154,13 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         root = self.run_dir / rundir.CHECKPOINTS
-        d = checkpoint.save(root, self.step, self._payload(), self.coll, self.cfg.keep_checkpoints)
+        try:
+            d = checkpoint.save(root, self.step, self._payload(), self.coll, self.cfg.keep_checkpoints)
+        except checkpoint.CheckpointFailed as e:  # a full disk: keep training, the previous checkpoint stands
+            self.events.emit("checkpoint_failed", step=self.step, reason=str(e))
+            if self.ctx.rank == 0:
+                print(f"warning: {e}; training goes on, the previous checkpoint is intact", file=sys.stderr, flush=True)
+            return
         self.events.emit("checkpoint", step=self.step, path=str(d))
 
     def resume(self) -> None:

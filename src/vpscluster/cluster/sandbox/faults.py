@@ -199,12 +199,16 @@ def _disk_full(info, n) -> dict:
     new_kib = used // 1024 + 64
     run_tool(["mount", "-o", f"remount,size={new_kib}k", n.workdir])
     fill = Path(n.workdir) / FILL_NAME
-    with open(fill, "wb") as f:
+    with open(fill, "wb", buffering=0) as f:  # unbuffered: nothing is left to flush (and fail) at close
         chunk = b"\0" * (64 * 1024)
         try:
-            while True:
-                f.write(chunk)
-                f.flush()
+            while f.write(chunk):
+                pass
+        except OSError:
+            pass
+        try:  # the last bytes, page by page
+            while f.write(b"\0" * 4096):
+                pass
         except OSError:
             pass
     return {"size_option": size_opt, "fill_file": str(fill)}
