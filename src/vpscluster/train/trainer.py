@@ -315,6 +315,7 @@ class Trainer:
             "preset": self.cfg.preset,
             "num_params": self.num_params,
             "strategy_details": self.strategy.describe(),
+            "sync_failure_rate": self.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,
             "per_rank": [
