@@ -45,13 +45,13 @@ class StrategyConfig:
     outer_lr: Float = 0.7
     outer_momentum: Float = 0.9
     wire_dtype: WireDtype = "fp32"
-    # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
-    # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
-    fragments: Int = 1
     # diloco: each outer sync's collectives time out after this (0 = the run's training time-out)
     # and are retried this many times on a fresh process group before the round is skipped.
     sync_timeout_s: Float = 0.0
     sync_retries: Int = 1
+    # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
+    # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
+    fragments: Int = 1
 
     def __post_init__(self) -> None:
         self.validate()

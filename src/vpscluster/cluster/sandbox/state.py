@@ -134,11 +134,10 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    # Fields this version does not know (a record written by a newer vpscluster) are ignored, so one
-    # sandbox's record never breaks the commands that look at all of them.
-    node_keys, info_keys = {f.name for f in fields(SandboxNode)}, {f.name for f in fields(SandboxInfo)}
+    # Keys this version does not know (a sandbox made by a newer vpscluster) are left out.
+    node_keys = {f.name for f in fields(SandboxNode)}
     raw["nodes"] = [SandboxNode(**{k: v for k, v in n.items() if k in node_keys}) for n in raw["nodes"]]
-    return SandboxInfo(**{k: v for k, v in raw.items() if k in info_keys})
+    return SandboxInfo(**{k: v for k, v in raw.items() if k in {f.name for f in fields(SandboxInfo)}})
 
 
 def known_names() -> list[str]:
