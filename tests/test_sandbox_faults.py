@@ -147,3 +147,20 @@ def test_cli_errors_are_one_line(sb):
         assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
     proc = fault(sb, "kill", node="node-9", check=False)
     assert proc.returncode != 0 and "no node 'node-9'" in proc.stderr
+
+
+def test_clear_ends_a_timed_fault_early_and_stops_its_timer(sb):
+    import json
+
+    proc = ns_popen(sb, "node-1", ["sleep", "300"])
+    try:
+        record = json.loads(fault(sb, "stop", "300", "--json", node="node-1").stdout)
+        assert record["kind"] == "stop" and proc.pid in record["stopped"] and record["timer_pid"]
+        assert proc_state(proc.pid) == "T"
+        cleared = json.loads(fault(sb, "clear", "--json", node=None).stdout)["cleared"]
+        assert [f["id"] for f in cleared] == [record["id"]]
+        assert proc_state(proc.pid) in ("S", "R")
+        assert wait_for(lambda: proc_state(record["timer_pid"]) in ("gone", "Z"), timeout_s=5)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
