@@ -164,3 +164,18 @@ def test_clear_ends_a_timed_fault_early_and_stops_its_timer(sb):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_down_leaves_no_fault_timer():
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.sandbox import faults
+
+    factory = SandboxFactory(prefix="ft")
+    try:
+        info = factory(nodes=1, bandwidth="100mbit")
+        record = faults.inject(info.name, "node-1", "link-down", seconds=300)
+        assert proc_state(record["timer_pid"]) in ("S", "R")
+        sandbox.down(info.name)
+        assert wait_for(lambda: proc_state(record["timer_pid"]) in ("gone", "Z"), timeout_s=5)
+    finally:
+        factory.close()

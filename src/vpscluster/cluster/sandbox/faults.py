@@ -354,7 +354,12 @@ def _stop_timer(pid: int | None) -> None:
 def _timer_main(argv: list[str]) -> int:
     _, name, fault_id, seconds = argv
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    time.sleep(float(seconds))
+    deadline = time.monotonic() + float(seconds)
+    home = state.state_dir(name)
+    while time.monotonic() < deadline:
+        if not home.exists():  # the sandbox is gone (down): nothing to restore
+            return 0
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     end(name, fault_id)
     return 0
 
