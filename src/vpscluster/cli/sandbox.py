@@ -3,8 +3,8 @@
     up      one network namespace per node on a bridge, tc-shaped links, cgroup CPU quotas,
             an sshd per node and a cluster.yaml to pass to every other command
     down    remove a sandbox (or --all of them): namespaces, links, cgroups, processes, files
-    fault   inject a fault into a node (kill, stop, link-down, throttle, disk-full) or clear them
     status  what exists and whether every node's sshd is alive
+    fault   inject a fault into a node (kill, stop, link-down, throttle, disk-full) or clear them
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--all", action="store_true", help="remove every vpscluster sandbox on this machine")
     add_json_flag(p)
 
+    p = sub.add_parser("status", help="show sandboxes, their nodes and whether each sshd is alive",
+                       description="Show what sandboxes exist, their nodes, rates, CPU shares and sshd state.")
+    p.add_argument("--name", default=None, help="only this sandbox (default: all)")
+    add_json_flag(p)
+
     p = sub.add_parser("fault", help="inject a fault into a node, or clear faults",
                        description="Inject a fault: kill | stop SECONDS | link-down SECONDS | throttle RATE SECONDS | "
                                    "disk-full [SECONDS]; or clear (every active fault, or the node's). Timed faults end "
@@ -46,11 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
     p.add_argument("--node", default=None, help="the node, e.g. node-2 (required except for clear)")
     p.add_argument("fault", nargs="+", metavar="KIND", help="kill | stop S | link-down S | throttle RATE S | disk-full [S] | clear")
-    add_json_flag(p)
-
-    p = sub.add_parser("status", help="show sandboxes, their nodes and whether each sshd is alive",
-                       description="Show what sandboxes exist, their nodes, rates, CPU shares and sshd state.")
-    p.add_argument("--name", default=None, help="only this sandbox (default: all)")
     add_json_flag(p)
 
 

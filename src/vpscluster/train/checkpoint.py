@@ -57,22 +57,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync the directory. A failed write (a full disk) removes its temp file."""
+    """Temp file, fsync, rename, fsync the directory."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-class CheckpointFailed(Exception):
-    """A checkpoint could not be written on some rank (e.g. a full disk); the previous ones are intact."""
 
 
 def _list_steps(root: Path) -> list[int]:
@@ -93,6 +85,10 @@ class Collectives:
     world_size: int = 1
     local_rank: int = 0
     all_gather_object: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])
+
+
+class CheckpointFailed(Exception):
+    """A checkpoint could not be written on some rank (e.g. a full disk); the previous ones are intact."""
 
 
 def save(root: Path, step: int, payload: dict[str, Any], coll: Collectives, keep: int) -> Path:

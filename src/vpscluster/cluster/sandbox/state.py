@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -134,10 +134,8 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    # Keys this version does not know (a sandbox made by a newer vpscluster) are left out.
-    node_keys = {f.name for f in fields(SandboxNode)}
-    raw["nodes"] = [SandboxNode(**{k: v for k, v in n.items() if k in node_keys}) for n in raw["nodes"]]
-    return SandboxInfo(**{k: v for k, v in raw.items() if k in {f.name for f in fields(SandboxInfo)}})
+    raw["nodes"] = [SandboxNode(**n) for n in raw["nodes"]]
+    return SandboxInfo(**raw)
 
 
 def known_names() -> list[str]:
