@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_helpers import sandbox_name
 from sandbox_fixtures import SandboxFactory
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -42,9 +43,9 @@ def wait_until(pred, proc, timeout_s: float) -> None:
 def test_disk_full_during_checkpoints_keeps_training(tmp_path):
     from vpscluster.cluster.sandbox import faults
 
-    factory = SandboxFactory(prefix="ft")
+    factory = SandboxFactory()
     try:
-        info = factory(nodes=2, bandwidth="1gbit")
+        info = factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
         run_dir = tmp_path / "run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_helpers import sandbox_name
 from sandbox_fixtures import SandboxFactory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,9 +97,9 @@ def _workers(run_dir: Path) -> list[str]:
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_sigkilled_launcher_leaves_nothing_on_sandbox_nodes(tmp_path):
-    factory = SandboxFactory(prefix="ft")
+    factory = SandboxFactory()
     try:
-        info = factory(nodes=2, bandwidth="1gbit")
+        info = factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
         launch_id = f"ft{uuid.uuid4().hex[:12]}"
         run_dir = tmp_path / "run"
         proc = subprocess.Popen(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_helpers import sandbox_name
 from sandbox_fixtures import SandboxFactory
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -26,9 +27,9 @@ COLLECTIVE_TIMEOUT_S = 10
 def test_stopped_node_is_named_after_the_collective_timeout(tmp_path):
     from vpscluster.cluster.sandbox import faults
 
-    factory = SandboxFactory(prefix="ft")
+    factory = SandboxFactory()
     try:
-        info = factory(nodes=2, bandwidth="1gbit")
+        info = factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
         config = tmp_path / "train.yaml"
         config.write_text(f"timeouts:\n  train_collective_s: {COLLECTIVE_TIMEOUT_S}\n")
         run_dir = tmp_path / "run"

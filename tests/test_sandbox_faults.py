@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_helpers import sandbox_name
 from sandbox_fixtures import SandboxFactory, ns_popen, ssh_run
 from test_sandbox_links import iperf_mbit
 
@@ -27,9 +28,9 @@ VPSCLUSTER = [sys.executable, "-m", "vpscluster"]
 
 @pytest.fixture(scope="module")
 def sb():
-    factory = SandboxFactory(prefix="ft")
+    factory = SandboxFactory()
     try:
-        yield factory(nodes=2, bandwidth="100mbit")
+        yield factory(nodes=2, bandwidth="100mbit", name=sandbox_name())
     finally:
         factory.close()
 
@@ -170,9 +171,9 @@ def test_down_leaves_no_fault_timer():
     from vpscluster.cluster import sandbox
     from vpscluster.cluster.sandbox import faults
 
-    factory = SandboxFactory(prefix="ft")
+    factory = SandboxFactory()
     try:
-        info = factory(nodes=1, bandwidth="100mbit")
+        info = factory(nodes=1, bandwidth="100mbit", name=sandbox_name())
         record = faults.inject(info.name, "node-1", "link-down", seconds=300)
         assert proc_state(record["timer_pid"]) in ("S", "R")
         sandbox.down(info.name)

@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -134,8 +134,15 @@ def load_info(name: str) -> SandboxInfo | None:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    raw["nodes"] = [SandboxNode(**n) for n in raw["nodes"]]
-    return SandboxInfo(**raw)
+    # Keys this version does not know (a record written by a newer vpscluster) are left out,
+    # so one machine's sandboxes stay readable across versions.
+    raw["nodes"] = [SandboxNode(**_known(SandboxNode, n)) for n in raw["nodes"]]
+    return SandboxInfo(**_known(SandboxInfo, raw))
+
+
+def _known(cls, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
 
 
 def known_names() -> list[str]:
