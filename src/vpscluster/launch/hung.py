@@ -9,48 +9,36 @@ in state T; a node with some, or one that does not answer at all, is the one to 
 from __future__ import annotations
 
 import asyncio
-import json
 
-from vpscluster.launch.commands import LAUNCH_ID_ENV
-
-# argv: launch id, node name. Prints {"stopped": [pids in state T or t]}. The node's name is
-# checked too: where nodes share one kernel (the sandbox, the local cluster), /proc shows them all.
+# Plain POSIX sh (no Python on the node): $1 the launch id, $2 the node's name; prints the pids
+# of the launch's processes on this node that are stopped (state T or t), one per line. The
+# node's name is checked too: where nodes share one kernel (the sandbox, the local cluster),
+# /proc shows them all.
 _STOPPED = r"""
-import json, os, sys
-tag = ("%s=" + sys.argv[1]).encode()
-own = ("VPSC_NODE=" + sys.argv[2]).encode()
-out = []
-for d in os.listdir('/proc'):
-    if not d.isdigit():
-        continue
-    try:
-        with open('/proc/%%s/environ' %% d, 'rb') as f:
-            env = f.read().split(b'\0')
-        with open('/proc/%%s/stat' %% d) as f:
-            state = f.read().rsplit(')', 1)[1].split()[0]
-    except (OSError, IndexError):
-        continue
-    if tag in env and own in env and state in ('T', 't'):
-        out.append(int(d))
-print(json.dumps({"stopped": sorted(out)}))
-""" % LAUNCH_ID_ENV
+for f in $(grep -laF "VPSC_LAUNCH_ID=$1" /proc/[0-9]*/environ 2>/dev/null); do
+  d=${f%/environ}
+  env=$(tr '\0' '\n' < "$f" 2>/dev/null) || continue
+  printf '%s\n' "$env" | grep -qxF "VPSC_LAUNCH_ID=$1" || continue
+  printf '%s\n' "$env" | grep -qxF "VPSC_NODE=$2" || continue
+  state=$(sed 's/.*) //' "$d/stat" 2>/dev/null | cut -d' ' -f1)
+  case "$state" in T|t) echo "${d#/proc/}" ;; esac
+done
+exit 0
+"""
 
 
 async def _ask(executor, launch_id: str, timeout_s: float) -> tuple[str, str | None]:
     node = executor.node
     try:
-        result = await asyncio.wait_for(executor.run([node.python, "-c", _STOPPED, launch_id, node.name], timeout_s=timeout_s),
-                                        timeout_s + 5)
+        result = await asyncio.wait_for(executor.run(["sh", "-c", _STOPPED, "sh", launch_id, node.name],
+                                                     timeout_s=timeout_s), timeout_s + 5)
     except asyncio.TimeoutError:
         result = None
     if result is None or result.timed_out:
         return node.name, f"node {node.name} does not answer within {timeout_s:.0f} s (hung or unreachable)"
     if not result.ok:
         return node.name, None  # unreachable for another reason: the launch's own error says more
-    try:
-        stopped = json.loads(result.stdout.strip().splitlines()[-1])["stopped"]
-    except (ValueError, KeyError, IndexError):
-        return node.name, None
+    stopped = [int(w) for w in result.stdout.split() if w.isdigit()]
     if stopped:
         return node.name, (f"node {node.name} hangs: its processes {', '.join(map(str, stopped[:5]))} are stopped "
                            f"(state T, e.g. SIGSTOP), so the other nodes timed out waiting for it")
