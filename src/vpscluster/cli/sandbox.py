@@ -6,6 +6,7 @@
             processes, files
     status  what exists and whether every node's sshd is alive
     set     change a running node's CPU share or link rate (rehearse a node that degrades)
+    fault   inject a fault into a node (kill, stop, link-down, throttle, disk-full) or clear them
 """
 
 from __future__ import annotations
@@ -57,9 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", default=None, help="new link rate, e.g. 50mbit")
     add_json_flag(p)
 
+    p = sub.add_parser("fault", help="inject a fault into a node, or clear faults",
+                       description="Inject a fault: kill | stop SECONDS | link-down SECONDS | throttle RATE SECONDS | "
+                                   "disk-full [SECONDS]; or clear (every active fault, or the node's). Timed faults end "
+                                   "by themselves, also after this command has exited.")
+    p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
+    p.add_argument("--node", default=None, help="the node, e.g. node-2 (required except for clear)")
+    p.add_argument("fault", nargs="+", metavar="KIND", help="kill | stop S | link-down S | throttle RATE S | disk-full [S] | clear")
+    add_json_flag(p)
+
 
 def run(args: argparse.Namespace) -> int:
-    return {"up": _up, "down": _down, "status": _status, "set": _set}[args.action](args)
+    return {"up": _up, "down": _down, "status": _status, "set": _set, "fault": _fault}[args.action](args)
 
 
 def _set(args: argparse.Namespace) -> int:
@@ -82,6 +92,40 @@ def _set(args: argparse.Namespace) -> int:
     if "bandwidth_mbit" in out:
         changes.append(f"bandwidth {_rate(out['bandwidth_mbit'])}")
     console().print(f"sandbox {args.name} {args.node}: {', '.join(changes)}")
+    return 0
+
+
+def _fault(args: argparse.Namespace) -> int:
+    from vpscluster.cluster.sandbox import faults
+    from vpscluster.errors import UserError
+
+    kind, rest = args.fault[0], args.fault[1:]
+    if kind == "clear":
+        if rest:
+            raise UserError(f"fault clear: takes no arguments (got {' '.join(rest)})")
+        ended = faults.clear(args.name, args.node)
+        if args.json:
+            emit_json({"cleared": ended})
+        else:
+            console().print(f"cleared: {', '.join(f['node'] + ' ' + f['kind'] for f in ended)}" if ended else "no active faults")
+        return 0
+    if args.node is None:
+        raise UserError(f"fault {kind}: needs --node NODE (e.g. --node node-2)")
+    wants = {"kill": 0, "stop": 1, "link-down": 1, "throttle": 2, "disk-full": len(rest[:1])}.get(kind)
+    if wants is None:
+        raise UserError(f"fault: unknown kind {kind!r}; choose kill, stop, link-down, throttle, disk-full or clear")
+    if len(rest) != wants:
+        usage = {"kill": "kill", "stop": "stop SECONDS", "link-down": "link-down SECONDS",
+                 "throttle": "throttle RATE SECONDS", "disk-full": "disk-full [SECONDS]"}[kind]
+        raise UserError(f"fault {kind}: expected `{usage}`, got `{' '.join(args.fault)}`")
+    rate = rest[0] if kind == "throttle" else None
+    seconds = rest[-1] if rest and kind != "kill" and not (kind == "throttle" and len(rest) < 2) else None
+    record = faults.inject(args.name, args.node, kind, seconds=seconds, rate=rate)
+    if args.json:
+        emit_json(record)
+    else:
+        lasting = f" for {record['seconds']:g} s" if record.get("seconds") else ""
+        console().print(f"sandbox {args.name}: {args.node}: {kind}{lasting}")
     return 0
 
 

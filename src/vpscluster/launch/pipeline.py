@@ -218,6 +218,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.logs import LogRouter
     from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch import guard
+    from vpscluster.launch.hung import find_hung
     from vpscluster.launch.teardown import teardown
 
     timeout_s = job.cluster.connect_timeout_s + job.cluster.command_timeout_s
@@ -267,6 +269,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     router = LogRouter(job.run_dir / "logs", list(states), show=job.say, on_event=job.on_event,
                        file_names=job.log_names)
     handles = []
+    hung = None  # (node, reason) when a node was found hanging after a failure
     error = None
     failed = None
     was_interrupted = False
@@ -275,8 +278,12 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         for c in commands:
             router.note(c.node, "$ " + c.shell())
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
-            handles.append(await by_name[c.node].start(c.shell(), on_line=router.for_node(c.node)))
+            # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
+            line = guard.wrap(c.argv[0], rdzv_id, c.shell())
+            handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
+        if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see
+            hung = await find_hung(executors, rdzv_id)
     finally:
         if was_interrupted:
             job.say("interrupted: stopping every process on every node")
@@ -301,6 +308,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
 
     if was_interrupted:
         error, status = "interrupted", 130
+    elif hung is not None:
+        failed, error, status = hung[0], hung[1], 1
     elif silent_s is not None:
         error, status = (f"no node printed anything for {silent_s:.0f} s, so the run was stopped "
                          f"(a node or a link hangs); see {job.run_dir / 'logs'}"), 1

@@ -11,7 +11,9 @@ Layout (under the run directory's `checkpoints/`, on each node's own disk):
 Writing: the shard is serialised in memory, hashed (sha256), written to a temporary file,
 fsync'ed, renamed over the final name, and the directory fsync'ed — a crash leaves either the
 old state or the complete new file, never a torn one under the final name. Only the last
-`keep` complete checkpoints are kept.
+`keep` complete checkpoints are kept. A rank that cannot write (a full disk) makes the whole
+checkpoint fail the same way on every rank (CheckpointFailed): its directory goes, nothing older
+is pruned, and the run goes on; the next checkpoint tries again.
 
 Resuming: every rank lists the step directories it can see, and checks for each one that the
 manifest exists and is readable, names the same world size, and that its own shard's sha256
@@ -67,20 +69,45 @@ class Collectives:
     all_gather_object: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])
 
 
+class CheckpointFailed(Exception):
+    """A checkpoint could not be written on some rank (e.g. a full disk); the previous ones are intact."""
+
+
 def save(root: Path, step: int, payload: dict[str, Any], coll: Collectives, keep: int) -> Path:
-    """Write this rank's shard for `step`, then (local rank 0) the manifest; prune old ones."""
+    """Write this rank's shard for `step`, then (local rank 0) the manifest; prune old ones.
+
+    Collective. When any rank cannot write (a full disk, an I/O error), every rank raises
+    CheckpointFailed after the same collectives: the new step's directory is removed, nothing
+    older is pruned, so the previous complete checkpoint stays the one a resume takes.
+    """
     import torch
 
     d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "step": step, "rank": coll.rank, "world_size": coll.world_size, **payload}, buf)
-    data = buf.getvalue()
-    write_atomic(shard_path(root, step, coll.rank), data)
-    digests = coll.all_gather_object(hashlib.sha256(data).hexdigest())  # also the barrier
-    if coll.local_rank == 0:
+    error = None
+    data = b""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save({"format": FORMAT, "step": step, "rank": coll.rank, "world_size": coll.world_size, **payload}, buf)
+        data = buf.getvalue()
+        write_atomic(shard_path(root, step, coll.rank), data)
+    except OSError as e:
+        error = f"rank {coll.rank}: {e.strerror or e}"
+    digests = coll.all_gather_object(hashlib.sha256(data).hexdigest() if error is None else {"error": error})  # also the barrier
+    errors = [x["error"] for x in digests if isinstance(x, dict)]
+    if not errors and coll.local_rank == 0:
         manifest = {"step": step, "world_size": coll.world_size, "sha256": {str(r): h for r, h in enumerate(digests)}}
-        write_atomic(d / MANIFEST, json.dumps(manifest, indent=1).encode())
+        try:
+            write_atomic(d / MANIFEST, json.dumps(manifest, indent=1).encode())
+        except OSError as e:
+            error = f"rank {coll.rank} (manifest): {e.strerror or e}"
+    if not errors:  # every node must hold its manifest before any node prunes an older step
+        errors = [x for x in coll.all_gather_object(error) if x]
+    if errors:
+        if coll.local_rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        raise CheckpointFailed(f"checkpoint step {step} not written ({'; '.join(errors)})")
+    if coll.local_rank == 0:
         _prune(root, keep)
     return d
 

@@ -45,6 +45,10 @@ class StrategyConfig:
     outer_lr: Float = 0.7
     outer_momentum: Float = 0.9
     wire_dtype: WireDtype = "fp32"
+    # diloco: each outer sync's collectives time out after this (0 = the run's training time-out)
+    # and are retried this many times on a fresh process group before the round is skipped.
+    sync_timeout_s: Float = 0.0
+    sync_retries: Int = 1
     # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
     # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
     fragments: Int = 1
@@ -67,6 +71,8 @@ class StrategyConfig:
         self.validate()
 
     def validate(self) -> None:
+        if self.sync_timeout_s < 0 or self.sync_retries < 0:
+            raise UserError(f"strategy.sync_timeout_s and sync_retries must be >= 0, got {self.sync_timeout_s:g} and {self.sync_retries}")
         if self.powersgd_rank < 1:
             raise UserError(f"strategy.powersgd_rank must be at least 1, got {self.powersgd_rank}")
         if self.powersgd_start_step < 2:

@@ -190,7 +190,13 @@ class Trainer:
     def save_checkpoint(self) -> None:
         root = self.run_dir / rundir.CHECKPOINTS
         t0 = time.perf_counter()
-        d = checkpoint.save(root, self.step, self._payload(), self.coll, self.cfg.keep_checkpoints)
+        try:
+            d = checkpoint.save(root, self.step, self._payload(), self.coll, self.cfg.keep_checkpoints)
+        except checkpoint.CheckpointFailed as e:  # a full disk: keep training, the previous checkpoint stands
+            self.events.emit("checkpoint_failed", step=self.step, reason=str(e))
+            if self.ctx.rank == 0:
+                print(f"warning: {e}; training goes on, the previous checkpoint is intact", file=sys.stderr, flush=True)
+            return
         self.exporter.checkpoint(time.perf_counter() - t0)
         self.events.emit("checkpoint", step=self.step, path=str(d))
 
@@ -435,6 +441,7 @@ class Trainer:
             "preset": self.cfg.preset,
             "num_params": self.num_params,
             "strategy_details": self.strategy.describe(),
+            "sync_failure_rate": self.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,
             "per_rank": [

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 from vpscluster.cluster.sandbox import cgroup, checks, netns, rootfs, shaping, sshd, state
 from vpscluster.cluster.sandbox.checks import ssh_command
 from vpscluster.cluster.sandbox.clusterfile import write_cluster_file
+from vpscluster.cluster.sandbox.workdir import mount_workdir, unmount_below
 from vpscluster.cluster.sandbox.state import SandboxInfo, SandboxNode
 from vpscluster.cluster.sandbox.system import require_root, require_sandbox_support
 from vpscluster.errors import UserError
@@ -143,6 +144,7 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         say(f"{n.name}: namespace, {n.bandwidth_mbit:g} Mbit/s, cpu {n.cpu if n.cpu is not None else 'unlimited'}")
         node_dir = root / "nodes" / n.name
         Path(n.workdir).mkdir(parents=True, exist_ok=True)
+        mount_workdir(n.workdir)
         cg = Path(n.cgroup)
         netns.create_node(n.namespace, n.veth, state.peer_name(info.name, index), info.bridge, f"{n.address}/24")
         shaping.shape_node(n.namespace, n.veth, n.bandwidth_mbit, info.latency_ms)
@@ -193,6 +195,8 @@ def _teardown(name: str) -> bool:
         netns.delete_link(link)
         found = True
     root = state.state_dir(name)
+    if unmount_below(root):
+        found = True
     if root.exists():
         shutil.rmtree(root)
         found = True

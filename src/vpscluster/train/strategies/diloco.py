@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 STATE_FORMAT = 1
 
 
+MAX_FAILED_SYNCS_IN_A_ROW = 3
+
+
 def split_fragments(sizes: list[int], n_fragments: int) -> list[list[int]]:
     """Cut parameter indices (in model order) into `n_fragments` contiguous, non-empty runs of
     about equal total size. Pure arithmetic so it can be tested without torch."""
@@ -95,6 +98,12 @@ class DiLoCoStrategy(Strategy):
         self.steps_since_sync: list[int] = []
         self.tokens_since_sync: list[float] = []
         self.outer_steps = 0  # fragment syncs done on this rank (all fragments together)
+        # Outer syncs: started, retried (attempts beyond the first), failed (skipped after retries).
+        self.syncs_attempted = 0
+        self.syncs_retried = 0
+        self.syncs_failed = 0
+        self._failed_in_a_row = 0
+        self.sync_group = None  # the syncs' own process group when sync_timeout_s is set (else ctx.group)
         self._pre_finalize_state: dict[str, Any] | None = None
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = ctx.device if ctx.backend == "nccl" else "cpu"
@@ -120,6 +129,8 @@ class DiLoCoStrategy(Strategy):
                     dist.broadcast(buf, src=0)  # start-up: the default group, long time-out
                 flats[f] = buf.cpu()
                 self._write_local(f, flats[f])
+        if self.ctx.is_distributed and self.config.sync_timeout_s > 0:
+            self.sync_group = self._new_sync_group()
         for flat in flats:
             self.global_flat.append(flat.clone())
             self.momentum.append(torch.zeros_like(flat))
@@ -181,20 +192,74 @@ class DiLoCoStrategy(Strategy):
 
     # -- the outer step -------------------------------------------------------------------------
 
-    def _sync(self, f: int) -> None:
+    def _new_sync_group(self, short: bool = True):
+        """A fresh process group for the outer syncs (collective: every rank calls it alike).
+
+        `short`: with the sync time-out (all ranks are in step, e.g. right after a sync). A retry
+        uses the run's default time-out instead: it must wait for a rank that is late (frozen,
+        its link down) to come back, which is the point of retrying.
+        """
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if short and self.config.sync_timeout_s > 0:
+            return dist.new_group(timeout=timedelta(seconds=self.config.sync_timeout_s))
+        return dist.new_group()
+
+    def _reduce(self, f: int, delta: "torch.Tensor", group) -> "torch.Tensor":
+        """The token-weighted sum of every rank's `delta` (two collectives on `group`)."""
         import torch
         import torch.distributed as dist
 
+        tokens = torch.tensor([self.tokens_since_sync[f]], dtype=torch.float64, device=self.comm_device)
+        with self.comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
+            dist.all_reduce(tokens, group=group)
+        total = float(tokens.item())
+        # No token counts reported at all: weigh ranks equally.
+        weight = self.tokens_since_sync[f] / total if total > 0 else 1.0 / self.ctx.world_size
+        return all_reduce_sum(delta * weight, self.codec, self.comm, self.ctx.world_size, self.comm_device, group)
+
+    def _reduce_with_retry(self, f: int, delta: "torch.Tensor") -> "torch.Tensor | None":
+        """`_reduce`, retried on a fresh group after a time-out or a broken link; None when every
+        attempt failed (the round is skipped: nothing is applied, the next sync carries its delta).
+
+        Every rank sees a collective fail alike in practice (a peer that is late or gone stalls
+        them all), so all retry together; `sync_retries` + 1 attempts, and after
+        MAX_FAILED_SYNCS_IN_A_ROW skipped rounds in a row the run stops: the peer is gone.
+        """
+        import sys
+
+        self.syncs_attempted += 1
+        group = self.sync_group if self.sync_group is not None else self.ctx.group
+        for attempt in range(self.config.sync_retries + 1):
+            try:
+                if attempt:
+                    self.syncs_retried += 1
+                    group = self._new_sync_group(short=False)  # waits for a late rank (default time-out)
+                reduced = self._reduce(f, delta, group)
+                if attempt:  # every rank is here together now: back to a group with the short time-out
+                    self.sync_group = self._new_sync_group() if self.config.sync_timeout_s > 0 else group
+                self._failed_in_a_row = 0
+                return reduced
+            except RuntimeError as e:  # gloo/NCCL time-outs, closed connections, store time-outs (DistError)
+                why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                print(f"warning: outer sync {self.syncs_attempted} attempt {attempt + 1} failed on rank "
+                      f"{self.ctx.rank}: {why}", file=sys.stderr, flush=True)
+        self.syncs_failed += 1
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_SYNCS_IN_A_ROW:
+            raise RuntimeError(f"{self._failed_in_a_row} outer syncs in a row failed after "
+                               f"{self.config.sync_retries} retries each: a peer is gone")
+        return None
+
+    def _sync(self, f: int) -> None:
         local = self._local_flat(f)
         delta = self.global_flat[f] - local
         if self.ctx.is_distributed:
-            tokens = torch.tensor([self.tokens_since_sync[f]], dtype=torch.float64, device=self.comm_device)
-            with self.comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
-                dist.all_reduce(tokens, group=self.ctx.group)
-            total = float(tokens.item())
-            # No token counts reported at all: weigh ranks equally.
-            weight = self.tokens_since_sync[f] / total if total > 0 else 1.0 / self.ctx.world_size
-            delta = all_reduce_sum(delta * weight, self.codec, self.comm, self.ctx.world_size, self.comm_device, self.ctx.group)
+            delta = self._reduce_with_retry(f, delta)
+            if delta is None:  # skipped: keep training locally; the next sync carries this round too
+                return
         mu, lr = self.config.outer_momentum, self.config.outer_lr
         m = self.momentum[f]
         m.mul_(mu).add_(delta)
@@ -221,6 +286,12 @@ class DiLoCoStrategy(Strategy):
             "wire_dtype": self.codec.name,
             "fragments": self.config.fragments,
             "outer_syncs": self.outer_steps,
+            "sync_timeout_s": self.config.sync_timeout_s or None,
+            "sync_retries": self.config.sync_retries,
+            "syncs_attempted": self.syncs_attempted,
+            "syncs_retried": self.syncs_retried,
+            "syncs_failed": self.syncs_failed,
+            "sync_failure_rate": self.syncs_failed / self.syncs_attempted if self.syncs_attempted else 0.0,
         }
 
     # -- checkpoints ----------------------------------------------------------------------------

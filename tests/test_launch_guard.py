@@ -1,0 +1,119 @@
+"""Nothing left behind: a launcher killed with SIGKILL (no teardown of its own can run) leaves no
+process of its launch on any node after a bounded time — the node-side guard notices that the
+launcher is gone (its parent changed, or the SSH channel closed) and stops every process of the
+launch, torchrun's workers in their own sessions included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fault_helpers import sandbox_name
+from sandbox_fixtures import SandboxFactory
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+BOUND_S = 15.0  # guard: 0.5 s poll + 5 s grace + 3 s kill wait, with room for a loaded machine
+
+
+def launch_processes(launch_id: str | None = None, needle: str | None = None) -> list[str]:
+    """Live processes carrying VPSC_LAUNCH_ID (= launch_id when given) whose command line holds `needle`."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        tag = [e for e in env if e.startswith(b"VPSC_LAUNCH_ID=")]
+        if not tag or state == "Z":
+            continue
+        if launch_id is not None and tag[0] != f"VPSC_LAUNCH_ID={launch_id}".encode():
+            continue
+        if needle is None or needle in cmd:
+            found.append(f"{d} {cmd[:150]}")
+    return found
+
+
+def wait_for_log(run_dir: Path, text: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        logs = list((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []
+        if sum(text in p.read_text(errors="replace") for p in logs) >= 2:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{text!r} not in two node logs within {timeout_s:.0f} s; launcher: "
+                         f"{proc.poll()} {proc.stderr.read()[-1500:] if proc.poll() is not None else ''}")
+
+
+def kill_and_watch(proc: subprocess.Popen, left) -> float:
+    """SIGKILL the launcher; seconds until `left()` is empty (fails after BOUND_S)."""
+    assert left(), "the launch runs nothing to leave behind"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    while left() and time.monotonic() - sent < BOUND_S:
+        time.sleep(0.25)
+    assert left() == [], f"still running {time.monotonic() - sent:.1f} s after the launcher was killed"
+    return time.monotonic() - sent
+
+
+@pytest.mark.slow
+def test_sigkilled_local_train_leaves_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--nodes", "2", "--preset", "tiny", "--max-steps", "100000",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+    )
+    try:
+        # Both workers started (a first step may take long on a loaded machine; it is not needed).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and len(_workers(run_dir)) < 2:
+            time.sleep(0.3)
+        assert proc.poll() is None and len(_workers(run_dir)) == 2, proc.stderr.read()[-1500:] if proc.poll() is not None else "no workers"
+        kill_and_watch(proc, lambda: launch_processes(needle=str(run_dir)))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _workers(run_dir: Path) -> list[str]:
+    return [p for p in launch_processes(needle=str(run_dir)) if "vpscluster.train.worker" in p]
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_sigkilled_launcher_leaves_nothing_on_sandbox_nodes(tmp_path):
+    factory = SandboxFactory()
+    try:
+        info = factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
+        launch_id = f"ft{uuid.uuid4().hex[:12]}"
+        run_dir = tmp_path / "run"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vpscluster", "run", "--cluster", info.cluster_file, "--sync", str(SCRIPTS),
+             "--rdzv-id", launch_id, "--run-dir", str(run_dir), "--", "python", "sleep_forever.py"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            wait_for_log(run_dir, "ready rank", proc, timeout_s=90)
+            # Workers, torchrun agents and guards, on both nodes.
+            assert len(launch_processes(launch_id)) >= 4
+            kill_and_watch(proc, lambda: launch_processes(launch_id))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        factory.close()
