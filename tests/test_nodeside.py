@@ -6,10 +6,12 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tarfile
+import time
 import uuid
 from pathlib import Path
 
@@ -165,6 +167,29 @@ def test_reap_kills_what_ignores_sigterm():
         if p.poll() is None:
             p.kill()
         p.wait(timeout=10)
+
+
+def test_guard_passes_the_command_through_and_reaps_when_told_to_stop():
+    var, mine = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}"
+    assert run("reap", "guard", var, mine, "1", "/bin/sh", "-c", "exit 7").returncode == 7
+    # A stop request (the SSH wrapper's SIGTERM) ends the tagged processes of the launch: the
+    # guard's child and a stopped (SIGSTOP) one that only acts on SIGTERM after SIGCONT.
+    cmd = nodeside.command(sys.executable, "reap", "guard", var, mine, "1", "/bin/sh", "-c", "sleep 60 & sleep 60")
+    g = subprocess.Popen([cmd[0], "-S", *cmd[1:]], env={**os.environ, var: mine}, stderr=subprocess.PIPE, text=True)
+    stopped = _sleeper({var: mine})
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        g.terminate()
+        assert g.wait(timeout=20) != 0
+        assert "stopping launch" in g.stderr.read()
+        assert stopped.wait(timeout=10) is not None
+        assert json.loads(run("reap", var, mine, "1", "3").stdout) == {"found": [], "left": []}
+    finally:
+        for p in (g, stopped):
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
 
 
 def test_parse_json_output_takes_the_last_object():

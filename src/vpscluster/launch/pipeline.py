@@ -218,9 +218,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.logs import LogRouter
     from vpscluster.launch.sync import sync_dir
-    from vpscluster.launch import guard
     from vpscluster.launch.hung import find_hung
-    from vpscluster.launch.teardown import teardown
+    from vpscluster.launch.teardown import guarded, teardown
 
     timeout_s = job.cluster.connect_timeout_s + job.cluster.command_timeout_s
     by_name = {ex.node.name: ex for ex in executors}
@@ -279,7 +278,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             router.note(c.node, "$ " + c.shell())
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
             # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
-            line = guard.wrap(c.argv[0], rdzv_id, c.shell())
+            line = guarded(c.argv[0], rdzv_id, c.shell())
             handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
         if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see

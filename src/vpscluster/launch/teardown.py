@@ -13,10 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from dataclasses import dataclass
 
 from vpscluster import nodeside
 from vpscluster.launch.commands import LAUNCH_ID_ENV
+
+
+def guarded(python: str, launch_id: str, shell_line: str, grace_s: float = 5.0) -> str:
+    """The node command line running `shell_line` under the node-side guard (`reap.py guard`),
+    with the node's `python`: a launcher that dies, even by SIGKILL, leaves nothing running.
+
+    `exec`: the guard replaces the shell the executor starts, so its parent is the launcher's
+    process (local) or the SSH wrapper, and it leads the process group they signal."""
+    argv = nodeside.command(python, "reap", "guard", LAUNCH_ID_ENV, launch_id, "%g" % grace_s,
+                            "/bin/sh", "-c", shell_line)
+    return "exec " + shlex.join(argv)
+
 
 @dataclass
 class ReapResult:

@@ -8,7 +8,8 @@ vpscluster installed to be probed, synced, torn down or given a port.
     facts.py       node facts (CPU, quota, memory, disk, interfaces, torch, GPUs)   one JSON line
     links.py       TCP measurement tool: `server` / `client` (RTT, bandwidth, clock)
     allreduce.py   all-reduce sweep with torch.distributed (rank 0 prints one JSON line)
-    reap.py        stop every process tagged with a launch id, then check none is left
+    reap.py        stop every process tagged with a launch id, then check none is left;
+                   `reap.py guard ...` runs a launch command that stops when the launcher dies
     tree_hash.py   SHA-256 of the given files under each root (stdin: the paths)
     unpack.py      unpack a tar archive into a directory and delete the archive
     free_port.py   a free TCP port on the node (IPv4 or IPv6 by the address)

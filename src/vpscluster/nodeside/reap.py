@@ -1,4 +1,5 @@
-"""Stop every process tagged with a launch id on this node, then check that none is left.
+"""Stop every process tagged with a launch id on this node, then check that none is left; or
+guard a launch's command so that it stops when the launcher is gone.
 
 A launch puts `<VAR>=<launch id>` in the environment of every process it starts (workers
 inherit it), so the processes are found in /proc whatever the process tree: SIGTERM, a grace
@@ -7,13 +8,29 @@ touched. Standard library only; run with the node's own Python (see `vpscluster.
 
 Usage: python reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S
 Prints {"found": [pids tagged at the start], "left": [pids still alive at the end, must be []]}.
+
+Usage: python reap.py guard VAR LAUNCH_ID GRACE_S COMMAND...
+Every node command of a launch runs under the guard. It starts COMMAND as its child and waits
+for it, exiting as it exits (same status, same signal). It reaps the whole launch on its node
+(as above) when
+- the launcher is gone: the guard's parent changes (the launcher's process on the local
+  cluster, the SSH wrapper on a remote node, was killed: SIGKILL, a closed laptop); checked
+  every POLL_S seconds;
+- it receives SIGTERM, SIGHUP or SIGINT: the SSH wrapper's watchdog sends SIGTERM to the
+  command's group as soon as the channel closes (a killed launcher, a cut connection).
+torchrun's workers run in sessions of their own, so a process group is not enough: the tag is.
+A launcher SIGKILLed mid-run therefore leaves nothing running on any node after about
+POLL_S + GRACE_S + 1 s.
 """
 
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+
+POLL_S = 0.5
 
 
 def tagged(tag, me=None):
@@ -52,15 +69,53 @@ def reap(tag, grace_s, kill_wait_s):
     found = tagged(tag, me)
     if found:
         signal_all(signal.SIGTERM)
+        signal_all(signal.SIGCONT)  # a stopped process (SIGSTOP) acts on SIGTERM only once it runs
         wait_gone(grace_s)
         signal_all(signal.SIGKILL)
         wait_gone(kill_wait_s)
     return {"found": found, "left": tagged(tag, me)}
 
 
+def guard(tag, grace_s, command):
+    """Run `command`; reap the launch when the launcher is gone or we are told to stop."""
+    parent = os.getppid()
+    told = []
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: told.append(signum))
+    child = subprocess.Popen(command)
+    while True:
+        try:
+            status = child.wait(timeout=POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if told or os.getppid() != parent:
+            why = ("signal %d" % told[0]) if told else "the launcher is gone"
+            try:  # the launcher reading our stderr may be gone: a broken pipe must not stop us
+                sys.stderr.write("vpscluster guard: %s; stopping launch %s on this node\n" % (why, tag.decode()))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            reap(tag, grace_s, 3.0)
+            try:
+                status = child.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                status = child.wait()
+            break
+    if status < 0:  # died of a signal: so does the guard, so the caller sees the same thing
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+        time.sleep(1.0)
+    return status if status >= 0 else 128 - status
+
+
 def main(argv):
+    if len(argv) >= 6 and argv[1] == "guard" and argv[2] and argv[3]:
+        return guard(("%s=%s" % (argv[2], argv[3])).encode(), float(argv[4]), argv[5:])
     if len(argv) != 5 or not argv[1] or not argv[2]:
-        print("usage: reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S", file=sys.stderr)
+        print("usage: reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S | reap.py guard VAR LAUNCH_ID GRACE_S COMMAND...",
+              file=sys.stderr)
         return 2
     tag = ("%s=%s" % (argv[1], argv[2])).encode()
     print(json.dumps(reap(tag, float(argv[3]), float(argv[4]))), flush=True)
