@@ -39,7 +39,7 @@ FNS = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def sb():
-    factory = SandboxFactory(prefix="bj")
+    factory = SandboxFactory(kind="bj-")
     try:
         yield factory(nodes=3, bandwidth="1gbit", cpu=0.5)
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sandbox_fixtures import sandbox_unavailable_reason, ssh_run
+from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason, ssh_run
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -41,7 +41,7 @@ def own_root():
     why = sandbox_unavailable_reason() or rootfs.supported() or (None if shutil.which("nft") else "nft missing (apt-get install nftables)")
     if why:
         pytest.skip(f"sandbox unavailable: {why}")
-    name = f"pv-{secrets.token_hex(3)}"
+    name = f"{TEST_PREFIX}pv-{secrets.token_hex(3)}"
     try:
         info = sandbox.up(name, nodes=2, bandwidth="1gbit", own_root=True)
         doc = yaml.safe_load(Path(info.cluster_file).read_text())

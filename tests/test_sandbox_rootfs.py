@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_fixtures import sandbox_unavailable_reason, ssh_run
+from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason, ssh_run
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -23,7 +23,7 @@ def own_root2():
     why = sandbox_unavailable_reason() or rootfs.supported()
     if why:
         pytest.skip(f"sandbox unavailable: {why}")
-    name = f"pv-{secrets.token_hex(3)}"
+    name = f"{TEST_PREFIX}pv-{secrets.token_hex(3)}"
     try:
         yield sandbox.up(name, nodes=2, bandwidth="1gbit", own_root=True)
     finally:
@@ -58,7 +58,7 @@ def test_down_leaves_no_mounts_and_no_files():
     why = sandbox_unavailable_reason() or rootfs.supported()
     if why:
         pytest.skip(f"sandbox unavailable: {why}")
-    name = f"pv-{secrets.token_hex(3)}"
+    name = f"{TEST_PREFIX}pv-{secrets.token_hex(3)}"
     try:
         info = sandbox.up(name, nodes=1, own_root=True)
         assert info.own_root and sandbox.status(name)[0]["state"] == "up"
@@ -80,7 +80,7 @@ def test_provision_refuses_sandbox_nodes_that_share_this_machines_files(cli):
     why = sandbox_unavailable_reason() or rootfs.supported()
     if why:
         pytest.skip(f"sandbox unavailable: {why}")
-    name = f"pv-{secrets.token_hex(3)}"
+    name = f"{TEST_PREFIX}pv-{secrets.token_hex(3)}"
     try:
         info = sandbox.up(name, nodes=1)
         r = cli("provision", "--cluster", info.cluster_file, "--only", "tcp", timeout=120)
