@@ -33,8 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from vpscluster.bench import table
-
 MODES = ("static", "dask", "vpscluster")
 
 
@@ -185,4 +183,6 @@ def cell(row: dict, key: str, fmt: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    return table.markdown(rows, COLUMNS, cell) + "\n"
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

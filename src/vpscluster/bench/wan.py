@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from vpscluster.bench import table
-
 BASELINE = Path(__file__).resolve().parent / "baselines" / "torchrun_ddp.py"
 BIG_STEPS = 1_000_000  # runs end by the time budget; the LR schedule is then warm-up + ~flat
 
@@ -301,11 +299,16 @@ COLUMNS = [  # (key, header, format)
 
 
 def cell(row, key, fmt) -> str:
-    return table.cell(row, key, fmt, name_key="strategy")
+    v = row.get(key)
+    if key == "strategy" and row.get("failed"):
+        return f"{v} (failed)"
+    return "—" if v is None else fmt.format(v)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    return table.markdown(rows, COLUMNS, cell)
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def _argv_of(args) -> list[str]:
