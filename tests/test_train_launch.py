@@ -90,13 +90,12 @@ def test_an_interrupt_is_a_user_error_with_exit_130():
 
     import pytest
 
-    from vpscluster.errors import Interrupted, UserError
-    from vpscluster.launch.pipeline import _interruptible
+    from vpscluster.errors import Interrupted, UserError, unless_interrupted
 
     async def go():
         stop = asyncio.Event()
         stop.set()
-        await _interruptible(asyncio.sleep(30), stop)
+        await unless_interrupted(asyncio.sleep(30), stop)
 
     with pytest.raises(Interrupted) as e:
         asyncio.run(go())

@@ -36,3 +36,19 @@ class Interrupted(UserError):
 
     def __init__(self, message: str = "interrupted") -> None:
         super().__init__(message)
+
+
+async def unless_interrupted(aw, interrupted, before: str = "anything was started"):
+    """Await `aw` unless the asyncio.Event `interrupted` is set first: then the work is cancelled
+    and `Interrupted("interrupted before <before>")` is raised."""
+    import asyncio
+
+    task = asyncio.ensure_future(aw)
+    stop = asyncio.ensure_future(interrupted.wait())
+    done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        stop.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise Interrupted(f"interrupted before {before}")

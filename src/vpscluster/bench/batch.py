@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vpscluster.bench import table
+
 MODES = ("static", "dask", "vpscluster")
 
 
@@ -183,6 +185,4 @@ def cell(row: dict, key: str, fmt: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return table.markdown(rows, COLUMNS, cell) + "\n"

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vpscluster.bench import table
 from vpscluster.bench.wan import BIG_STEPS, _cli, _machine, evals_from_metrics, loss_at_tokens
 
 MODES = ("even", "uneven", "balanced")
@@ -234,13 +235,8 @@ COLUMNS = [("run", "run", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok
 
 
 def cell(row, key, fmt) -> str:
-    v = row.get(key)
-    if key == "run" and row.get("failed"):
-        return f"{v} (failed)"
-    return "—" if v is None else fmt.format(v)
+    return table.cell(row, key, fmt, name_key="run")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return table.markdown(rows, COLUMNS, cell)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vpscluster.bench import table
+
 BASELINE = Path(__file__).resolve().parent / "baselines" / "torchrun_ddp.py"
 BIG_STEPS = 1_000_000  # runs end by the time budget; the LR schedule is then warm-up + ~flat
 
@@ -299,16 +301,11 @@ COLUMNS = [  # (key, header, format)
 
 
 def cell(row, key, fmt) -> str:
-    v = row.get(key)
-    if key == "strategy" and row.get("failed"):
-        return f"{v} (failed)"
-    return "—" if v is None else fmt.format(v)
+    return table.cell(row, key, fmt, name_key="strategy")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return table.markdown(rows, COLUMNS, cell)
 
 
 def _argv_of(args) -> list[str]:

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from vpscluster.errors import Interrupted, UserError
+from vpscluster.errors import Interrupted, UserError, unless_interrupted
 
 ON_ERROR = ("fail", "skip")
 OUTPUT_FORMATS = ("jsonl", "parquet")
@@ -159,12 +159,13 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
             try:
                 if todo:
                     say(f"starting Dask on {len(executors)} node(s)")
-                    dask = await _or_stop(engine.start(cluster, executors, job_id, code_dir,
+                    dask = await unless_interrupted(engine.start(cluster, executors, job_id, code_dir,
                                                        workers_per_node=spec.workers_per_node, say=say,
                                                        timeout_s=spec.start_timeout_s,
                                                        log_dir=os.path.join(output, LOG_DIR),
-                                                       params=spec.params, ship=spec.ship), stop)
-                    client = await _or_stop(engine.connect(dask, spec.start_timeout_s), stop)
+                                                       params=spec.params, ship=spec.ship),
+                                                      stop, "the workers were running")
+                    client = await unless_interrupted(engine.connect(dask, spec.start_timeout_s), stop, "the workers were running")
                     on_event({"event": "workers", "nodes": {n: {"cores": w.cores, "workers": w.slots}
                                                              for n, w in dask.nodes.items()}})
                     opts = DispatchOptions(
@@ -217,13 +218,3 @@ def _chain(first, rest):
         yield from rest
 
 
-async def _or_stop(aw, stop: asyncio.Event):
-    task = asyncio.ensure_future(aw)
-    waiter = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        waiter.cancel()
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise Interrupted("interrupted before the workers were running")

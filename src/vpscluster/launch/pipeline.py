@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from vpscluster.errors import Interrupted, RemoteError, UserError
+from vpscluster.errors import RemoteError, UserError, unless_interrupted
 from vpscluster.launch.commands import (
     DEFAULT_RDZV_PORT, LaunchOptions, NodeCommand, NodeTarget, Program, build_node_commands, render_dry_run,
 )
@@ -201,19 +201,6 @@ async def _launch(job: Job) -> LaunchResult:
     return result
 
 
-async def _interruptible(aw, interrupted: asyncio.Event):
-    """Await `aw` unless the user interrupts first (then `Interrupted`, the work cancelled)."""
-    task = asyncio.ensure_future(aw)
-    stop = asyncio.ensure_future(interrupted.wait())
-    done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        stop.cancel()
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise Interrupted("interrupted before anything was started")
-
-
 async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResult:
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.logs import LogRouter
@@ -228,9 +215,9 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
 
     # preflight: reachable, workdir, probe, interfaces, port.
     job.say(f"pre-flight on {len(executors)} nodes")
-    facts = await _interruptible(pf.probe_facts(job.cluster, executors, job.force, job.say), interrupted) \
+    facts = await unless_interrupted(pf.probe_facts(job.cluster, executors, job.force, job.say), interrupted) \
         if not _all_local(job) else {}
-    states = await _interruptible(pf.preflight(job.cluster, executors, facts, timeout_s), interrupted)
+    states = await unless_interrupted(pf.preflight(job.cluster, executors, facts, timeout_s), interrupted)
     head = by_name[job.cluster.head]
     port = job.rdzv_port or await pf.free_port(head, states[head.node.name].address, timeout_s)
 
@@ -238,7 +225,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     synced: dict[str, dict[str, str]] = {n: {} for n in states}
     for item in job.syncs:
         root, manifest = local_side(item)
-        results = await _interruptible(asyncio.gather(*(
+        results = await unless_interrupted(asyncio.gather(*(
             sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
                      timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say,
                      detect_shared=job.detect_shared)
@@ -261,7 +248,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
 
     if job.create_run is not None:
         job.create_run()
-    await _interruptible(asyncio.gather(*(prepare(ex) for ex in executors)), interrupted)
+    await unless_interrupted(asyncio.gather(*(prepare(ex) for ex in executors)), interrupted)
     commands = build_commands(job, states, synced, rdzv_id, port)
 
     # start + stream.
