@@ -47,7 +47,8 @@ _ALIVE = r"""alive() {
 _WRAPPER = _ALIVE + r"""exec 3<&0
 setsid /bin/sh -c 'echo "__VPSC_PGID__ $$" >&2; exec /bin/sh -c "$1"' vpscluster "$1" </dev/null 3<&- &
 pid=$!
-( cat <&3 >/dev/null; kill -TERM -$pid 2>/dev/null || exit 0
+( cat <&3 >/dev/null; n=0
+  until kill -TERM -$pid 2>/dev/null; do kill -0 $pid 2>/dev/null && [ $n -lt 50 ] || exit 0; sleep 0.1; n=$((n+1)); done
   i=0; while [ $i -lt 50 ] && alive $pid; do sleep 0.1; i=$((i+1)); done; kill -KILL -$pid ) >/dev/null 2>&1 &
 exec 3<&-
 wait $pid 2>/dev/null
