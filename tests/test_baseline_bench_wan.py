@@ -89,3 +89,121 @@ def test_bench_wan_runs_baseline_and_diloco_on_a_sandbox(cli, tmp_path):
     assert rows["diloco-int8"]["counted_mb_per_node"] > 0
     assert rows["baseline"]["counted_mb_per_node"] is None
     assert (tmp_path / "out" / "table.md").read_text().startswith("| strategy")
+
+
+# -- time to target (the long mode) ---------------------------------------------------------
+
+
+def test_seconds_to_target_interpolates_the_first_crossing():
+    from vpscluster.bench.wan import seconds_to_target
+
+    assert seconds_to_target(EVALS, 4.0) == 10.0  # exactly at an evaluation
+    assert seconds_to_target(EVALS, 3.5) == pytest.approx(15.0)  # half-way between 4.0 (10 s) and 3.0 (20 s)
+    assert seconds_to_target(EVALS, 6.0) == 0.0  # already there at the first evaluation
+    assert seconds_to_target(EVALS, 2.0) is None  # never reached
+    # Not monotonic: the first crossing counts, not a later one.
+    bumpy = EVALS + [{"tokens": 400, "seconds": 30.0, "val_loss": 3.6}, {"tokens": 500, "seconds": 40.0, "val_loss": 2.0}]
+    assert seconds_to_target(bumpy, 3.0) == 20.0 and seconds_to_target(bumpy, 2.5) == pytest.approx(30 + 10 * 1.1 / 1.6)
+
+
+def test_loss_at_seconds_interpolates_and_refuses_to_extrapolate():
+    from vpscluster.bench.wan import loss_at_seconds
+
+    assert loss_at_seconds(EVALS, 15.0) == pytest.approx(3.5)
+    assert loss_at_seconds(EVALS, 20.0) == 3.0
+    assert loss_at_seconds(EVALS, 21.0) is None
+
+
+def test_parse_targets_and_its_one_line_error():
+    from vpscluster.bench.wan import parse_targets
+    from vpscluster.errors import UserError
+
+    assert parse_targets("baseline@0.5, ideal@1") == [("baseline", 0.5), ("ideal", 1.0)]
+    assert parse_targets("") == []
+    for bad in ("baseline", "warp@0.5", "ideal@0", "ideal@1.5", "ideal@half"):
+        with pytest.raises(UserError, match="STRATEGY@FRACTION"):
+            parse_targets(bad)
+
+
+def _run(evals, tokens, tx, tps, util=0.9, ran_as=None):
+    return {"evals": evals, "tokens": tokens, "interface_tx_bytes": tx, "tokens_per_s": tps, "steps": len(evals) - 1,
+            "compute_utilization": util, "final_val_loss": evals[-1]["val_loss"], "ran_as": ran_as}
+
+
+def _curve(points):
+    return [{"tokens": t, "seconds": s, "val_loss": v} for t, s, v in points]
+
+
+def test_time_to_target_ratios_against_baseline_and_ideal_with_missing_targets():
+    from vpscluster.bench.wan import target_legend, target_markdown, time_to_target
+
+    runs = {
+        # baseline: 5.0 -> 3.0 in 100 s; its loss after 50 s is 4.0.
+        "baseline": _run(_curve([(0, 0, 5.0), (500, 50, 4.0), (1000, 100, 3.0)]), 1000, [5000, 5000], 10.0, 0.4),
+        "ideal": _run(_curve([(0, 0, 5.0), (1000, 20, 3.0), (5000, 100, 2.0)]), 5000, [9000, 9000], 50.0, 1.0, "ddp"),
+        # fast reaches 4.0 at 10 s and 3.0 at 40 s, never 2.0; 100x fewer bytes per token than the baseline.
+        "fast": _run(_curve([(0, 0, 5.0), (1000, 10, 4.0), (4000, 40, 3.0), (6000, 60, 2.5)]), 6000, [300, 300], 100.0,
+                     0.95, "diloco"),
+    }
+    rows, levels = time_to_target(runs, [("baseline", 0.5), ("baseline", 1.0), ("ideal", 1.0), ("ddp", 1.0)])
+    assert [lv["val_loss"] for lv in levels] == [4.0, 3.0, 2.0, None]  # ddp did not run: no level
+    assert levels[0]["ref_seconds"] == 50.0 and levels[0]["name"] == "baseline@0.5"
+    base, ideal, fast = ({k: r for k, r in ((r["strategy"], r) for r in rows)}[n] for n in ("baseline", "ideal", "fast"))
+    assert base["t0_s"] == 50.0 and base["t1_s"] == 100.0 and base["t0_vs_baseline"] == 1.0
+    assert ideal["t0_s"] == 10.0 and ideal["t1_s"] == 20.0 and ideal["t2_s"] == 100.0
+    assert fast["t0_s"] == 10.0 and fast["t0_vs_baseline"] == 5.0 and fast["t0_vs_ideal"] == 1.0
+    assert fast["t1_s"] == 40.0 and fast["t1_vs_baseline"] == 2.5 and fast["t1_vs_ideal"] == 2.0
+    assert fast["t2_s"] is None and fast["t2_vs_baseline"] is None and fast["t2_vs_ideal"] is None  # never reached
+    assert base["t2_s"] is None and base["t2_vs_ideal"] is None
+    assert all(r["t3_s"] is None and r["t3_vs_ideal"] is None for r in rows)  # a level that does not exist
+    # Bytes per token: 10 (baseline), 0.1 (fast): 100x fewer.
+    assert fast["iface_bytes_per_token"] == pytest.approx(0.1) and fast["bytes_per_token_reduction"] == pytest.approx(100.0)
+    # Equal tokens vs ideal at min(final tokens): fast at 5000 tokens = 2.75 (between 3.0 @4000 and 2.5 @6000),
+    # ideal at 5000 = 2.0: +37.5%; the baseline at its own 1000 tokens: 3.0 against ideal's 3.0.
+    assert fast["equal_tokens"] == 5000 and fast["val_loss_at_equal_tokens"] == pytest.approx(2.75)
+    assert fast["val_loss_vs_ideal_pct"] == pytest.approx(37.5)
+    assert base["equal_tokens"] == 1000 and base["val_loss_vs_ideal_pct"] == pytest.approx(0.0)
+    assert ideal["val_loss_vs_ideal_pct"] == 0.0
+    table = target_markdown(levels, rows + [{"strategy": "auto", "failed": "boom"}])
+    lines = table.splitlines()
+    assert len(lines) == 2 + 4 and "s → baseline@0.5" in lines[0] and "| auto (failed) |" in lines[-1]
+    assert "| fast | diloco |" in table and "5.00x" in table and "—" in table
+    legend = target_legend(levels)
+    assert "baseline@0.5 = 4.000 (baseline's val loss after 50 s" in legend and "ddp@1 = — (ddp did not run)" in legend
+
+
+def test_time_to_target_without_ideal_or_baseline_leaves_those_columns_empty():
+    from vpscluster.bench.wan import time_to_target
+
+    runs = {"ddp": _run(_curve([(0, 0, 5.0), (100, 10, 4.0)]), 100, [10, 10], 10.0)}
+    rows, levels = time_to_target(runs, [("ddp", 1.0), ("baseline", 0.5)])
+    (row,) = rows
+    assert row["t0_s"] == 10.0 and row["t0_vs_baseline"] is None and row["t0_vs_ideal"] is None
+    assert row["val_loss_vs_ideal_pct"] is None and row["bytes_per_token_reduction"] is None
+    assert levels[1]["val_loss"] is None
+
+
+def test_settings_modes_and_the_trainers_schedule():
+    from vpscluster.bench.wan import DEFAULT_TARGETS, LONG, QUICK, STRATEGIES, WanSettings
+    from vpscluster.errors import UserError
+    from vpscluster.train.config import TrainConfig
+
+    short = WanSettings().resolved()
+    assert short.budget_s == 150 and short.strategies.split(",") == list(STRATEGIES) and short.targets == ""
+    assert {"ideal", "auto"} <= set(short.strategies.split(","))
+    # Every run, the baseline included, gets the trainer's own warm-up and peak lr (not 5 steps).
+    assert (short.warmup_steps, short.lr) == (TrainConfig().warmup_steps, TrainConfig().lr)
+    long = WanSettings(long=True).resolved()
+    assert long.budget_s == 900 and long.strategies == ",".join(LONG) and long.targets == DEFAULT_TARGETS
+    assert long.ddp_eval_every == 5
+    assert WanSettings(long=True, budget_s=30, strategies="baseline,auto").resolved().budget_s == 30
+    quick = WanSettings(quick=True, budget_s=300).resolved()
+    assert quick.strategies == ",".join(QUICK) and quick.budget_s == 60
+    with pytest.raises(UserError, match="exclude"):
+        WanSettings(quick=True, long=True).resolved()
+
+
+def test_bad_targets_are_a_one_line_error(cli):
+    proc = cli("bench", "wan", "--targets", "baseline@2", timeout=60)
+    assert proc.returncode != 0
+    assert "STRATEGY@FRACTION" in proc.stderr and "Traceback" not in proc.stderr
