@@ -164,10 +164,15 @@ def test_time_to_target_ratios_against_baseline_and_ideal_with_missing_targets()
     assert fast["val_loss_vs_ideal_pct"] == pytest.approx(37.5)
     assert base["equal_tokens"] == 1000 and base["val_loss_vs_ideal_pct"] == pytest.approx(0.0)
     assert ideal["val_loss_vs_ideal_pct"] == 0.0
-    table = target_markdown(levels, rows + [{"strategy": "auto", "failed": "boom"}])
-    lines = table.splitlines()
-    assert len(lines) == 2 + 4 and "s → baseline@0.5" in lines[0] and "| auto (failed) |" in lines[-1]
-    assert "| fast | diloco |" in table and "5.00x" in table and "—" in table
+    figures, times = target_markdown(levels, rows + [{"strategy": "auto", "failed": "boom"}]).split("\n\n")
+    assert len(figures.splitlines()) == len(times.splitlines()) == 2 + 4
+    assert "| fast | diloco | 3 | 100 | 95% | 0 | 100.0x | 2.500 | 2.750 | +37.5% |" in figures
+    assert times.splitlines()[0] == ("| strategy | → baseline@0.5 (4.000) | → baseline@1 (3.000) | → ideal@1 (2.000) "
+                                     "| → ddp@1 (—) |")
+    assert "| baseline | 50 s (1.00x / 5.00x) | 100 s (1.00x / 5.00x) | — | — |" in times
+    assert "| fast | 10 s (5.00x / 1.00x) | 40 s (2.50x / 2.00x) | — | — |" in times
+    assert "| ideal | 10 s (5.00x / 1.00x) | 20 s (5.00x / 1.00x) | 100 s (— / 1.00x) | — |" in times
+    assert figures.splitlines()[-1].startswith("| auto (failed) |") and times.splitlines()[-1] == "| auto (failed) | — | — | — | — |"
     legend = target_legend(levels)
     assert "baseline@0.5 = 4.000 (baseline's val loss after 50 s" in legend and "ddp@1 = — (ddp did not run)" in legend
 

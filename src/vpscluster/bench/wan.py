@@ -479,7 +479,7 @@ def time_to_target(runs: dict[str, dict[str, Any]], targets: list[tuple[str, flo
     return rows, levels
 
 
-TARGET_COLUMNS = [  # the fixed part; then three per target (target_columns)
+FIGURE_COLUMNS = [  # the long mode's per-row figures; the times to target are a table of their own
     ("strategy", "strategy", "{}"), ("ran_as", "ran as", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok/s", "{:.0f}"),
     ("compute_utilization", "util", "{:.0%}"), ("iface_bytes_per_token", "B/tok", "{:.0f}"),
     ("bytes_per_token_reduction", "B/tok ÷", "{:.1f}x"), ("final_val_loss", "val end", "{:.3f}"),
@@ -488,26 +488,35 @@ TARGET_COLUMNS = [  # the fixed part; then three per target (target_columns)
 
 
 def target_columns(levels: list[dict]) -> table.Columns:
-    cols = list(TARGET_COLUMNS)
+    """strategy, then one column per target: key `t{i}`, rendered by `cell` as "s (÷ base / × ideal)"."""
+    cols = [("strategy", "strategy", "{}")]
     for i, lv in enumerate(levels):
-        cols += [(f"t{i}_s", f"s → {lv['name']}", "{:.0f}"), (f"t{i}_vs_baseline", "vs base", "{:.2f}x"),
-                 (f"t{i}_vs_ideal", "vs ideal", "{:.2f}x")]
+        loss = "—" if lv["val_loss"] is None else f"{lv['val_loss']:.3f}"
+        cols.append((f"t{i}", f"→ {lv['name']} ({loss})", "{:.0f}"))
     return cols
 
 
 def target_legend(levels: list[dict]) -> str:
     parts = [f"{lv['name']} = {lv['val_loss']:.3f} ({lv['ref']}'s val loss after {lv['ref_seconds']:.0f} s of training)"
              if lv["val_loss"] is not None else f"{lv['name']} = — ({lv['ref']} did not run)" for lv in levels]
-    return ("Targets: " + "; ".join(parts) + ". *s → T*: training seconds to reach T; *vs base*: the baseline's time / "
-            "this row's (speed-up); *vs ideal*: this row's time / the ideal row's (1.00x = the physical limit); "
-            "*val @eq tok*: val loss at the smaller of this row's and ideal's final token counts; — : not reached / not run.")
+    return ("Targets: " + "; ".join(parts) + ". A cell: training seconds to reach the target (linear between "
+            "evaluations), then (the baseline's time / this row's, i.e. the speed-up; this row's time / the ideal "
+            "row's, 1.00x = the physical limit); — : not reached or not run. *B/tok*: interface bytes per token; "
+            "*val @eq tok*: val loss at the smaller of this row's and ideal's final token counts, *Δ vs ideal* "
+            "against ideal's there.")
 
 
 def target_markdown(levels: list[dict], rows: list[dict]) -> str:
-    return table.markdown(rows, target_columns(levels), cell)
+    """Two tables: the per-row figures (FIGURE_COLUMNS) and the times to each target."""
+    return table.markdown(rows, FIGURE_COLUMNS, cell) + "\n\n" + table.markdown(rows, target_columns(levels), cell)
 
 
 def cell(row, key, fmt) -> str:
+    if key[:1] == "t" and key[1:].isdigit():  # a time to target with its two ratios
+        if row.get(f"{key}_s") is None:
+            return "—"
+        ratios = [table.cell(row, f"{key}_{r}", "{:.2f}x") for r in ("vs_baseline", "vs_ideal")]
+        return f"{row[key + '_s']:.0f} s ({ratios[0]} / {ratios[1]})"
     return table.cell(row, key, fmt, name_key="strategy")
 
 

@@ -91,13 +91,14 @@ def print_target_table(con, levels, rows) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from vpscluster.bench.wan import cell, target_columns, target_legend
+    from vpscluster.bench.wan import FIGURE_COLUMNS, cell, target_columns, target_legend
 
-    t = Table(title="bench wan: time to target")
-    columns = target_columns(levels)
-    for _, header, _ in columns:
-        t.add_column(header, justify="left" if header in ("strategy", "ran as") else "right")
-    for r in rows:
-        t.add_row(*(cell(r, k, f) for k, _, f in columns))
-    con.print(t)
+    for title, columns in (("bench wan: figures against the ideal row", FIGURE_COLUMNS),
+                           ("bench wan: time to target, s (÷ base / × ideal)", target_columns(levels))):
+        t = Table(title=title)
+        for _, header, _ in columns:
+            t.add_column(header, justify="left" if header in ("strategy", "ran as") else "right")
+        for r in rows:
+            t.add_row(*(cell(r, k, f) for k, _, f in columns))
+        con.print(t)
     con.print(Text(target_legend(levels)), soft_wrap=True)
