@@ -79,7 +79,7 @@ def test_bench_wan_runs_baseline_and_diloco_on_a_sandbox(cli, tmp_path):
         pytest.skip(f"sandbox unavailable: {why}")
     proc = cli("bench", "wan", "--nodes", "2", "--preset", "tiny", "--budget-s", "6", "--sync-every", "4",
                "--strategies", "baseline,diloco-int8", "--ddp-eval-every", "2", "--name", f"{TEST_PREFIX}tbw",
-               "--out", str(tmp_path / "out"), "--json", timeout=900)
+               "--targets", "baseline@0.5,baseline@1,ideal@1", "--out", str(tmp_path / "out"), "--json", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     rows = {r["strategy"]: r for r in doc["rows"]}
@@ -88,7 +88,15 @@ def test_bench_wan_runs_baseline_and_diloco_on_a_sandbox(cli, tmp_path):
         assert r["steps"] >= 1 and r["iface_mb_per_node"] > 0 and r["final_val_loss"] > 0
     assert rows["diloco-int8"]["counted_mb_per_node"] > 0
     assert rows["baseline"]["counted_mb_per_node"] is None
-    assert (tmp_path / "out" / "table.md").read_text().startswith("| strategy")
+    assert doc["scenario"]["warmup_steps"] == 20  # the trainer's schedule for every row
+    # The time-to-target table (the ideal row's end to end run is in the smoke run of the report;
+    # its links are tested by test_unthrottled_...): the baseline's targets, ideal's absent.
+    assert [t["name"] for t in doc["targets"]] == ["baseline@0.5", "baseline@1", "ideal@1"]
+    assert doc["targets"][1]["val_loss"] == rows["baseline"]["final_val_loss"] and doc["targets"][2]["val_loss"] is None
+    targets = {r["strategy"]: r for r in doc["time_to_target"]}
+    assert targets["baseline"]["t1_vs_baseline"] == 1.0 and targets["diloco-int8"]["ran_as"] == "diloco"
+    text = (tmp_path / "out" / "table.md").read_text()
+    assert text.startswith("| strategy") and "→ baseline@1" in text and text.count("| diloco-int8 |") == 3
 
 
 # -- time to target (the long mode) ---------------------------------------------------------
@@ -212,3 +220,25 @@ def test_bad_targets_are_a_one_line_error(cli):
     proc = cli("bench", "wan", "--targets", "baseline@2", timeout=60)
     assert proc.returncode != 0
     assert "STRATEGY@FRACTION" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.sandbox
+def test_unthrottled_removes_the_shaping_and_puts_it_back(make_sandbox):
+    """The ideal row's links: no tc qdisc shaping either direction inside the block, the same
+    rate again after it, also when the block fails."""
+    from vpscluster.bench.wan import unthrottled
+    from vpscluster.cluster.sandbox import shaping
+
+    info = make_sandbox(nodes=2, bandwidth="50mbit")
+
+    def qdiscs():
+        return "\n".join(shaping.describe("eth0", n.namespace) + "\n" + shaping.describe(n.veth) for n in info.nodes)
+
+    assert qdiscs().count("tbf") == 4
+    said = []
+    with pytest.raises(RuntimeError, match="inside"):
+        with unthrottled(info, said.append):
+            assert "tbf" not in qdiscs()
+            raise RuntimeError("inside")
+    assert qdiscs().count("tbf") == 4 and qdiscs().count("rate 50Mbit") == 4
+    assert "unthrottled" in said[0] and "shaped again (50, 50 Mbit/s)" in said[-1]
