@@ -8,7 +8,14 @@ then runs, one after the other and each under the same wall-clock training budge
 - `baseline`: baselines/torchrun_ddp.py next to this module (nothing but torch; shipped with
   the package) through `vpscluster run`;
 - `ddp`, `ddp-bf16`, `ddp-powersgd`: `vpscluster train --cluster` with per-step DDP;
-- `diloco-fp32`, `diloco-int8`, `diloco-stream` (int8, 4 fragments): DiLoCo with H = --sync-every.
+- `diloco-fp32`, `diloco-int8`, `diloco-stream` (int8, 4 fragments): DiLoCo with H = --sync-every;
+- `auto`: `vpscluster train --strategy auto` with no tuning flag, what a user gets;
+- `ideal`: the physical limit as a yardstick: plain synchronous `ddp` on the same nodes and CPU
+  quotas with the links' shaping removed (veth speed, a datacenter network), put back after.
+
+Every run gets the same learning-rate schedule (the trainer's defaults: peak lr and warm-up
+steps of `TrainConfig`, then flat — the cosine horizon is far beyond any budget), the torch-only
+baseline included, so that a step means the same thing in every row.
 
 Compute utilisation is compute / training time per rank (evaluation pauses excluded; the
 trainer's report divides by wall time instead, kept as `compute_utilization_of_wall`). For each
@@ -17,12 +24,21 @@ inside the node's namespace, before and after; launch traffic included) and the 
 strategy itself counted, and derives from the evaluation points (val loss against tokens and
 training seconds, evaluation pauses excluded) the validation loss at the baseline's final token
 count (linear interpolation) and the training time each needs to reach the baseline's final
-validation loss. Results: `out` (default bench/results/wan-<time>/ under the current
+validation loss.
+
+Time to target (`--long`, or any run: `time_to_target`): targets are the validation loss of a
+reference row at fractions of its training time (`--targets baseline@0.5,ideal@1`: the
+baseline's loss after half its budget, the ideal row's at the end) — levels that need real
+learning over a long budget, not the first plateau. For each row: training seconds to each
+target (linear between the last evaluation above and the first at or below it), that time
+against the baseline's and the ideal row's, tokens/s, utilisation, interface bytes per token,
+and the validation loss at equal tokens against the ideal row. Results: `out` (default bench/results/wan-<time>/ under the current
 folder): results.json, table.md, every run's files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -40,14 +56,21 @@ BIG_STEPS = 1_000_000  # runs end by the time budget; the LR schedule is then wa
 # name -> extra `vpscluster train` flags ({H} = --sync-every). `baseline` is the torch-only script.
 STRATEGIES: dict[str, list[str]] = {
     "baseline": [],
+    "ideal": ["--strategy", "ddp"],  # on unthrottled links (UNTHROTTLED)
     "ddp": ["--strategy", "ddp"],
     "ddp-bf16": ["--strategy", "ddp", "--compress", "bf16"],
     "ddp-powersgd": ["--strategy", "ddp", "--compress", "powersgd"],
     "diloco-fp32": ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", "fp32"],
     "diloco-int8": ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", "int8"],
     "diloco-stream": ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", "int8", "--fragments", "4"],
+    "auto": ["--strategy", "auto"],  # no tuning flag: what a user gets
 }
+UNTHROTTLED = {"ideal"}  # rows run with the sandbox's link shaping removed
 QUICK = ["baseline", "ddp", "diloco-int8"]
+LONG = ["baseline", "ideal", "ddp", "diloco-int8", "auto"]
+DEFAULT_TARGETS = "baseline@0.5,baseline@1,ideal@0.5,ideal@1"
+SHORT_BUDGET_S, QUICK_BUDGET_S, LONG_BUDGET_S = 150.0, 60.0, 900.0
+SHORT_DDP_EVAL_EVERY, LONG_DDP_EVAL_EVERY = 3, 5
 
 
 @dataclass
@@ -58,24 +81,43 @@ class WanSettings:
     bandwidth: str = "100mbit"
     cpu: str = "0.45"
     preset: str = "small"
-    budget_s: float = 150.0
-    strategies: str = ",".join(STRATEGIES)
+    budget_s: float | None = None  # None: SHORT_BUDGET_S, or LONG_BUDGET_S with --long
+    strategies: str | None = None  # None: every strategy, or LONG with --long
     sync_every: int = 50
-    ddp_eval_every: int = 3
-    diloco_eval_every: int = 0  # 0: H/5
+    ddp_eval_every: int | None = None  # None: SHORT_DDP_EVAL_EVERY, or LONG_DDP_EVAL_EVERY with --long
+    diloco_eval_every: int = 0  # 0: H/5 (also for auto, whatever it chooses)
     eval_batches: int = 4
-    warmup_steps: int = 5
+    warmup_steps: int | None = None  # None: the trainer's default (TrainConfig.warmup_steps)
+    lr: float | None = None  # None: the trainer's default (TrainConfig.lr)
     quick: bool = False
+    long: bool = False
+    targets: str | None = None  # REF@FRACTION,...; None: DEFAULT_TARGETS with --long, no target table otherwise
     name: str = "wan"  # the sandbox's name
     out: str | None = None  # results folder; None: bench/results/wan-<UTC time> here
 
     def resolved(self) -> "WanSettings":
-        """--quick applied: only the QUICK strategies, a 60 s budget at most and H = 25."""
+        """Every None filled in. --quick: only the QUICK strategies, a 60 s budget at most and
+        H = 25; --long: the LONG strategies, 900 s each, evaluations every 5 DDP steps."""
         import dataclasses
 
+        from vpscluster.errors import UserError
+        from vpscluster.train.config import TrainConfig
+
+        if self.quick and self.long:
+            raise UserError("--quick and --long exclude each other; pick one")
+        train = TrainConfig()
+        r = dataclasses.replace(
+            self,
+            budget_s=self.budget_s if self.budget_s is not None else (LONG_BUDGET_S if self.long else SHORT_BUDGET_S),
+            strategies=self.strategies or ",".join(LONG if self.long else STRATEGIES),
+            ddp_eval_every=self.ddp_eval_every or (LONG_DDP_EVAL_EVERY if self.long else SHORT_DDP_EVAL_EVERY),
+            warmup_steps=train.warmup_steps if self.warmup_steps is None else self.warmup_steps,
+            lr=train.lr if self.lr is None else self.lr,
+            targets=self.targets or (DEFAULT_TARGETS if self.long else ""),
+        )
         if not self.quick:
-            return self
-        return dataclasses.replace(self, strategies=",".join(QUICK), budget_s=min(self.budget_s, 60.0), sync_every=25)
+            return r
+        return dataclasses.replace(r, strategies=",".join(QUICK), budget_s=min(r.budget_s, QUICK_BUDGET_S), sync_every=25)
 
 
 def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -97,6 +139,9 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
         raise UserError("--strategies must include baseline: every figure is relative to it")
     if args.budget_s <= 0 or args.sync_every < 1:
         raise UserError("--budget-s must be positive and --sync-every at least 1")
+    if args.lr <= 0 or args.warmup_steps < 0:
+        raise UserError("--lr must be positive and --warmup-steps not negative")
+    targets = parse_targets(args.targets)
     shape = get_preset(args.preset)
     out = Path(args.out or Path("bench") / "results" / time.strftime("wan-%Y%m%d-%H%M%S", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +160,13 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
             t0 = time.perf_counter()
             say(f"{name}: launching and training ({args.budget_s:g} s budget; log {out / name}.log)")
             try:
-                result = _run_baseline(args, info, shape, corpus, out) if name == "baseline" else _run_train(args, info, name, out)
+                if name == "baseline":
+                    result = _run_baseline(args, info, shape, corpus, out)
+                elif name in UNTHROTTLED:
+                    with unthrottled(info, say):
+                        result = _run_train(args, info, name, out)
+                else:
+                    result = _run_train(args, info, name, out)
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
                 # One failed strategy must not cost the others' results: record it and go on.
                 failed[name] = str(e).splitlines()[0][:300]
@@ -134,17 +185,25 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
         except OSError as e:  # someone removed it under us: say so, keep the results
             say(f"warning: sandbox {args.name} teardown: {e}")
     rows = compare(runs) + [{"strategy": name, "failed": why} for name, why in failed.items()]
+    target_rows, target_levels = time_to_target(runs, targets)
+    target_rows += [{"strategy": name, "failed": why} for name, why in failed.items()]
     doc = {
         "command": "vpscluster bench wan " + " ".join(_argv_of(args)),
         "scenario": {"nodes": args.nodes, "bandwidth": args.bandwidth, "cpu": args.cpu, "preset": args.preset,
                      "num_params": shape.num_params(), "budget_s": args.budget_s, "sync_every": args.sync_every,
-                     "warmup_steps": args.warmup_steps, "eval_batches": args.eval_batches},
+                     "warmup_steps": args.warmup_steps, "lr": args.lr, "eval_batches": args.eval_batches,
+                     "ddp_eval_every": args.ddp_eval_every, "long": args.long},
         "machine": _machine(),
         "rows": rows,
+        "targets": target_levels,
+        "time_to_target": target_rows,
         "results_dir": str(out),
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    (out / "table.md").write_text(markdown_table(rows) + "\n")
+    text = markdown_table(rows) + "\n"
+    if targets:
+        text += "\n" + target_legend(target_levels) + "\n\n" + target_markdown(target_levels, target_rows) + "\n"
+    (out / "table.md").write_text(text)
     return doc
 
 
@@ -166,11 +225,12 @@ def _cli(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedPr
 def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
     H = args.sync_every
     extra = [a.replace("{H}", str(H)) for a in STRATEGIES[name]]
-    diloco = "diloco" in extra
+    diloco = "diloco" in extra or name == "auto"  # auto: most likely diloco on slow links
     eval_every = (args.diloco_eval_every or max(1, H // 5)) if diloco else args.ddp_eval_every
     run_dir = out / name
     config = out / f"{name}.config.yaml"
-    config.write_text(f"eval_batches: {args.eval_batches}\nlr_decay_steps: {BIG_STEPS}\nwarmup_steps: {args.warmup_steps}\n")
+    config.write_text(f"eval_batches: {args.eval_batches}\nlr_decay_steps: {BIG_STEPS}\nwarmup_steps: {args.warmup_steps}\n"
+                      f"lr: {args.lr!r}\n")
     argv = ["train", "--cluster", info.cluster_file, "--preset", args.preset, *extra, "--time-budget", str(args.budget_s),
             "--max-steps", str(BIG_STEPS), "--eval-every", str(eval_every), "--checkpoint-every", str(H * BIG_STEPS),
             "--config", str(config), "--run-dir", str(run_dir), "--json"]
@@ -187,7 +247,8 @@ def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
         "tokens_per_s": report["tokens_per_s"], "compute_utilization": util,
         "compute_utilization_of_wall": report["compute_utilization"],
         "final_val_loss": report["final_val_loss"], "strategy_bytes_sent": report["bytes_sent"],
-        "strategy": report.get("strategy_details"), "evals": evals,
+        "strategy": report.get("strategy_details"), "ran_as": report.get("strategy"), "evals": evals,
+        "links": "unthrottled" if name in UNTHROTTLED else "shaped",
     }
 
 
@@ -199,7 +260,7 @@ def _run_baseline(args, info, shape, corpus: Path, out: Path) -> dict[str, Any]:
               "--seq-len", str(shape.seq_len), "--batch-size", str(shape.batch_size), "--max-steps", str(BIG_STEPS),
               "--lr-decay-steps", str(BIG_STEPS), "--time-budget", str(args.budget_s),
               "--eval-every", str(args.ddp_eval_every), "--eval-batches", str(args.eval_batches),
-              "--warmup-steps", str(args.warmup_steps)]
+              "--warmup-steps", str(args.warmup_steps), "--lr", repr(args.lr)]
     argv = ["run", "--cluster", info.cluster_file, "--sync", str(BASELINE.parent), "--run-dir", str(out / "baseline" / "launch"),
             "--", *script]
     _cli(argv, out / "baseline.log", args.budget_s + 900)
@@ -229,6 +290,22 @@ def evals_from_metrics(path: Path) -> list[dict[str, float]]:
         if "val_loss" in rec:
             evals.append({"tokens": tokens, "seconds": seconds, "val_loss": rec["val_loss"]})
     return evals
+
+
+@contextlib.contextmanager
+def unthrottled(info, say: Callable[[str], None]):
+    """The sandbox's links without shaping for the block (the `ideal` row); shaping restored after."""
+    from vpscluster.cluster.sandbox import shaping
+
+    say("  links unthrottled (no tc shaping) for this row")
+    try:
+        for node in info.nodes:
+            shaping.unshape_node(node.namespace, node.veth)
+        yield
+    finally:
+        for node in info.nodes:
+            shaping.shape_node(node.namespace, node.veth, node.bandwidth_mbit, info.latency_ms)
+        say(f"  links shaped again ({', '.join(f'{n.bandwidth_mbit:g}' for n in info.nodes)} Mbit/s)")
 
 
 def _tx_bytes(info) -> list[int]:
@@ -300,7 +377,146 @@ COLUMNS = [  # (key, header, format)
 ]
 
 
+# -- time to target (the long mode) --------------------------------------------------------------
+
+
+def parse_targets(text: str) -> list[tuple[str, float]]:
+    """`baseline@0.5,ideal@1` -> [("baseline", 0.5), ("ideal", 1.0)]; a one-line UserError if malformed."""
+    from vpscluster.errors import UserError
+
+    out = []
+    for item in (t.strip() for t in (text or "").split(",")):
+        if not item:
+            continue
+        ref, _, frac = item.partition("@")
+        try:
+            fraction = float(frac)
+        except ValueError:
+            fraction = -1.0
+        if ref not in STRATEGIES or not 0 < fraction <= 1:
+            raise UserError(f"--targets: {item!r} is not STRATEGY@FRACTION (a strategy of the run, a fraction of its "
+                            f"training time in (0, 1]); write e.g. baseline@0.5,ideal@1")
+        out.append((ref, fraction))
+    return out
+
+
+def loss_at_seconds(evals: list[dict[str, float]], seconds: float) -> float | None:
+    """Val loss after `seconds` of training, linear between evaluation points; None beyond the last."""
+    for a, b in zip(evals, evals[1:]):
+        if a["seconds"] <= seconds <= b["seconds"]:
+            if b["seconds"] == a["seconds"]:
+                return b["val_loss"]
+            w = (seconds - a["seconds"]) / (b["seconds"] - a["seconds"])
+            return a["val_loss"] + w * (b["val_loss"] - a["val_loss"])
+    return None
+
+
+def seconds_to_target(evals: list[dict[str, float]], target: float) -> float | None:
+    """Training seconds at which the val loss first reaches `target`: linear between the last
+    evaluation above it and the first at or below it (the first evaluation's time if that one
+    already is); None if no evaluation reaches it."""
+    for i, e in enumerate(evals):
+        if e["val_loss"] <= target:
+            if i == 0:
+                return e["seconds"]
+            a = evals[i - 1]
+            w = (a["val_loss"] - target) / (a["val_loss"] - e["val_loss"])
+            return a["seconds"] + w * (e["seconds"] - a["seconds"])
+    return None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def time_to_target(runs: dict[str, dict[str, Any]], targets: list[tuple[str, float]]) -> tuple[list[dict], list[dict]]:
+    """(rows, levels): every run's time to each target level, and the levels themselves.
+
+    A level is `ref`'s val loss after `fraction` of its training time (None when `ref` did not
+    run). Per row and level i: `t{i}_s` (training seconds, None if never reached),
+    `t{i}_vs_baseline` (the baseline's time / this row's: the speed-up) and `t{i}_vs_ideal`
+    (this row's time / the ideal row's: 1.0 is the physical limit). Also: interface bytes per
+    token, their reduction against the baseline, and the val loss at equal tokens against the
+    ideal row (both at the smaller of the two rows' final token counts).
+    """
+    levels = []
+    for ref, fraction in targets:
+        level = {"name": f"{ref}@{fraction:g}", "ref": ref, "fraction": fraction, "ref_seconds": None, "val_loss": None}
+        if ref in runs and runs[ref]["evals"]:
+            level["ref_seconds"] = fraction * runs[ref]["evals"][-1]["seconds"]
+            level["val_loss"] = loss_at_seconds(runs[ref]["evals"], level["ref_seconds"])
+            if level["val_loss"] is None:  # a single evaluation: its loss
+                level["val_loss"] = runs[ref]["evals"][-1]["val_loss"]
+        levels.append(level)
+
+    def bpt(r):
+        return sum(r["interface_tx_bytes"]) / r["tokens"] if r.get("interface_tx_bytes") and r["tokens"] else None
+
+    times = {name: [seconds_to_target(r["evals"], lv["val_loss"]) if lv["val_loss"] is not None else None for lv in levels]
+             for name, r in runs.items()}
+    base_bpt = bpt(runs["baseline"]) if "baseline" in runs else None
+    ideal = runs.get("ideal")
+    rows = []
+    for name, r in runs.items():
+        row = {"strategy": name, "ran_as": r.get("ran_as") or ("torch DDP" if name == "baseline" else None),
+               "links": r.get("links", "shaped"), "steps": r["steps"], "tokens": r["tokens"],
+               "tokens_per_s": r["tokens_per_s"], "compute_utilization": r["compute_utilization"],
+               "iface_bytes_per_token": bpt(r), "final_val_loss": r["final_val_loss"]}
+        row["bytes_per_token_reduction"] = _ratio(base_bpt, row["iface_bytes_per_token"])
+        row["equal_tokens"] = row["val_loss_at_equal_tokens"] = row["ideal_val_loss_at_equal_tokens"] = None
+        row["val_loss_vs_ideal_pct"] = None
+        if ideal and ideal["evals"] and r["evals"]:
+            t = min(r["evals"][-1]["tokens"], ideal["evals"][-1]["tokens"])
+            mine, best = loss_at_tokens(r["evals"], t), loss_at_tokens(ideal["evals"], t)
+            row.update(equal_tokens=t, val_loss_at_equal_tokens=mine, ideal_val_loss_at_equal_tokens=best)
+            if mine is not None and best:
+                row["val_loss_vs_ideal_pct"] = 100 * (mine / best - 1)
+        for i, t in enumerate(times[name]):
+            row[f"t{i}_s"] = t
+            row[f"t{i}_vs_baseline"] = _ratio(times["baseline"][i], t) if "baseline" in times and t else None
+            row[f"t{i}_vs_ideal"] = _ratio(t, times["ideal"][i]) if "ideal" in times else None
+        rows.append(row)
+    return rows, levels
+
+
+FIGURE_COLUMNS = [  # the long mode's per-row figures; the times to target are a table of their own
+    ("strategy", "strategy", "{}"), ("ran_as", "ran as", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("compute_utilization", "util", "{:.0%}"), ("iface_bytes_per_token", "B/tok", "{:.0f}"),
+    ("bytes_per_token_reduction", "B/tok ÷", "{:.1f}x"), ("final_val_loss", "val end", "{:.3f}"),
+    ("val_loss_at_equal_tokens", "val @eq tok", "{:.3f}"), ("val_loss_vs_ideal_pct", "Δ vs ideal", "{:+.1f}%"),
+]
+
+
+def target_columns(levels: list[dict]) -> table.Columns:
+    """strategy, then one column per target: key `t{i}`, rendered by `cell` as "s (÷ base / × ideal)"."""
+    cols = [("strategy", "strategy", "{}")]
+    for i, lv in enumerate(levels):
+        loss = "—" if lv["val_loss"] is None else f"{lv['val_loss']:.3f}"
+        cols.append((f"t{i}", f"→ {lv['name']} ({loss})", "{:.0f}"))
+    return cols
+
+
+def target_legend(levels: list[dict]) -> str:
+    parts = [f"{lv['name']} = {lv['val_loss']:.3f} ({lv['ref']}'s val loss after {lv['ref_seconds']:.0f} s of training)"
+             if lv["val_loss"] is not None else f"{lv['name']} = — ({lv['ref']} did not run)" for lv in levels]
+    return ("Targets: " + "; ".join(parts) + ". A cell: training seconds to reach the target (linear between "
+            "evaluations), then (the baseline's time / this row's, i.e. the speed-up; this row's time / the ideal "
+            "row's, 1.00x = the physical limit); — : not reached or not run. *B/tok*: interface bytes per token; "
+            "*val @eq tok*: val loss at the smaller of this row's and ideal's final token counts, *Δ vs ideal* "
+            "against ideal's there.")
+
+
+def target_markdown(levels: list[dict], rows: list[dict]) -> str:
+    """Two tables: the per-row figures (FIGURE_COLUMNS) and the times to each target."""
+    return table.markdown(rows, FIGURE_COLUMNS, cell) + "\n\n" + table.markdown(rows, target_columns(levels), cell)
+
+
 def cell(row, key, fmt) -> str:
+    if key[:1] == "t" and key[1:].isdigit():  # a time to target with its two ratios
+        if row.get(f"{key}_s") is None:
+            return "—"
+        ratios = [table.cell(row, f"{key}_{r}", "{:.2f}x") for r in ("vs_baseline", "vs_ideal")]
+        return f"{row[key + '_s']:.0f} s ({ratios[0]} / {ratios[1]})"
     return table.cell(row, key, fmt, name_key="strategy")
 
 
@@ -309,9 +525,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _argv_of(args) -> list[str]:
-    out = []
-    for flag in ("nodes", "bandwidth", "cpu", "preset", "budget_s", "strategies", "sync_every", "warmup_steps"):
-        out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    out = ["--long"] if args.long else []
+    for flag in ("nodes", "bandwidth", "cpu", "preset", "budget_s", "strategies", "sync_every", "warmup_steps", "lr",
+                 "ddp_eval_every", "targets"):
+        if getattr(args, flag) not in (None, ""):
+            out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return out
 
 

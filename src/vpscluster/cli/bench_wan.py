@@ -1,7 +1,8 @@
 """`vpscluster bench wan`: plain torchrun+DDP against vpscluster's strategies on a shaped sandbox.
 
     vpscluster bench wan [--nodes 4] [--bandwidth 100mbit] [--cpu 0.45] [--preset small]
-                         [--budget-s S] [--strategies baseline,ddp,...] [--quick] [--out DIR] [--json]
+                         [--budget-s S] [--strategies baseline,ideal,ddp,...,auto] [--quick | --long]
+                         [--targets REF@FRACTION,...] [--out DIR] [--json]
 
 The benchmark itself is `vpscluster.bench.wan.run_wan`; this module parses and renders.
 """
@@ -14,23 +15,36 @@ from vpscluster.cli.output import add_json_flag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from vpscluster.bench.wan import QUICK, STRATEGIES, WanSettings
+    from vpscluster.bench.wan import (DEFAULT_TARGETS, LONG, LONG_BUDGET_S, LONG_DDP_EVAL_EVERY, QUICK, SHORT_BUDGET_S,
+                                      SHORT_DDP_EVAL_EVERY, STRATEGIES, WanSettings)
 
     d = WanSettings()
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"sandbox nodes (default {d.nodes})")
     p.add_argument("--bandwidth", default=d.bandwidth, help=f"link rate of every node, tc spelling (default {d.bandwidth})")
     p.add_argument("--cpu", default=d.cpu, help=f"CPU share of one core per node (default {d.cpu})")
     p.add_argument("--preset", default=d.preset, help=f"model preset (default {d.preset})")
-    p.add_argument("--budget-s", type=float, default=d.budget_s, help=f"training seconds per strategy (default {d.budget_s:g})")
-    p.add_argument("--strategies", default=d.strategies, help=f"comma list of: {', '.join(STRATEGIES)}")
+    p.add_argument("--budget-s", type=float, default=d.budget_s,
+                   help=f"training seconds per strategy (default {SHORT_BUDGET_S:g}; {LONG_BUDGET_S:g} with --long)")
+    p.add_argument("--strategies", default=d.strategies,
+                   help=f"comma list of: {', '.join(STRATEGIES)} (default all; with --long {','.join(LONG)}). "
+                        "ideal: synchronous ddp with the links unthrottled; auto: --strategy auto, no tuning flag")
     p.add_argument("--sync-every", type=int, default=d.sync_every, help=f"DiLoCo H (default {d.sync_every})")
     p.add_argument("--ddp-eval-every", type=int, default=d.ddp_eval_every,
-                   help=f"evaluate every N steps for baseline and ddp (default {d.ddp_eval_every})")
-    p.add_argument("--diloco-eval-every", type=int, default=d.diloco_eval_every, help="evaluate every N steps for diloco (default H/5)")
+                   help=f"evaluate every N steps for baseline, ddp and ideal (default {SHORT_DDP_EVAL_EVERY}; "
+                        f"{LONG_DDP_EVAL_EVERY} with --long)")
+    p.add_argument("--diloco-eval-every", type=int, default=d.diloco_eval_every,
+                   help="evaluate every N steps for diloco and auto (default H/5)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per evaluation (default {d.eval_batches})")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help=f"LR warm-up steps for every run (default {d.warmup_steps}: per-step DDP gets only tens of steps per budget)")
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
+                   help="LR warm-up steps for every run, the baseline included (default: the trainer's, 20)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every run (default: the trainer's, 0.003)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
+    mode.add_argument("--long", action="store_true",
+                      help=f"the yardstick run: {', '.join(LONG)}, {LONG_BUDGET_S:g} s each, and a time-to-target table")
+    p.add_argument("--targets", default=d.targets, metavar="REF@FRACTION,...",
+                   help=f"target losses: a row's val loss after a fraction of its training time (default with --long: "
+                        f"{DEFAULT_TARGETS}); given, the time-to-target table is made in any mode")
     p.add_argument("--name", default=d.name, help=f"sandbox name (default {d.name})")
     p.add_argument("--out", metavar="DIR", help="results folder (default bench/results/wan-<UTC time> in the current folder)")
     add_json_flag(p)
@@ -54,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         emit_json(doc)
     else:
         print_table(con, doc["rows"])
+        if doc["targets"]:
+            print_target_table(con, doc["targets"], doc["time_to_target"])
         con.print(f"results: {doc['results_dir']}")
     return 1 if failed else 0
 
@@ -69,3 +85,20 @@ def print_table(con, rows) -> None:
     for r in rows:
         t.add_row(*(cell(r, k, f) for k, _, f in COLUMNS))
     con.print(t)
+
+
+def print_target_table(con, levels, rows) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from vpscluster.bench.wan import FIGURE_COLUMNS, cell, target_columns, target_legend
+
+    for title, columns in (("bench wan: figures against the ideal row", FIGURE_COLUMNS),
+                           ("bench wan: time to target, s (÷ base / × ideal)", target_columns(levels))):
+        t = Table(title=title)
+        for _, header, _ in columns:
+            t.add_column(header, justify="left" if header in ("strategy", "ran as") else "right")
+        for r in rows:
+            t.add_row(*(cell(r, k, f) for k, _, f in columns))
+        con.print(t)
+    con.print(Text(target_legend(levels)), soft_wrap=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from vpscluster.cluster.sandbox.system import run_tool
+from vpscluster.errors import RemoteError
 
 BURST_SECONDS = 0.002
 MIN_BURST_BYTES = 32 * 1024
@@ -54,6 +55,16 @@ def shape_node(namespace: str, veth: str, rate_mbit: float, latency_ms: float | 
     delay_ms = latency_ms / 2 if latency_ms else None
     shape("eth0", rate_mbit, namespace=namespace, delay_ms=delay_ms)
     shape(veth, rate_mbit, delay_ms=delay_ms)
+
+
+def unshape_node(namespace: str, veth: str) -> None:
+    """Remove a node's shaping in both directions: its links then run at veth speed (the
+    `ideal` row of `bench wan`, a datacenter network). `shape_node` puts it back."""
+    for device, ns in (("eth0", namespace), (veth, None)):
+        run_tool(_netns_prefix(ns) + ["tc", "qdisc", "del", "dev", device, "root"], check=False)
+        left = describe(device, namespace=ns)
+        if "tbf" in left or "netem" in left:
+            raise RemoteError(f"could not remove the shaping of {device} ({ns or 'root namespace'}): {left}")
 
 
 def netem_available() -> bool:
