@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
                                       insecure_network=bool(args.insecure_network))
     if prepared.strategy_reason:
         out.print(f"strategy auto -> [bold]{prepared.cfg.strategy.name}[/]: {prepared.strategy_reason}")
+    if prepared.speeds_note:
+        out.print(prepared.speeds_note, markup=False)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run
 
