@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if prepared.strategy_reason:
         out.print(f"strategy auto -> [bold]{prepared.cfg.strategy.name}[/]: {prepared.strategy_reason}")
     if prepared.speeds_note:
-        out.print(prepared.speeds_note, markup=False)
+        out.print(prepared.speeds_note, markup=False, soft_wrap=True)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run
 
