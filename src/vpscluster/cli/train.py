@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
     uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")
     uneven.add_argument("--balance", action="store_true", default=None, help="measure each rank's speed as it trains and re-split the micro-batches when it changes")
-    uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default: even)")
+    uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last probe, else even)")
     uneven.add_argument("--min-share", type=int, metavar="N", help=f"micro-batches every rank keeps (default {s.min_share})")
     uneven.add_argument("--max-spread", type=float, metavar="X", help=f"treat no rank as more than X times slower than the fastest (default {s.max_spread:g}; 0 = no bound)")
     uneven.add_argument("--rebalance-every", type=int, metavar="K", help=f"steps between speed measurements (default {s.rebalance_every})")
