@@ -116,7 +116,8 @@ def render(snap: dict[str, Any]):
         t.add_column(col, justify="left" if col == "node" else "right")
     for r in snap["nodes"]:
         busy = r["cpu_utilization"] is not None and r["cpu_utilization"] > CPU_BUSY
-        cpu = "-" if r["cpu_utilization"] is None else f"{r['cpu_utilization']:.0%} of {r['cpu_capacity_cores']:.2g}"
+        cpu = "-" if r["cpu_utilization"] is None else f"{r['cpu_utilization']:.0%}" + (
+            "" if r["cpu_capacity_cores"] is None else f" of {r['cpu_capacity_cores']:.2g}")
         mem = "-" if r["memory_used_bytes"] is None else f"{_bytes(r['memory_used_bytes'])} / {_bytes(r['memory_total_bytes'])}"
         cap = r["link_capacity_bytes_per_s"]
         fill = (max(r["tx_bytes_per_s"] or 0, r["rx_bytes_per_s"] or 0) / cap) if cap else None
