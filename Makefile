@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 PROVISION_PACKAGES := nftables wireguard-tools wireguard-go
 
 # Debian packages the sandbox (emulated cluster) and its tests need.
-SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux prometheus chromium
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux prometheus prometheus-node-exporter chromium
 
 .PHONY: setup demo test system-deps venv-deps clean
 

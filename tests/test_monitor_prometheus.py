@@ -37,6 +37,12 @@ def test_monitor_up_scrapes_node_and_ranks_then_down(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the monitor record lives under ~/.cache
     monkeypatch.chdir(tmp_path)  # the local cluster's workdir: monitor/ goes here
     env = {"HOME": str(tmp_path)}
+    # The local cluster's record says its link carries 1 Mbit/s (as a cluster file's advertised
+    # rate would): the run's real loopback traffic fills it, and `top` must say so.
+    from vpscluster.probe.store import fingerprint, save_probe
+
+    save_probe(local_cluster(), {"cluster": {"fingerprint": fingerprint(local_cluster())}, "probed_at_unix": time.time(),
+                                 "nodes": [{"name": "local", "advertised_bandwidth_mbit": 1}], "links": []})
     port = free_port()
     r = run_cli("monitor", "up", "--port", str(port), "--scrape-interval", "1", "--json", env=env, cwd=str(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
@@ -82,6 +88,15 @@ def test_monitor_up_scrapes_node_and_ranks_then_down(tmp_path, monkeypatch):
         assert row["tx_bytes_per_s"] > 0 and row["rx_bytes_per_s"] > 0 and row["step_seconds"] > 0
         assert 0 <= row["comm_share"] <= 1 and row["sync_latency_s"] > 0
         assert top["run"]["ranks"] == 2 and top["run"]["loss"] > 0
+        # Alerts: the 1 Mbit/s link is full (the all-reduces move MB/s), in the row and the list;
+        # the CPU alert exactly when the node is above 80% of what it has.
+        assert row["link_capacity_bytes_per_s"] == pytest.approx(125_000)
+        link_alerts = [a for a in row["alerts"] if a.startswith("link ") and a.endswith("% full")]
+        assert len(link_alerts) == 1 and int(link_alerts[0].split()[1].rstrip("%")) > 90, row
+        assert f"local: {link_alerts[0]}" in top["alerts"]
+        cpu_alerts = [a for a in row["alerts"] if a.startswith("CPU ")]
+        assert bool(cpu_alerts) == (row["cpu_utilization"] > 0.8), row
+        assert all(f"local: {a}" in top["alerts"] for a in row["alerts"]) and len(top["alerts"]) == len(row["alerts"])
         worker.join(timeout=120)
         assert done["report"]["stopped_by"] == "time_budget"
 

@@ -12,6 +12,8 @@ Ports (what a firewall between the nodes must allow, from the head only):
                                     not collide; a port already taken falls back to a free one,
                                     and the run lists the ports it really used)
     PROMETHEUS_PORT      9470/tcp   the Prometheus server `vpscluster monitor up` starts on the head
+    DEBIAN_NODE_PORT     9100/tcp   Debian's prometheus-node-exporter (`monitor up --node-exporter
+                                    debian|auto`), its usual port
 
 Exporters bind the address the node uses to reach the cluster (loopback on the local cluster),
 never 0.0.0.0, so they are not published on other interfaces.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 NODE_PORT = 9471
 RANK_PORT_BASE = 9480
 PROMETHEUS_PORT = 9470
+DEBIAN_NODE_PORT = 9100
 
 # Step and sync times run from milliseconds (loopback) to minutes (a DiLoCo outer sync over a
 # slow WAN link): the histogram's buckets must span all of that.

@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=T.PROMETHEUS_PORT, help=f"Prometheus port on the head (default {T.PROMETHEUS_PORT})")
     p.add_argument("--scrape-interval", type=float, default=5.0, metavar="SECONDS", help="how often every target is scraped (default 5)")
     p.add_argument("--prometheus", default="prometheus", metavar="PATH", help="the Prometheus binary on the head (default: prometheus on PATH)")
+    p.add_argument("--node-exporter", choices=("builtin", "debian", "auto"), default="builtin",
+                   help="builtin: vpscluster's own (CPU over the node's cgroup quota); debian: Debian's "
+                        f"prometheus-node-exporter on port {T.DEBIAN_NODE_PORT} (standard node_* metrics; CPU from "
+                        "/proc/stat, right on a VM); auto: debian where installed, else builtin (default builtin)")
+    p.add_argument("--debian-port", type=int, default=T.DEBIAN_NODE_PORT, metavar="PORT",
+                   help=f"port of Debian's node exporter on every node (default {T.DEBIAN_NODE_PORT})")
     add_json_flag(p)
     for name, text in (("down", "stop Prometheus and the node exporters"), ("status", "where monitoring runs and the health of every target")):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
@@ -53,7 +59,8 @@ def _up(args) -> int:
 
     con = console(args.json)
     rec = server.up(_cluster(args), port=args.port, scrape_interval_s=args.scrape_interval, prometheus=args.prometheus,
-                    say=con.print)
+                    say=con.print, node_exporter=args.node_exporter,
+                    debian_port=args.debian_port)
     if args.json:
         emit_json(rec)
     else:

@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
     uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")
     uneven.add_argument("--balance", action="store_true", default=None, help="measure each rank's speed as it trains and re-split the micro-batches when it changes")
-    uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default: even)")
+    uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last probe, else even)")
     uneven.add_argument("--min-share", type=int, metavar="N", help=f"micro-batches every rank keeps (default {s.min_share})")
     uneven.add_argument("--max-spread", type=float, metavar="X", help=f"treat no rank as more than X times slower than the fastest (default {s.max_spread:g}; 0 = no bound)")
     uneven.add_argument("--rebalance-every", type=int, metavar="K", help=f"steps between speed measurements (default {s.rebalance_every})")
@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
                                       insecure_network=bool(args.insecure_network))
     if prepared.strategy_reason:
         out.print(f"strategy auto -> [bold]{prepared.cfg.strategy.name}[/]: {prepared.strategy_reason}")
+    if prepared.speeds_note:
+        out.print(prepared.speeds_note, markup=False, soft_wrap=True)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run
 

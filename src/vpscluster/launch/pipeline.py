@@ -54,6 +54,9 @@ class Job:
     env_for: Callable[[NodeState, dict[str, str]], dict[str, str]] | None = None
     # Called before start with (executor, state, synced paths, node run dir).
     prepare: Callable[[Any, NodeState, dict[str, str], str], Awaitable[None]] | None = None
+    # Called with every node's state right after pre-flight: raise a UserError to refuse the
+    # job before anything is copied, created or started (e.g. a per-rank list of the wrong length).
+    check_states: Callable[[dict[str, NodeState]], None] | None = None
     force: bool = False
     # False: always copy, even where a node sees the launcher's files at the same path.
     detect_shared: bool = True
@@ -218,6 +221,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     facts = await unless_interrupted(pf.probe_facts(job.cluster, executors, job.force, job.say), interrupted) \
         if not _all_local(job) else {}
     states = await unless_interrupted(pf.preflight(job.cluster, executors, facts, timeout_s), interrupted)
+    if job.check_states is not None:
+        job.check_states(states)
     head = by_name[job.cluster.head]
     port = job.rdzv_port or await pf.free_port(head, states[head.node.name].address, timeout_s)
 

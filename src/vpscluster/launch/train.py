@@ -64,6 +64,7 @@ class TrainingRun:
     resume: bool = False
     force: bool = False
     strategy_reason: str | None = None  # why `--strategy auto` chose what it chose
+    speeds_note: str | None = None  # where `--balance`'s starting speeds come from (the probe, or even)
 
     @property
     def local(self) -> bool:
@@ -106,6 +107,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None)
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
+    speeds_note = None if resume_dir is not None else starting_speeds(cfg, cluster)
     if resume_dir is not None:
         run_dir = Path(resume_dir)
     else:
@@ -113,7 +115,70 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         run_dir = rundir.fresh_path(cfg.run_dir)
         cfg.run_dir = str(run_dir)
     return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,
-                       force=force, strategy_reason=reason)
+                       force=force, strategy_reason=reason, speeds_note=speeds_note)
+
+
+def ranks_per_node(cfg, cluster, gpus: dict[str, int] | None = None) -> dict[str, int] | None:
+    """How many ranks each node runs: `--nodes` on the local cluster, `--nproc-per-node` on a
+    cluster file, else one per GPU (`gpus`: per node, from the probe or pre-flight), at least one.
+    None when that is not known yet (one per GPU and no GPU counts)."""
+    if cfg.cluster is None:
+        return {n.name: cfg.nodes for n in cluster.nodes}
+    if cfg.nproc_per_node:
+        return {n.name: cfg.nproc_per_node for n in cluster.nodes}
+    if gpus is None or any(n.name not in gpus for n in cluster.nodes):
+        return None
+    return {n.name: max(1, gpus[n.name]) for n in cluster.nodes}
+
+
+def _probe_gpus(probe: dict | None) -> dict[str, int] | None:
+    if not probe:
+        return None
+    out = {}
+    for n in probe.get("nodes") or []:
+        if isinstance(n, dict) and n.get("name"):  # as pre-flight counts them (`NodeState.gpus`)
+            out[n["name"]] = len(n.get("gpus") or []) if isinstance(n.get("gpus"), list) else 0
+    return out
+
+
+def check_speeds_count(cfg, ranks: dict[str, int] | None) -> None:
+    """`--speeds` gives one figure per rank: refuse a wrong count before anything starts."""
+    s = cfg.strategy
+    if s.speeds is None or ranks is None:
+        return
+    world = sum(ranks.values())
+    if len(s.speeds) != world:
+        where = f"{len(ranks)} nodes x {', '.join(str(v) for v in sorted(set(ranks.values())))} ranks" \
+            if len(set(ranks.values())) == 1 else " + ".join(f"{k}:{v}" for k, v in ranks.items())
+        raise UserError(f"--speeds gives {len(s.speeds)} figures but this run has {world} ranks ({where}); "
+                        f"give exactly {world}, one per rank")
+
+
+def starting_speeds(cfg, cluster) -> str | None:
+    """Check `--speeds` against the world size; for `--balance` without `--speeds`, start from
+    the cluster's last probe (`strategy.node_speeds`: each node's FLOP/s, quota included, divided
+    among its ranks). Returns the one line that says where the starting shares come from."""
+    from vpscluster.probe.store import load_probe
+    from vpscluster.train.shares import node_speeds_from_probe
+
+    s = cfg.strategy
+    if not s.micro_batches:
+        return None
+    probe = load_probe(cluster) if (s.speeds is None and s.balance and not s.node_speeds) or \
+        (s.speeds is not None and cfg.cluster and not cfg.nproc_per_node) else None
+    ranks = ranks_per_node(cfg, cluster, _probe_gpus(probe))
+    check_speeds_count(cfg, ranks)
+    if s.speeds is not None or not s.balance or s.node_speeds:
+        return None
+    if probe is None:
+        return "balance: no probe of this cluster found; shares start even (run `vpscluster probe` to start from measured speeds)"
+    speeds = node_speeds_from_probe(probe, ranks) if ranks else None
+    if speeds is None:
+        return "balance: the last probe does not measure every node's speed; shares start even (run `vpscluster probe` again)"
+    s.node_speeds = speeds
+    top = max(speeds.values())
+    rel = ", ".join(f"{name} {v / top:.2f}" for name, v in speeds.items())
+    return f"balance: shares start from the probe's speeds per rank ({rel}, relative to the fastest)"
 
 
 def backend_for(states) -> str:
@@ -140,6 +205,9 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
             syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))
     run_dir_on_node = _as_seen_here(run_dir, cluster) if here else None
     nproc = cfg.nodes if cfg.cluster is None else cfg.nproc_per_node
+
+    def check_states(states) -> None:  # after pre-flight, before anything is created or started
+        check_speeds_count(cfg, ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()}))
 
     def program_for(states) -> Program:
         node_dir = run_dir_on_node or posixpath.join("runs", run_id)
@@ -183,7 +251,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         cluster=cluster, program=program_for({}), program_for=program_for, run_dir=Path(run_dir), run_id=run_id,
         syncs=syncs, cwd_key=None, nproc_per_node=nproc, fetch=list(FETCHED),
         join_timeout_s=cfg.timeouts.rendezvous_s, store_timeout_s=cfg.timeouts.startup_collective_s,
-        env_for=env_for, prepare=prepare, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
+        env_for=env_for, prepare=prepare, check_states=check_states, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
         say=say, on_event=on_event, run_dir_on_node=run_dir_on_node,
         log_names={cluster.nodes[0].name: LOCAL_LOG} if cfg.cluster is None and len(cluster.nodes) == 1 else {},
         # Quiet for longer than the workers' own time-outs means a hang they cannot see.
@@ -286,4 +354,6 @@ def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = Fal
                            insecure_network=insecure_network)
     if run.strategy_reason:
         say(f"strategy auto -> {run.cfg.strategy.name}: {run.strategy_reason}")
+    if run.speeds_note:
+        say(run.speeds_note)
     return launch_training(run, say=say, on_event=on_event)

@@ -2,8 +2,16 @@
 
     prom = prometheus_for(cluster)              # the server `vpscluster monitor up` started
     cpu_utilization(prom)   -> {node: 0..1}     # usage over the node's quota, last `window`
+    cpu_capacity(prom)      -> {node: cores}    # what the node may use (quota, else CPUs)
+    memory(prom)            -> {node: {"used_bytes": B, "total_bytes": B}}
     link_rates(prom)        -> {node: {interface: {"tx": B/s, "rx": B/s}}}
     sync_latency(prom)      -> {kind: {"p50": s, "p95": s}}
+
+Node figures come from vpscluster's own node exporter (`vpscluster_node_*`: CPU over the cgroup
+quota) and, for nodes it does not cover, from Debian's `prometheus-node-exporter` (the standard
+`node_*` names: `node_cpu_seconds_total`, `node_memory_MemTotal_bytes` / `MemAvailable_bytes`,
+`node_network_{receive,transmit}_bytes_total`; its CPU figure is the machine's /proc/stat). Both
+give the same shapes, so `top` and a scheduler need not know which one a node runs.
 
 Every call has a time-out and raises `RemoteError` naming the server when it does not answer.
 """
@@ -19,6 +27,13 @@ from vpscluster import telemetry as T
 from vpscluster.errors import RemoteError, UserError
 
 DEFAULT_WINDOW = "30s"
+
+# The standard names of Debian's prometheus-node-exporter (upstream node_exporter's).
+STD_CPU_SECONDS = "node_cpu_seconds_total"  # labels cpu, mode
+STD_MEM_TOTAL = "node_memory_MemTotal_bytes"
+STD_MEM_AVAILABLE = "node_memory_MemAvailable_bytes"
+STD_NET_RX = "node_network_receive_bytes_total"  # label device
+STD_NET_TX = "node_network_transmit_bytes_total"
 
 
 class Prometheus:
@@ -83,16 +98,48 @@ def cpu_utilization(prom: Prometheus, window: str = DEFAULT_WINDOW) -> dict[str,
     out = {k: min(1.0, max(0.0, v)) for k, v in _by(prom.query(rate), "node").items()}
     for node, v in _by(prom.query(f"max by (node) ({T.CPU_UTILIZATION.sample})"), "node").items():
         out.setdefault(node, v)
+    std = f'1 - avg by (node) (rate({STD_CPU_SECONDS}{{mode="idle"}}[{window}]))'
+    for node, v in _by(prom.query(std), "node").items():
+        out.setdefault(node, min(1.0, max(0.0, v)))
+    return out
+
+
+def cpu_capacity(prom: Prometheus) -> dict[str, float]:
+    """Per node: the cores it may use (its cgroup quota, else its CPUs; Debian's exporter: CPUs)."""
+    out = _by(prom.query(f"max by (node) ({T.CPU_CAPACITY.sample})"), "node")
+    for node, v in _by(prom.query(f'count by (node) ({STD_CPU_SECONDS}{{mode="idle"}})'), "node").items():
+        out.setdefault(node, v)
+    return out
+
+
+def memory(prom: Prometheus) -> dict[str, dict[str, float]]:
+    """Per node: memory in use and the memory it may use, in bytes."""
+    out: dict[str, dict[str, float]] = {}
+    for key, mine, std in (("used_bytes", T.MEMORY_USED.sample, f"{STD_MEM_TOTAL} - {STD_MEM_AVAILABLE}"),
+                           ("total_bytes", T.MEMORY_TOTAL.sample, STD_MEM_TOTAL)):
+        for node, v in _by(prom.query(f"max by (node) ({mine})"), "node").items():
+            out.setdefault(node, {})[key] = v
+        for node, v in _by(prom.query(f"max by (node) ({std})"), "node").items():
+            out.setdefault(node, {}).setdefault(key, v)
     return out
 
 
 def link_rates(prom: Prometheus, window: str = DEFAULT_WINDOW, include_loopback: bool = False) -> dict[str, dict[str, dict[str, float]]]:
     """Per node and interface: bytes/s sent ("tx") and received ("rx") over `window`."""
     sel = "" if include_loopback else '{interface!="lo"}'
+    std_sel = "" if include_loopback else '{device!="lo"}'
     out: dict[str, dict[str, dict[str, float]]] = {}
     for key, metric in (("tx", T.NET_TX), ("rx", T.NET_RX)):
         rows = prom.query(f"max by (node, interface) (rate({metric.sample}{sel}[{window}]))")
         for node, per_if in _by(rows, "node", "interface").items():
+            for iface, v in per_if.items():
+                out.setdefault(node, {}).setdefault(iface, {})[key] = v
+    mine = set(out)  # nodes the builtin exporter covers; Debian's fills in the others
+    for key, metric in (("tx", STD_NET_TX), ("rx", STD_NET_RX)):
+        rows = prom.query(f"max by (node, device) (rate({metric}{std_sel}[{window}]))")
+        for node, per_if in _by(rows, "node", "device").items():
+            if node in mine:
+                continue
             for iface, v in per_if.items():
                 out.setdefault(node, {}).setdefault(iface, {})[key] = v
     return out

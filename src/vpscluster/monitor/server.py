@@ -14,6 +14,18 @@ starts, and Prometheus picks it up without a restart. The launcher keeps a recor
 server runs next to the cluster's probe (`<cluster>.monitor.json`), so `top`, the queries and
 `train` find it.
 
+Node exporters (`--node-exporter`): `builtin` (the default) is vpscluster's own
+(`probe/node_exporter.py`, `vpscluster_node_*` metrics): its CPU figure is usage over the node's
+cgroup quota, right in a container or a sandbox node. `debian` runs Debian's
+`prometheus-node-exporter` instead (`apt install prometheus-node-exporter`; its service can stay
+disabled, vpscluster starts its own on DEBIAN_NODE_PORT with the cpu, meminfo, netdev,
+filesystem and loadavg collectors) - the standard `node_*` metrics that existing dashboards
+and alerts know; its CPU figure is the machine's /proc/stat, right on a VM but not inside a
+container with a CPU quota. `auto`: debian on the nodes where it is installed, builtin
+elsewhere. The builtin is not the default even where Debian's is installed, so the quota-aware
+figure is what a scheduler reads unless asked otherwise; a training run's own node exporters
+are builtin either way. `monitor/query.py` reads both sets of names.
+
 Prometheus itself: Debian/Ubuntu `apt install prometheus` (the package's service can stay
 disabled; vpscluster starts its own instance); elsewhere the release tarball from
 prometheus.io/download, with `prometheus` on the head's PATH or `--prometheus PATH`.
@@ -98,8 +110,15 @@ def prometheus_config(monitor_dir: str, scrape_interval_s: float) -> str:
     return json.dumps(doc, indent=2) + "\n"  # JSON is YAML
 
 
+NODE_EXPORTERS = ("builtin", "debian", "auto")
+DEBIAN_BINARIES = ("prometheus-node-exporter", "node_exporter")  # Debian's name, upstream's
+DEBIAN_COLLECTORS = ("cpu", "meminfo", "netdev", "filesystem", "loadavg")
+
+
 def node_targets(exporters: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"targets": [f"{e['address']}:{e['port']}"], "labels": {"node": name, "exporter": "node"}}
+    """file_sd entries of the node exporters: `exporter` is "node" (builtin) or "node-debian"."""
+    return [{"targets": [f"{e['address']}:{e['port']}"],
+             "labels": {"node": name, "exporter": "node-debian" if e.get("kind") == "debian" else "node"}}
             for name, e in sorted(exporters.items())]
 
 
@@ -122,7 +141,10 @@ def _quiet(_: str) -> None:
 
 
 def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0, prometheus: str = "prometheus",
-       say: Callable[[str], None] = _quiet) -> MonitorRecord:
+       say: Callable[[str], None] = _quiet, node_exporter: str = "builtin",
+       debian_port: int = T.DEBIAN_NODE_PORT) -> MonitorRecord:
+    if node_exporter not in NODE_EXPORTERS:
+        raise UserError(f"--node-exporter {node_exporter!r}: choose one of {', '.join(NODE_EXPORTERS)}")
     rec = load_record(cluster)
     if rec is not None and _ready(rec.url):
         raise UserError(f"monitoring already runs for this cluster at {rec.url}; `vpscluster monitor down` first")
@@ -131,7 +153,7 @@ def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0
             down(cluster)
         except Exception as e:
             say(f"note: could not stop what the last `monitor up` left: {e}")
-    rec = asyncio.run(_up(cluster, port, scrape_interval_s, prometheus, say))
+    rec = asyncio.run(_up(cluster, port, scrape_interval_s, prometheus, say, node_exporter, debian_port))
     _save_record(cluster, rec)
     return rec
 
@@ -158,7 +180,25 @@ def _node_exporter_cmd(python: str, node: str, address: str, workdir: str, pytho
             f"cat {pid}; cat {log}")
 
 
-async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say) -> MonitorRecord:
+def debian_exporter_cmd(binary: str, address: str, port: int, mdir: str) -> str:
+    """Start Debian's node exporter detached; print its pid, then its log once it listens."""
+    # Loopback too (its default leaves out ^lo$): the local cluster's links are loopback, and the
+    # builtin reports it as well; the queries leave it out unless asked.
+    argv = [binary, f"--web.listen-address={address}:{port}", "--collector.disable-defaults",
+            *(f"--collector.{c}" for c in DEBIAN_COLLECTORS), "--collector.netdev.device-exclude=^$"]
+    log, pid = shlex.quote(posixpath.join(mdir, "node-exporter.log")), shlex.quote(posixpath.join(mdir, "node-exporter.pid"))
+    return (f"mkdir -p {shlex.quote(mdir)} && : > {log} || exit 1; setsid nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null & "
+            f"echo $! > {pid}; for i in $(seq 100); do grep -q 'Listening on' {log} && break; "
+            f"kill -0 $(cat {pid}) 2>/dev/null || break; sleep 0.1; done; cat {pid}; cat {log}")
+
+
+def _which_debian() -> str:
+    """A shell line printing the path of Debian's node exporter on a node (nothing if absent)."""
+    return " || ".join(f"command -v {b}" for b in DEBIAN_BINARIES) + " || true"
+
+
+async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say,
+              node_exporter: str = "builtin", debian_port: int = T.DEBIAN_NODE_PORT) -> MonitorRecord:
     import vpscluster
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.pipeline import SyncItem, local_side
@@ -177,9 +217,27 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
         code = SyncItem("code", os.path.dirname(os.path.abspath(vpscluster.__file__)), "code/src/vpscluster")
         root, manifest = local_side(code)
 
+        debian: dict[str, str] = {}  # node -> the binary of Debian's node exporter there
+        if node_exporter != "builtin":
+            found = await asyncio.gather(*(ex.run(_which_debian(), timeout_s=timeout_s) for ex in executors))
+            paths = {ex.node.name: (r.stdout.strip().splitlines() or [""])[0] for ex, r in zip(executors, found)}
+            missing = [n for n, path in paths.items() if not path]
+            if node_exporter == "debian" and missing:  # before anything is started
+                raise UserError(f"--node-exporter debian: no prometheus-node-exporter on {', '.join(missing)}; install it "
+                                "(Debian/Ubuntu: apt install prometheus-node-exporter) or use --node-exporter auto")
+            debian = {n: path for n, path in paths.items() if path}
+
         async def start_exporter(ex) -> tuple[str, dict[str, Any]]:
             node, workdir = ex.node, workdirs[ex.node.name]
             address = "127.0.0.1" if node.local else resolve_address(node.host)
+            if node.name in debian:
+                r = await ex.run(debian_exporter_cmd(debian[node.name], address, debian_port,
+                                                     posixpath.join(workdir, MONITOR_DIR)), timeout_s=timeout_s)
+                lines = r.stdout.strip().splitlines()
+                if not r.ok or not any("Listening on" in ln for ln in lines):
+                    raise RemoteError(f"node {node.name}: Debian's node exporter did not start on port "
+                                      f"{debian_port} (--debian-port): {(r.stderr or r.stdout).strip()[-300:] or r.error}")
+                return node.name, {"address": address, "port": debian_port, "pid": int(lines[0]), "kind": "debian"}
             pythonpath = None
             if not node.local:
                 r = await sync_dir(ex, root, posixpath.join(workdir, code.remote_rel), timeout_s=max(timeout_s, 300.0),
@@ -195,7 +253,8 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
             if not r.ok or not served:
                 raise RemoteError(f"node {node.name}: the node exporter did not start: "
                                   f"{(r.stderr or r.stdout).strip()[-300:] or r.error}")
-            return node.name, {"address": address, "port": int(served[0].rsplit(":", 1)[1]), "pid": int(lines[0])}
+            return node.name, {"address": address, "port": int(served[0].rsplit(":", 1)[1]), "pid": int(lines[0]),
+                               "kind": "builtin"}
 
         head = next(ex for ex in executors if ex.node.name == cluster.head)
         r = await head.run(f"command -v {shlex.quote(prometheus)}", timeout_s=timeout_s)
@@ -210,7 +269,8 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
         if failed:  # stop the exporters that did start: a failed `up` leaves nothing running
             await _stop_all(executors, started, timeout_s)
             raise failed[0]
-        say("node exporters: " + ", ".join(f"{n} {e['address']}:{e['port']}" for n, e in exporters.items()))
+        say("node exporters: " + ", ".join(f"{n} {e['address']}:{e['port']}" + (" (debian)" if e.get("kind") == "debian" else "")
+                                           for n, e in exporters.items()))
         try:
             return await _start_prometheus(cluster, head, workdirs, exporters, port, scrape_interval_s, prometheus,
                                            executors, timeout_s, say)
@@ -275,7 +335,8 @@ async def _stop_all(executors, rec: MonitorRecord, timeout_s: float) -> list[str
             left.append(f"{ex.node.name}: {pattern} pid {pid} {r.stdout.strip() or r.error or ''}".strip())
 
     by_name = {ex.node.name: ex for ex in executors}
-    jobs = [stop(by_name[n], e["pid"], "node_exporter") for n, e in rec.node_exporters.items() if n in by_name]
+    # "node.exporter": vpscluster's node_exporter module and Debian's prometheus-node-exporter
+    jobs = [stop(by_name[n], e["pid"], "node.exporter") for n, e in rec.node_exporters.items() if n in by_name]
     if rec.head in by_name:
         jobs.append(stop(by_name[rec.head], rec.prometheus_pid, "prometheus"))
     await asyncio.gather(*jobs)

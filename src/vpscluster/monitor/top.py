@@ -45,9 +45,10 @@ def snapshot(cluster, window: str = "30s") -> dict[str, Any]:
     prom = query.prometheus_for(cluster)
     local = all(n.local for n in cluster.nodes)  # the local cluster's traffic is all on loopback
     cpu = query.cpu_utilization(prom, window)
-    cap = _per_node(prom, f"max by (node) ({T.CPU_CAPACITY.sample})")
-    mem = _per_node(prom, f"max by (node) ({T.MEMORY_USED.sample})")
-    mem_total = _per_node(prom, f"max by (node) ({T.MEMORY_TOTAL.sample})")
+    cap = query.cpu_capacity(prom)
+    memory = query.memory(prom)  # either node exporter's names (vpscluster's or Debian's)
+    mem = {n: m["used_bytes"] for n, m in memory.items() if "used_bytes" in m}
+    mem_total = {n: m["total_bytes"] for n, m in memory.items() if "total_bytes" in m}
     rates = query.link_rates(prom, window, include_loopback=local)
     link_cap = link_capacity(load_probe(cluster))
     for lab, v in prom.query(f"max by (node) ({T.LINK_CAPACITY.sample})"):
@@ -115,7 +116,8 @@ def render(snap: dict[str, Any]):
         t.add_column(col, justify="left" if col == "node" else "right")
     for r in snap["nodes"]:
         busy = r["cpu_utilization"] is not None and r["cpu_utilization"] > CPU_BUSY
-        cpu = "-" if r["cpu_utilization"] is None else f"{r['cpu_utilization']:.0%} of {r['cpu_capacity_cores']:.2g}"
+        cpu = "-" if r["cpu_utilization"] is None else f"{r['cpu_utilization']:.0%}" + (
+            "" if r["cpu_capacity_cores"] is None else f" of {r['cpu_capacity_cores']:.2g}")
         mem = "-" if r["memory_used_bytes"] is None else f"{_bytes(r['memory_used_bytes'])} / {_bytes(r['memory_total_bytes'])}"
         cap = r["link_capacity_bytes_per_s"]
         fill = (max(r["tx_bytes_per_s"] or 0, r["rx_bytes_per_s"] or 0) / cap) if cap else None

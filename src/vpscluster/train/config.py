@@ -59,10 +59,13 @@ class StrategyConfig:
     # probe's or plan's figures; none = even). `balance`: re-measure every `rebalance_every`
     # steps and re-split. `min_share`: micro-batches every rank keeps (0 allowed: such a rank
     # still joins every collective). `max_spread`: speeds are clamped to at least
-    # max(speeds) / max_spread (0 = no rule).
+    # max(speeds) / max_spread (0 = no rule). `node_speeds`: per-rank speed of the ranks on each
+    # node, by node name - what `train --balance` without `speeds` starts from, filled in by the
+    # launcher from the cluster's last probe (`speeds`, per rank, wins); each rank looks up its node.
     micro_batches: Int = 0
     balance: bool = False
     speeds: list[Float] | None = None
+    node_speeds: dict[str, Float] | None = None
     min_share: Int = 1
     max_spread: Float = 8.0
     rebalance_every: Int = 5
@@ -102,6 +105,8 @@ class StrategyConfig:
             raise UserError(f"strategy.rebalance_every must be at least 1, got {self.rebalance_every}")
         if self.speeds is not None and (not self.speeds or any(v <= 0 for v in self.speeds)):
             raise UserError(f"strategy.speeds must be positive numbers, one per rank, got {self.speeds}")
+        if self.node_speeds is not None and (not self.node_speeds or any(v <= 0 for v in self.node_speeds.values())):
+            raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
                 "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"

@@ -164,3 +164,44 @@ class ShareController:
         self.rebalances = int(state["rebalances"])
         self.history = list(state.get("history", []))
         self.calibrated = bool(state.get("calibrated", False))
+
+
+def node_speeds_from_probe(probe: dict | None, ranks_per_node: dict[str, int]) -> dict[str, float] | None:
+    """Each node's per-rank starting speed from a probe (`probe.json`): the node's speed divided
+    among the ranks it runs.
+
+    A node's speed is its measured matmul FLOP/s (`flops`; taken under the node's cgroup CPU
+    quota, so a node capped to 0.3 cores measures about 0.3 of a core), times its GPUs when it
+    was measured on one of them. Where some node has no FLOP/s figure, every node falls back to
+    the CPU share it really gets (`cpu_share`: affinity capped by the quota, in cores), so all
+    speeds are in one unit. None when the probe does not cover every node: the caller starts
+    even.
+    """
+    nodes = {n.get("name"): n for n in (probe or {}).get("nodes", []) or [] if isinstance(n, dict)}
+    if not ranks_per_node or any(not isinstance(nodes.get(name), dict) for name in ranks_per_node):
+        return None
+
+    def positive(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    def flops(facts: dict) -> float | None:
+        if not positive(facts.get("flops")):
+            return None
+        gpus = [g for g in facts.get("gpus") or [] if isinstance(g, dict)]
+        per_device = facts.get("flops_device") == "cuda" and gpus
+        return float(facts["flops"]) * (len(gpus) if per_device else 1)
+
+    speed = {name: flops(nodes[name]) for name in ranks_per_node}
+    if any(v is None for v in speed.values()):
+        shares = {name: nodes[name].get("cpu_share") for name in ranks_per_node}
+        if not all(positive(v) for v in shares.values()):
+            return None
+        speed = {name: float(v) for name, v in shares.items()}
+    return {name: speed[name] / max(1, ranks) for name, ranks in ranks_per_node.items()}
+
+
+def rank_speeds(node_of_rank: Sequence[str], node_speeds: dict[str, float]) -> list[float] | None:
+    """Per-rank speeds in rank order, from the node each rank runs on (None: a node is missing)."""
+    if any(n not in node_speeds for n in node_of_rank):
+        return None
+    return [float(node_speeds[n]) for n in node_of_rank]

@@ -133,7 +133,13 @@ class Trainer:
             from vpscluster.train.shares import ShareController
 
             s = cfg.strategy
-            self.shares = ShareController.start(ctx.world_size, s.micro_batches, s.speeds, s.min_share, s.max_spread, s.balance)
+            speeds = s.speeds
+            if speeds is None and s.node_speeds:  # the probe's figures, by the node each rank runs on
+                from vpscluster.train.shares import rank_speeds
+
+                self._dist = dist if ctx.group is not None else None
+                speeds = rank_speeds(self._all_gather_object(os.environ.get("VPSC_NODE", "local")), s.node_speeds)
+            self.shares = ShareController.start(ctx.world_size, s.micro_batches, speeds, s.min_share, s.max_spread, s.balance)
             self.sampler = GlobalBatchSampler(self.dataset, cfg.seed, cfg.micro_batch())
         else:
             shard, num_shards = self.strategy.data_shard()

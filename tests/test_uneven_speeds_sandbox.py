@@ -1,0 +1,49 @@
+"""`train --balance` on the sandbox starts from the probe's speeds: two nodes at 0.5 and 0.15
+core, probed for real, train two steps (no rebalancing look yet) and the starting shares are
+those the probe's FLOP/s give - about 3:1 of 8 micro-batches, not 4:4. Before the probe, a
+`--speeds` list of the wrong length is refused after pre-flight, before anything is created.
+The sandbox is named "[test prefix]us-...".
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+
+import sandbox_fixtures
+from vpscluster.train.shares import split
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+
+@pytest.mark.timeout(600)
+def test_starting_shares_follow_the_probe(make_sandbox, cli, tmp_path):
+    name = f"{getattr(sandbox_fixtures, 'TEST_PREFIX', '')}us-{secrets.token_hex(3)}"
+    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.5,0.15", name=name)
+    train = ("train", "--cluster", info.cluster_file, "--max-steps", "2", "--batch-size", "1",
+             "--micro-batches", "8", "--eval-every", "1000")
+
+    # One rank per node (no GPUs, known only after pre-flight): 3 speeds for 2 ranks is refused.
+    bad = cli(*train, "--speeds", "1,1,1", "--run-dir", str(tmp_path / "bad"), timeout=300)
+    assert bad.returncode != 0
+    assert "--speeds gives 3 figures but this run has 2 ranks" in bad.stderr.strip().splitlines()[-1], bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+    r = cli("probe", "--cluster", info.cluster_file, "--quick", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    flops = {n["name"]: n["flops"] for n in json.loads(r.stdout)["nodes"]}
+    assert flops[info.nodes[0].name] > 1.5 * flops[info.nodes[1].name]  # the quotas are felt
+
+    r = cli(*train, "--balance", "--run-dir", str(tmp_path / "run"), "--json", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "shares start from the probe's speeds" in r.stderr
+    report = json.loads(r.stdout)
+    # No rebalancing look within 2 steps: the speeds are the probe's, by the node of each rank.
+    assert report["rebalances"] == 0
+    assert sorted(report["speeds"]) == pytest.approx(sorted(flops.values()), rel=1e-3)
+    assert report["shares"] == split(report["speeds"], 8, 1, 8.0)
+    assert sorted(report["shares"]) in ([1, 7], [2, 6]), report["shares"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["shares"] for m in metrics if "shares" in m] == [report["shares"]] * 2
