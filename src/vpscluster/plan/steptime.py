@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -160,7 +159,9 @@ def _node_id(node) -> str:
 
 
 def _cache_path() -> Path:
-    return Path(os.path.expanduser("~/.cache/vpscluster/steptime.json"))
+    from vpscluster.plan import calibrate
+
+    return calibrate._cache_path().parent / "steptime.json"  # beside the efficiency cache
 
 
 def _read_cache() -> dict:
