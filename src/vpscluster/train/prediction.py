@@ -28,7 +28,7 @@ from typing import Any
 
 PREDICTION = "prediction.json"
 WARMUP = 3  # steps of each session left out of every measured figure
-K = 8  # steps of the correction window after the warm-up
+K = 5  # steps of the correction window after the warm-up
 
 
 def load(run_dir: str | Path) -> dict[str, Any] | None:
