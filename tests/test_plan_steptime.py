@@ -118,3 +118,24 @@ def test_two_rank_run_reports_predicted_vs_measured(tmp_path):
     online = [e for e in events if e["event"] == "prediction"]
     assert [e["step"] for e in online] == [prediction.WARMUP + prediction.K]
     assert online[0]["corrected"] == p["corrected"]
+
+
+def test_plan_uses_cached_step_times_for_compute_and_says_so():
+    import time
+
+    from vpscluster.plan.api import PlanRequest, make_plan
+
+    shape = get_preset("tiny")
+    key = steptime.cache_key(steptime._node_id(local_cluster().nodes[0]), steptime._shape_dict(shape), None, 2,
+                             steptime._torch_version())
+    samples = [0.40, 0.41, 0.39, 2.0, 0.40]  # one spike from another job
+    steptime._write_cache({key: {"samples": samples, "threads": 1, "tokens": shape.batch_size * shape.seq_len,
+                                 "measured_at_unix": time.time()}})
+    doc = make_plan(PlanRequest(model="tiny", nodes=2, strategy="ddp", tokens=1e6))
+    assert doc["step_calibration"]["source"] == "cached" and doc["step_calibration"]["covers_all"]
+    assert [n["compute_seconds"] for n in doc["nodes"]] == [pytest.approx(0.40)] * 2
+    assert doc["compute_seconds"] == pytest.approx(0.40)
+    assert doc["efficiency"]["source"] == "calibrated"  # implied by the measured steps
+    # Another batch size is another shape: not cached, the FLOP/s model again.
+    other = make_plan(PlanRequest(model="tiny", nodes=2, strategy="ddp", tokens=1e6, batch_size=4))
+    assert other["step_calibration"] is None and other["compute_seconds"] != pytest.approx(0.40)

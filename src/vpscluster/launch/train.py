@@ -125,6 +125,8 @@ def predict_run(cfg) -> dict | None:
     from vpscluster.plan.api import PlanRequest, make_plan
 
     s = cfg.strategy
+    if s.micro_batches:
+        return None  # uneven shares: the plan predicts them (`balance`), the comparison does not yet
     try:
         doc = make_plan(PlanRequest(
             model=cfg.preset, cluster=cfg.cluster, strategy=s.name, batch_size=cfg.micro_batch(),
