@@ -6,8 +6,9 @@ Here every node runs a few training steps of the planned model at its real shape
 sequence length) with the quota-aware thread count the trainer will use
 (`train.trainer.threads_per_rank`): forward, backward, gradient clipping, AdamW, zero_grad — the
 trainer's step without communication. Warm-up steps are discarded; the rest are timed in repeats
-(each long enough to outlast timer noise) and summarised by `robust_summary`: the median of the
-repeats (other jobs' spikes do not move it) and their spread, reported.
+(each long enough to outlast timer noise; up to twice as many when they disagree by more than
+NOISY_SPREAD, within BUDGET_S) and summarised by `robust_summary`: the median of the repeats
+(other jobs' spikes do not move it) and their spread, reported.
 
 All nodes are measured at once, as they will train at once (on an emulated cluster they share
 this machine's cores, and training sees that contention too); each node's ranks run as that many
@@ -37,6 +38,7 @@ MIN_REPEAT_S = 0.3  # a repeat holds enough steps to outlast timer and scheduler
 BUDGET_S = 25.0  # measuring time per node (after warm-up); at least 3 repeats are always taken
 TIMEOUT_S = 180.0  # the whole remote call (python + torch import, warm-up, repeats)
 CACHE_MAX_AGE_S = 12 * 3600.0
+NOISY_SPREAD = 0.25  # repeats further apart than this (relative) ask for more repeats, and a note
 OUTLIER_MADS = 3.0  # a repeat further than this many (scaled) MADs from the median is an outlier
 
 
@@ -131,7 +133,12 @@ def measure(shape, threads: int | None = None, ranks_here: int = 1, warmup: int 
     per_repeat = max(1, math.ceil(MIN_REPEAT_S / max(1e-4, warm[-1])))
     samples: list[float] = []
     start = time.perf_counter()
-    while len(samples) < repeats and (len(samples) < 3 or time.perf_counter() - start < budget_s):
+    def settled() -> bool:  # enough repeats, and they agree (else up to twice as many, budget allowing)
+        if len(samples) < repeats:
+            return False
+        return len(samples) >= 2 * repeats or robust_summary(samples)["spread"] <= NOISY_SPREAD
+
+    while not settled() and (len(samples) < 3 or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
         for _ in range(per_repeat):
             step()
@@ -258,7 +265,7 @@ def node_step_times(cluster, shape, threads: int | None = None, ranks: dict[str,
             if doc and now - doc.get("measured_at_unix", 0) < CACHE_MAX_AGE_S:
                 out[name] = _step_time(name, doc, "cached")
     for st in out.values():
-        if st.spread > 0.25:
+        if st.spread > NOISY_SPREAD:
             notes.append(f"{st.node}: step time varied {st.spread:.0%} between repeats (a loaded node?); "
                          "the median is used")
     return out, notes
