@@ -6,16 +6,20 @@ For each sandbox scenario (2-4 nodes, 20 Mbit/s-1 Gbit/s, CPU shares 0.3-0.9, so
 
 1. `sandbox up`, then `vpscluster probe --cluster FILE` (the measured facts: FLOP/s, link
    matrix, all-reduce sweep);
-2. the plan for each strategy from that probe alone (`plan.api.make_plan`); the compute
-   efficiency of each model is measured once on a sandbox node (`plan --calibrate`, a few
-   single-node training steps — no distributed run) and reused;
+2. the plan for each strategy from that probe and each node's step time on the planned model
+   (`plan --calibrate`: every node of the scenario runs a few forward/backward/AdamW steps of
+   the model at its real shape and thread count, warm-up discarded, median of repeats —
+   `plan/steptime.py`; measured once per scenario, cached for its second strategy); no
+   distributed run feeds it;
 3. a short real training run, `vpscluster train --cluster FILE` (ddp, and diloco with a small H
    so the run holds whole rounds), and rank 0's per-step metrics after a warm-up;
-4. predicted vs measured for rank 0's node: mean step seconds, mean communication seconds.
+4. predicted vs measured for rank 0's node: mean step seconds, mean communication seconds; and
+   the run's own online correction (report.json's `prediction`: the compute term rescaled from
+   the first steps after the warm-up, judged on the steps after them).
 
-Nothing measured in a training run feeds a prediction. The table, with the median and maximum
-absolute relative errors, goes to bench/results/ and to the `plan` section of BENCHMARKS.md
-(both under the current folder unless the settings say otherwise).
+Nothing measured in a training run feeds the plan's prediction. The table, with the median and
+maximum absolute relative errors, goes to bench/results/ and to the `plan` section of
+BENCHMARKS.md (both under the current folder unless the settings say otherwise).
 """
 
 from __future__ import annotations
@@ -68,11 +72,14 @@ QUICK = (Scenario(2, "100mbit", "0.5", "tiny"),)
 @dataclass
 class PlanBenchSettings:
     quick: bool = False  # one small scenario (a smoke test), never written to BENCHMARKS.md
-    steps: int = 8  # training steps per ddp run (diloco runs 3 rounds after a warm-up round)
+    # training steps per ddp run (diloco runs 3 rounds after a warm-up round); enough for the
+    # trainer's warm-up and correction window (train/prediction.py) and steps after them
+    steps: int = 14
     sync_every: int = 3  # diloco H in the short runs
     write: bool = True  # update the plan section of `benchmarks`
     benchmarks: str = "BENCHMARKS.md"
     results_dir: str = str(RESULTS_DIR)
+    name: str = SANDBOX  # the sandbox's name (unique per user of a shared machine)
 
 
 def run_plan_bench(settings: PlanBenchSettings, say: Callable[[str], None] = lambda line: None) -> dict:
@@ -92,30 +99,29 @@ def run_plan_bench(settings: PlanBenchSettings, say: Callable[[str], None] = lam
     work = Path(args.results_dir) / f"plan-{stamp}"
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    calibrated: set[str] = set()
     started = time.time()
+    load_start = os.getloadavg()[0]
     total = sum(len(s.strategies) for s in scenarios)
     for i, sc in enumerate(scenarios):
-        sandbox.down(SANDBOX)  # a leftover from an interrupted run
+        sandbox.down(args.name)  # a leftover from an interrupted run
         try:
-            info = sandbox.up(SANDBOX, nodes=sc.nodes, bandwidth=sc.bandwidth, cpu=sc.cpu)
+            info = sandbox.up(args.name, nodes=sc.nodes, bandwidth=sc.bandwidth, cpu=sc.cpu)
             probe_file = work / f"s{i}-probe.json"
             say(f"[{len(rows)}/{total}] {sc.label()}: probe")
             _cli(["probe", "--cluster", info.cluster_file, "--out", str(probe_file), "--json"],
                  timeout_s=300)
-            for strategy in sc.strategies:
-                say(f"[{len(rows)}/{total}] {sc.label()}: {strategy}")
+            for j, strategy in enumerate(sc.strategies):
+                say(f"[{len(rows)}/{total}] {sc.label()}: {strategy}" + (" (step times on every node first)" if j == 0 else ""))
                 row = _one(sc, strategy, info.cluster_file, probe_file, work / f"s{i}-{strategy}", args,
-                           calibrate=sc.model not in calibrated)
-                calibrated.add(sc.model)
+                           calibrate=j == 0)  # the scenario's nodes, once; its second strategy reads the cache
                 rows.append(row)
                 say(_row_line(row))
         finally:
-            sandbox.down(SANDBOX)
+            sandbox.down(args.name)
     summary = summarize(rows)
     doc = {"rows": rows, "summary": summary, "seconds": time.time() - started, "machine": _machine(),
            "command": "vpscluster bench plan" + (" --quick" if args.quick else ""), "steps": args.steps,
-           "sync_every": args.sync_every}
+           "sync_every": args.sync_every, "load_average": {"start": load_start, "end": os.getloadavg()[0]}}
     (work / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     if not args.quick and args.write:
         write_benchmarks_section(benchmarks, markdown(doc))
@@ -126,7 +132,8 @@ def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_d
     from vpscluster.plan.api import PlanRequest, make_plan
 
     h = args.sync_every
-    steps = args.steps if strategy == "ddp" else 3 * h + h  # a warm-up round and three measured rounds
+    steps = args.steps if strategy == "ddp" else max(3 * h + h, args.steps)  # a warm-up round, then whole rounds
+    steps = steps if strategy == "ddp" else -(-steps // h) * h
     plan = make_plan(PlanRequest(model=sc.model, cluster=cluster_file, probe=str(probe_file), strategy=strategy,
                                  sync_every=h, calibrate=calibrate, tokens=1e6, threads_per_rank=THREADS))
     cfg = run_dir.with_suffix(".yaml")
@@ -148,6 +155,8 @@ def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_d
     meas_compute = statistics.median(m["compute_seconds"] for m in measured)
     meas_step = meas_compute + meas_comm
     pred_step, pred_comm = plan["step_seconds"], node["comm_seconds"]
+    online = report.get("prediction") or {}
+    corr, after = online.get("corrected") or {}, online.get("measured_after_correction") or {}
     return {
         "scenario": sc.label(), "nodes": sc.nodes, "bandwidth": sc.bandwidth, "cpu": sc.cpu, "model": sc.model,
         "strategy": strategy if strategy == "ddp" else f"diloco H={h}", "rank0_node": rank0,
@@ -159,6 +168,12 @@ def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_d
         "measured_compute_s": meas_compute,
         "measured_mean_step_s": statistics.fmean(m["step_seconds"] for m in measured),
         "probe_flops": {n["name"]: n["flops"] for n in plan["nodes"]},
+        "step_calibration": {name: {k: v[k] for k in ("median_s", "spread", "repeats", "outliers", "threads")}
+                             for name, v in ((plan.get("step_calibration") or {}).get("nodes") or {}).items()},
+        # The run's online correction (report.json): from its first steps, judged on the rest.
+        "corrected_step_s": corr.get("step_seconds"), "measured_after_correction_step_s": after.get("step_seconds"),
+        "corrected_step_error": (online.get("corrected_error") or {}).get("step_seconds"),
+        "report_step_error": (online.get("error") or {}).get("step_seconds"),
         "run_dir": str(run_dir),
     }
 
@@ -188,13 +203,22 @@ def summarize(rows: list[dict]) -> dict:
         values = [r[key] for r in rows]
         return {"median": statistics.median(values), "max": max(values)} if values else {}
 
+    def stats_present(key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return {"median": statistics.median(values), "max": max(values)} if values else {}
+
     return {"configurations": len(rows), "step_error": stats("step_error"), "comm_error": stats("comm_error"),
-            "comm_error_of_step": stats("comm_error_of_step")}
+            "comm_error_of_step": stats("comm_error_of_step"),
+            "corrected_step_error": stats_present("corrected_step_error")}
 
 
 def _row_line(r: dict) -> str:
+    corrected = (f"  corrected {r['corrected_step_s']:.2f}/{r['measured_after_correction_step_s']:.2f}s "
+                 f"({r['corrected_step_error']:.0%})" if r.get("corrected_step_error") is not None
+                 and r.get("measured_after_correction_step_s") else "")
     return (f"{r['scenario']:<38} {r['strategy']:<11} step {r['predicted_step_s']:.2f}/{r['measured_step_s']:.2f}s "
-            f"({r['step_error']:.0%})  comm {r['predicted_comm_s']:.2f}/{r['measured_comm_s']:.2f}s ({r['comm_error']:.0%})")
+            f"({r['step_error']:.0%})  comm {r['predicted_comm_s']:.2f}/{r['measured_comm_s']:.2f}s ({r['comm_error']:.0%})"
+            + corrected)
 
 
 def _machine() -> str:
@@ -207,9 +231,10 @@ def markdown(doc: dict) -> str:
     s = doc["summary"]
     lines = [
         f"Command: `{doc['command']}` ({doc['steps']} ddp steps, diloco H={doc['sync_every']} for 4 rounds; "
-        f"took {doc['seconds'] / 60:.0f} min). Machine: {doc['machine']}, shared with other work.",
+        f"took {doc['seconds'] / 60:.0f} min). Machine: {doc['machine']}; load average "
+        f"{doc.get('load_average', {}).get('start', 0):.1f} at the start, {doc.get('load_average', {}).get('end', 0):.1f} at the end.",
         "",
-        "Predicted (from the probe and a one-node calibration only) vs measured on rank 0 after a warm-up: "
+        "Predicted (from the probe and each node's step time measured on the model, no distributed run) vs measured on rank 0 after a warm-up: "
         "step = median compute per step + mean communication per step (the median resists other jobs' "
         "spikes on this shared machine; the plain mean step is in bench/results). One torch thread per rank. "
         "Errors are |predicted − measured| / measured.",
@@ -227,6 +252,13 @@ def markdown(doc: dict) -> str:
             f"(target ≤ 10% / ≤ 25%). Communication time error: median {s['comm_error']['median']:.0%}, "
             f"max {s['comm_error']['max']:.0%}; as a share of the step: median {s['comm_error_of_step']['median']:.0%}, "
             f"max {s['comm_error_of_step']['max']:.0%}.",
+        ]
+    if s.get("corrected_step_error"):
+        lines += [
+            "",
+            f"Online correction (each run's report.json: compute rescaled from its first steps after the "
+            f"warm-up, judged on the steps after them): step time error median "
+            f"{s['corrected_step_error']['median']:.0%}, max {s['corrected_step_error']['max']:.0%}.",
         ]
     return "\n".join(lines)
 

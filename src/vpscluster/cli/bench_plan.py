@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the file whose plan section is replaced (default {d.benchmarks} in the current folder)")
     parser.add_argument("--results-dir", metavar="DIR", default=d.results_dir,
                         help=f"where each run's files and results.json go (default {d.results_dir})")
+    parser.add_argument("--name", default=d.name, help=f"the sandbox's name (default {d.name}; make it unique on a shared machine)")
     add_json_flag(parser)
 
 
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = console(args.json)
     settings = PlanBenchSettings(quick=args.quick, steps=args.steps, sync_every=args.sync_every,
-                                 write=not args.no_write, benchmarks=args.benchmarks, results_dir=args.results_dir)
+                                 write=not args.no_write, benchmarks=args.benchmarks, results_dir=args.results_dir,
+                                 name=args.name)
     doc = run_plan_bench(settings, say=lambda line: out.print(Text(line), soft_wrap=True))
     if args.json:
         emit_json(doc)

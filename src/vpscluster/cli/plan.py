@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-precision", action="store_true",
                         help="plan bf16 mixed precision on GPU nodes (vpscluster's trainer itself trains in fp32)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure here how much of matmul FLOP/s this model's training step reaches (a few seconds)")
+                        help="time a few training steps of this model on every node (all at once, under a minute; cached per node and shape)")
     parser.add_argument("--threads-per-rank", type=_positive_int, metavar="N",
                         help="torch threads each rank will use (for --calibrate; default: the probe's)")
     parser.add_argument("--checkpoint-load-s", type=float, default=60.0, metavar="S",
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     )
     out = console(args.json)
     if args.calibrate:
-        out.print("calibrating: timing a few training steps of this model here…")
+        out.print("calibrating: timing a few training steps of this model on every node…")
     doc = make_plan(req)
     if args.json:
         emit_json(doc)

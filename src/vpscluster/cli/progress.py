@@ -80,6 +80,14 @@ class ProgressView:
         after = ":".join(str(v) for v in ev.get("shares", []))
         self.console.print(f"step {ev['step']}: shares {before} -> {after} (rebalance {ev.get('rebalances')})")
 
+    def _on_prediction(self, ev: dict[str, Any]) -> None:
+        pred, meas, corr = ev.get("predicted") or {}, ev.get("measured") or {}, ev.get("corrected") or {}
+        if pred.get("step_seconds") and meas.get("step_seconds"):
+            err = abs(pred["step_seconds"] - meas["step_seconds"]) / meas["step_seconds"]
+            fixed = f"; corrected to {corr['step_seconds']:.2f} s" if corr.get("step_seconds") else ""
+            self.console.print(f"step {ev['step']}: step time predicted {pred['step_seconds']:.2f} s, "
+                               f"measured {meas['step_seconds']:.2f} s ({err:.0%} off){fixed}", style="dim")
+
     def _on_eval(self, ev: dict[str, Any]) -> None:
         self._val = ev["val_loss"]
         self.console.print(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
@@ -122,6 +130,11 @@ class ProgressView:
             ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in report["bytes_sent"])),
             ("run directory", str(report.get("run_dir", ""))),
         ]
+        p = report.get("prediction") or {}
+        if (p.get("measured") or {}).get("step_seconds"):
+            e = (p.get("error") or {}).get("step_seconds")
+            rows.insert(-1, ("step time", f"{p['measured']['step_seconds']:.2f} s measured, {p['predicted']['step_seconds']:.2f} s "
+                                          f"predicted ({p.get('compute_source')})" + (f", {e:.0%} off" if e is not None else "")))
         if report.get("shares"):
             rows.insert(-1, ("shares", f"{':'.join(str(v) for v in report['shares'])} of {report.get('micro_batches')} "
                                        f"micro-batches ({report.get('rebalances', 0)} rebalance(s))"))

@@ -65,6 +65,7 @@ class TrainingRun:
     force: bool = False
     strategy_reason: str | None = None  # why `--strategy auto` chose what it chose
     speeds_note: str | None = None  # where `--balance`'s starting speeds come from (the probe, or even)
+    prediction: dict | None = None  # the plan's prediction for this run (train/prediction.py)
 
     @property
     def local(self) -> bool:
@@ -115,7 +116,8 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         run_dir = rundir.fresh_path(cfg.run_dir)
         cfg.run_dir = str(run_dir)
     return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,
-                       force=force, strategy_reason=reason, speeds_note=speeds_note)
+                       force=force, strategy_reason=reason, speeds_note=speeds_note,
+                       prediction=predict_run(cfg))
 
 
 def ranks_per_node(cfg, cluster, gpus: dict[str, int] | None = None) -> dict[str, int] | None:
@@ -181,6 +183,31 @@ def starting_speeds(cfg, cluster) -> str | None:
     return f"balance: shares start from the probe's speeds per rank ({rel}, relative to the fastest)"
 
 
+def predict_run(cfg) -> dict | None:
+    """The plan's prediction for this run (its strategy, nodes, batch, threads), for the ranks to
+    compare with what they measure. Per-node compute comes from step times measured by
+    `vpscluster plan --calibrate` when cached (plan/steptime.py), else the probe's FLOP/s; nothing
+    is measured here. None (and the run goes on) when the planner cannot predict it."""
+    from vpscluster.plan.api import PlanRequest, make_plan
+
+    s = cfg.strategy
+    if s.micro_batches:
+        return None  # uneven shares: the plan predicts them (`balance`), the comparison does not yet
+    try:
+        doc = make_plan(PlanRequest(
+            model=cfg.preset, cluster=cfg.cluster, strategy=s.name, batch_size=cfg.micro_batch(),
+            nodes=None if cfg.cluster else cfg.nodes, compress=s.compress, powersgd_rank=s.powersgd_rank,
+            bucket_mb=s.bucket_mb, sync_every=s.sync_every, wire_dtype=s.wire_dtype, fragments=s.fragments,
+            threads_per_rank=cfg.threads_per_rank or None, tokens=1e6))
+    except Exception:  # a prediction must never stop a run: a run the planner cannot model has none
+        return None
+    cal = doc.get("step_calibration") or {}
+    source = f"step time {cal['source']}" if cal.get("covers_all") else f"FLOP/s x efficiency ({doc['efficiency']['source']})"
+    return {key: doc[key] for key in ("label", "step_seconds", "compute_seconds", "comm_seconds", "tokens_per_step",
+                                      "tokens_per_s", "world_size")} | {
+        "compute_source": source, "nodes": [{"name": n["name"], "compute_seconds": n["compute_seconds"]} for n in doc["nodes"]]}
+
+
 def backend_for(states) -> str:
     """NCCL only when every node has CUDA; one CPU node forces gloo for all."""
     return "nccl" if states and all(s.cuda and s.gpus > 0 for s in states.values()) else "gloo"
@@ -188,7 +215,7 @@ def backend_for(states) -> str:
 
 def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bool = False,
                  rdzv_id: str | None = None, rdzv_port: int | None = None, say: Say = _quiet,
-                 on_event: OnEvent | None = None) -> Job:
+                 on_event: OnEvent | None = None, prediction: dict | None = None) -> Job:
     """The pipeline's job for this run (pure: touches no node and creates nothing)."""
     import vpscluster
 
@@ -244,6 +271,12 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
             local = write_config(node_cfg, tmp)
             try:
                 await ex.put(str(local), posixpath.join(node_run_dir, "config.yaml"), timeout_s=120.0)
+                if prediction is not None:
+                    from vpscluster import fsutil
+                    from vpscluster.train.prediction import PREDICTION
+
+                    fsutil.write_json(Path(tmp) / PREDICTION, prediction)
+                    await ex.put(str(Path(tmp) / PREDICTION), posixpath.join(node_run_dir, PREDICTION), timeout_s=120.0)
             except Exception as e:
                 raise RemoteError(f"node {ex.node.name}: could not write the run configuration: {e}") from None
 
@@ -284,6 +317,11 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
         if not run.resume:
             rundir.create(run.run_dir)
         rundir.write_config(run.cfg, run.run_dir)
+        if run.prediction is not None:
+            from vpscluster import fsutil
+            from vpscluster.train.prediction import PREDICTION
+
+            fsutil.write_json(run.run_dir / PREDICTION, run.prediction)
 
     def with_monitor(event: dict) -> None:
         if event.get("event") == "start" and event.get("exporters"):
@@ -292,7 +330,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             on_event(event)
 
     job = training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force,
-                       say=say, on_event=with_monitor)
+                       say=say, on_event=with_monitor, prediction=run.prediction)
     job.create_run = create_run
     result = launch(job)
     _clear_targets(run, say)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from vpscluster.errors import UserError
 from vpscluster.plan import auto, comm, memory
+from vpscluster.plan import steptime
 from vpscluster.plan.calibrate import efficiency_for
+from vpscluster.plan.compute import Efficiency
 from vpscluster.plan.guidance import guidance
 from vpscluster.plan.predict import Prediction, Settings, predict, ring_for, risk_label
 from vpscluster.plan.resources import gather_resources
@@ -102,8 +104,18 @@ def make_plan(req: PlanRequest) -> dict:
         for node, f in zip(res.nodes, req.flops_per_node):
             node.flops = f
     threads = req.threads_per_rank or _probe_threads(probe)
-    eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster,
-                         matmul_threads=_probe_threads(probe))
+    step_cal = None
+    if req.flops is None and req.flops_per_node is None:  # --flops plans hypothetical compute
+        step_cal = steptime.apply(res, model, cluster, threads=req.threads_per_rank, measure_now=req.calibrate,
+                                  probe=probe)
+    implied = steptime.implied_efficiency(model, res) if step_cal and step_cal.get("covers_all") else None
+    if implied is not None:  # every node timed on this model: no separate efficiency run needed
+        eff = Efficiency(implied, "calibrated")
+    else:
+        eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster,
+                             matmul_threads=_probe_threads(probe))
+    if step_cal:
+        assumptions += step_cal["notes"]
     assumptions += res.assumptions
     if eff.source == "assumed":
         assumptions.append(eff.describe())
@@ -141,6 +153,7 @@ def make_plan(req: PlanRequest) -> dict:
         assumptions=assumptions,
         measured=res.measured,
         balance=balance_doc(chosen, res, model.shape.batch_size),
+        step_calibration=step_cal,
     )
     worst = doc["ring"]["worst_order_weakest_link_mbit"]
     if worst is not None and doc["ring"]["weakest_link_mbit"] and worst < doc["ring"]["weakest_link_mbit"]:

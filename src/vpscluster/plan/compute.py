@@ -9,6 +9,9 @@ that (smaller matmuls, LayerNorm, softmax, the optimizer, Python): `efficiency`.
 measured on this machine for this very model by `plan.calibrate` (a few real forward/backward/
 AdamW steps timed against the probe's own matmul benchmark on the same cores — a property of the
 model's kernels, carried to every node through its measured FLOP/s) or assumed and said so.
+
+Better still, a node's compute time per step measured on that node for this very model
+(`plan.steptime`, `NodeResources.step_seconds`) replaces the FLOP/s model for that node.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ def tokens_per_rank_step(model: ModelSpec) -> int:
 def node_compute(model: ModelSpec, node: NodeResources, efficiency: float, tokens: int | None = None) -> NodeCompute:
     """Seconds one rank of `node` needs for a step of `tokens` tokens (default: its batch)."""
     tokens = tokens_per_rank_step(model) if tokens is None else tokens
-    seconds = model.flops_per_token() * tokens / (node.flops * efficiency)
+    if node.step_seconds and node.step_tokens:  # measured on this node for this model (plan.steptime)
+        seconds = node.step_seconds * tokens / node.step_tokens
+    else:
+        seconds = model.flops_per_token() * tokens / (node.flops * efficiency)
     return NodeCompute(node.name, seconds / 3, 2 * seconds / 3)
 
 

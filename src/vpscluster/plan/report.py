@@ -43,6 +43,11 @@ def render(doc: dict, console) -> None:
             f"{format_bytes(n['memory_bytes'])}/{format_bytes(n['memory_available_bytes'])} {n['memory_kind']}",
             "[green]yes[/]" if n["fits"] else "[red]no[/]", format_bytes(n["egress_bytes_per_day"]), quota)
     console.print(nodes)
+    cal = doc.get("step_calibration") or {}
+    if cal.get("nodes"):
+        spread = max(v["spread"] for v in cal["nodes"].values())
+        console.print(f"Compute: step time {cal['source']} on {len(cal['nodes'])} of {len(doc['nodes'])} node(s) with this "
+                      f"model (median of repeats, spread up to {spread:.0%}); other nodes: probe FLOP/s")
     ring = doc["ring"]
     if ring["weakest_link_mbit"] is not None:
         worst = ring.get("worst_order_weakest_link_mbit")

@@ -39,6 +39,10 @@ class NodeResources:
     disk_read_mb_s: float | None = None
     egress_quota_bytes: float | None = None
     egress_quota_period_s: float | None = None
+    # Measured compute seconds of one rank's step on this node (`plan.steptime`), for
+    # `step_tokens` tokens; when set it replaces flops x efficiency in the compute model.
+    step_seconds: float | None = None
+    step_tokens: int = 0
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vpscluster import fsutil
-from vpscluster.train import checkpoint, events, exporter, metrics, rundir
+from vpscluster.train import checkpoint, events, exporter, metrics, prediction, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
 
@@ -155,6 +155,8 @@ class Trainer:
         self._dist = dist if ctx.group is not None else None
         self._torch = torch
         self.exporters = self._publish_exporters()
+        self.prediction = prediction.load(self.run_dir)  # the plan's, written by the launcher
+        self._samples: list[tuple[float, float]] = []  # this session's (step_s, comm_s), for it
 
     def _publish_exporters(self) -> list[dict[str, Any]]:
         """Every rank's exporter address, gathered; rank 0 writes them to exporters.json."""
@@ -312,6 +314,9 @@ class Trainer:
                 comm_seconds=comm_s, tokens=tokens, bytes_sent=nbytes, **extra,
             )
             self.exporter.step(self.step, loss_value, tokens, local_tokens, step_s, comm_s, nbytes, self._outer_syncs())
+            self._samples.append((step_s, comm_s))
+            if self.prediction is not None and len(self._samples) == prediction.WARMUP + prediction.K:
+                self._correct_prediction()
             if self.step % cfg.log_every == 0:
                 self.events.emit(
                     "step", step=self.step, max_steps=cfg.max_steps, loss=loss_value, lr=lr,
@@ -414,13 +419,24 @@ class Trainer:
                 speeds=[round(v, 4) for v in self.shares.speeds], rebalances=self.shares.rebalances,
             )
 
+    def _correct_prediction(self) -> None:
+        """The correction window is full: every rank's summary gathered once (as communication);
+        rank 0 records the corrected prediction (train/prediction.py)."""
+        with self.strategy.comm.timed(0):
+            summaries = self._all_gather_object(prediction.rank_summary(self._samples))
+        if self.ctx.rank == 0:
+            doc = prediction.compare(self.prediction, summaries, comm_every_step=self.strategy.name == "ddp")
+            self.events.emit("prediction", step=self.step, predicted=doc["predicted"], measured=doc["measured"],
+                             error=doc["error"], corrected=doc["corrected"])
+
     def build_report(self, val_loss: float, stopped_by: str, start_step: int):
         """Gather every rank's totals; rank 0 returns the report (contract keys first)."""
         t = self.totals
         # Each rank's final weights, hashed once here: equal on every rank when the strategy keeps
         # replicas identical (DDP every step, DiLoCo after its final sync), and tests compare them.
         mine = {**t.to_dict(), "collective_busy_seconds": self.strategy.describe().get("collective_busy_seconds"),
-                "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict())}
+                "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict()),
+                "prediction_summary": prediction.rank_summary(self._samples)}
         per_rank = self._all_gather_object(mine)
         if self.ctx.rank != 0:
             return None
@@ -458,6 +474,10 @@ class Trainer:
             "model_sha256": mine["model_sha256"],
             "optimizer_sha256": checkpoint.state_hash(self.optimizer.state_dict()),
             "run_dir": str(self.run_dir),
+            # The plan's prediction vs this session's measurement, and its online correction.
+            "prediction": (prediction.compare(self.prediction, [r["prediction_summary"] for r in per_rank],
+                                              comm_every_step=self.strategy.name == "ddp")
+                           if self.prediction is not None else None),
             **(
                 {
                     "micro_batches": self.cfg.strategy.micro_batches,
