@@ -14,7 +14,9 @@ cluster file (inventory.py), and returns what happened per node and role:
 Idempotent: a second run reports "no changes". `check=True` is Ansible's check mode with diffs:
 what would change, nothing changed. The playbook is plain Ansible and may be run by hand
 (`playbook_dir()`), e.g. `ansible-playbook -i inventory.json site.yml --check --diff`.
-Safety (refusing public launches without an overlay) is in `netsafety.py`.
+Safety (refusing public launches without an overlay) is in `netsafety.py`. After the overlay
+role ran on every node, `report["overlay"]` holds each node's private address and the record
+(cluster/overlay.py) from which train, run and batch bind to the mesh.
 """
 
 from __future__ import annotations
@@ -74,10 +76,26 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
                        progress=progress)
     report = summarize(raw, [n.name for n in cluster.nodes], chosen, check)
     report["tcp_buffer_bytes"] = extra["tcp_buffer_bytes"]
+    if "overlay" in chosen and not check:
+        report["overlay"] = record_overlay(cluster, report)
     if "env" in chosen:
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
     return report
+
+
+def record_overlay(cluster: Cluster, report: dict) -> dict | None:
+    """After the overlay role ran on every node: record it, so launches bind to it (cluster/overlay.py).
+    A failed run records nothing and forgets an older record (the mesh may be half made)."""
+    from vpscluster.cluster import overlay
+    from vpscluster.provision.inventory import OVERLAY_INTERFACE, OVERLAY_SUBNET, overlay_addresses
+
+    if not report.get("ok"):
+        overlay.forget(cluster)
+        return None
+    addresses = overlay_addresses(cluster)
+    path = overlay.save(cluster, OVERLAY_INTERFACE, addresses, OVERLAY_SUBNET)
+    return {"interface": OVERLAY_INTERFACE, "subnet": OVERLAY_SUBNET, "addresses": addresses, "record": str(path)}
 
 
 def refuse_shared_filesystem_sandbox(cluster: Cluster) -> None:
