@@ -146,8 +146,12 @@ async def check_endpoint(ex, endpoint: Endpoint, head_address: str, timeout_s: f
         if endpoint.interface:
             return endpoint.interface
         return (await find_interface(ex, endpoint.address, head_address, timeout_s)).name
-    choice = await find_interface(ex, endpoint.address, head_address, timeout_s)
-    if choice.how != "address" or choice.name != endpoint.interface:
+    from vpscluster.launch.netif import interface_for_address
+
+    r = await ex.run("ip -o addr", timeout_s=timeout_s)
+    if not r.ok:
+        raise RemoteError(f"node {ex.node.name}: could not list its network interfaces with `ip -o addr`: {r.reason()}")
+    if interface_for_address(r.stdout, endpoint.address) != endpoint.interface:
         where = f" --cluster {source}" if source else ""
         raise RemoteError(f"node {ex.node.name}: the overlay is not up there ({endpoint.interface} does not carry "
                           f"{endpoint.address}); bring it back with `vpscluster provision{where} --only overlay`")
