@@ -106,6 +106,19 @@ def test_train_runs_over_the_overlay_by_itself(meshed, cli):
     assert "--local-addr 10.77.0.1" in log and "--local-addr 10.77.0.2" in log
     assert "GLOO_SOCKET_IFNAME=vpsc0" in log and underlay["node-1"] not in log.split("--rdzv-endpoint", 1)[1].split()[0]
 
+    # Pre-flight's quick probe (saved) reports the provisioning state and what the overlay costs.
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.probe.store import load_probe
+
+    probe = load_probe(load_cluster(info.cluster_file))
+    prov = probe["provisioning"]
+    assert prov["overlay_up"] is True and prov["firewall_up"] is True and prov["tcp_tuned"] is False, prov
+    assert {p["name"]: p["overlay_address"] for p in prov["nodes"]} == addresses
+    cost = probe["overlay_cost"]
+    assert {(c["src"], c["dst"]) for c in cost["links"]} == {("node-1", "node-2"), ("node-2", "node-1")}
+    assert all(c["overlay_mbit"] > 0 and c["underlay_mbit"] > 0 for c in cost["links"]), cost
+    assert 0 < cost["bandwidth_ratio"] < 5 and cost["rtt_added_ms"] is not None, cost
+
     # The gradients crossed the WireGuard interface (and the underlay carried them, encrypted).
     sent = max(doc["bytes_sent"]) if isinstance(doc["bytes_sent"], list) else doc["bytes_sent"]
     wg = after["vpsc0"] - before["vpsc0"]

@@ -235,6 +235,83 @@ def gpu_facts():
     return gpus
 
 
+TCP_SYSCTL_FILE = "/etc/sysctl.d/60-vpscluster-tcp.conf"  # what `vpscluster provision` (role tcp) writes
+FIREWALL_TABLE = ("inet", "vpscluster")  # role firewall's nftables table
+
+
+def _run(argv, timeout=5):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p
+
+
+def parse_sysctl_conf(text):
+    """`key = value` lines (comments skipped) -> {key: value with single spaces}."""
+    out = {}
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")) or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        out[key.strip()] = " ".join(value.split())
+    return out
+
+
+def provision_facts(workdir, overlay_interface):
+    """What `vpscluster provision` left on this node: the env venv's hash (and drift from it when
+    this Python is that venv), the tcp sysctls persisted vs live, the firewall table loaded, the
+    overlay interface up with its address. None where it cannot be told (no permission)."""
+    out = {"env_hash": None, "env_venv": None, "env_drift": None, "tcp_tuned": None, "tcp_differs": [],
+           "firewall_up": None, "overlay_interface": overlay_interface, "overlay_up": False, "overlay_address": None}
+    venv = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "venv")
+    marker = _read(os.path.join(venv, "vpscluster-env.json"))
+    if marker:
+        try:
+            doc = json.loads(marker)
+        except ValueError:
+            doc = {}
+        out["env_hash"], out["env_venv"] = doc.get("env_hash"), venv
+        if os.path.realpath(sys.prefix) == os.path.realpath(venv):
+            from importlib import metadata
+
+            drift = []
+            for name, version in sorted((doc.get("packages") or {}).items()):
+                try:
+                    have = metadata.version(name)
+                except metadata.PackageNotFoundError:
+                    have = None
+                if have != version:
+                    drift.append(f"{name} {have or 'missing'} (pinned {version})")
+            out["env_drift"] = drift
+    wanted = parse_sysctl_conf(_read(TCP_SYSCTL_FILE))
+    if wanted:
+        for key, value in wanted.items():
+            live = _read("/proc/sys/" + key.replace(".", "/"))
+            if live is None or " ".join(live.split()) != value:
+                out["tcp_differs"].append(f"{key} = {live} (persisted {value})")
+        out["tcp_tuned"] = not out["tcp_differs"]
+    else:
+        out["tcp_tuned"] = False
+    if shutil.which("nft"):
+        p = _run(["nft", "list", "table", *FIREWALL_TABLE])
+        if p is not None:
+            denied = "Operation not permitted" in (p.stderr or "")
+            out["firewall_up"] = None if denied else p.returncode == 0
+    else:
+        out["firewall_up"] = False
+    if overlay_interface:
+        p = _run(["ip", "-o", "-4", "addr", "show", "dev", overlay_interface])
+        if p is not None and p.returncode == 0:
+            m = re.search(r"inet\s+(\S+)", p.stdout)
+            out["overlay_address"] = m.group(1).split("/")[0] if m else None
+            link = _run(["ip", "-o", "link", "show", "dev", overlay_interface])
+            up = link is not None and link.returncode == 0 and ("state UP" in link.stdout or ",UP" in link.stdout)
+            out["overlay_up"] = bool(up and out["overlay_address"])
+    return out
+
+
 def disk_facts(workdir, size_bytes, budget_s):
     path = os.path.abspath(os.path.expanduser(workdir))
     out = {"workdir": path, "disk_free_bytes": None, "disk_read_mb_s": None, "disk_error": None}
@@ -361,6 +438,7 @@ def main(argv):
     gpus = gpu_facts()
     facts["gpus"] = gpus or torch_gpus
     facts["driver"] = gpus[0]["driver"] if gpus else None
+    facts["provision"] = provision_facts(opts.get("workdir", "~/vpscluster"), opts.get("overlay_interface"))
     facts["probe_seconds"] = round(time.time() - started, 3)
     sys.stdout.write(json.dumps(facts) + "\n")
     return 0
