@@ -31,11 +31,21 @@ def node_table(probe: dict):
             n["name"], cpu,
             f"{n['memory_bytes'] / 2**30:.0f}G" if n.get("memory_bytes") else "-", gpus,
             _num(n.get("disk_read_mb_s"), ".0f"),
-            n.get("python") or "-", n.get("torch") or "[red]missing[/]", n.get("cuda") or "-",
+            n.get("python") or "-", n.get("torch") or "[red]missing[/]", _cuda_cell(n),
             _num(n["flops"] / 1e9 if n.get("flops") else None, ".1f"),
             f"{offset * 1000:+.1f}" if offset is not None else "-",
         )
     return t
+
+
+def _cuda_cell(n: dict) -> str:
+    """torch's CUDA build; on GPU nodes with the driver (red when they do not fit)."""
+    g = n.get("gpu_check") or {}
+    text = n.get("cuda") or "-"
+    if not g.get("gpu"):
+        return text
+    text = f"{n.get('cuda') or 'cpu'} drv {g.get('driver') or '?'}"
+    return f"[red]{text}[/]" if g.get("status") in ("mismatch", "driver error", "cpu build") else text
 
 
 def matrix_table(probe: dict, key: str, title: str, fmt: str):

@@ -79,9 +79,57 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
     if "overlay" in chosen and not check:
         report["overlay"] = record_overlay(cluster, report)
     if "env" in chosen:
+        add_gpu_checks(cluster, report, timeout_s=min(timeout_s, 120.0))
+    if "env" in chosen:
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
     return report
+
+
+def gpu_check_command(node) -> str:
+    """The node's CUDA/driver pairing, with the provisioned venv's Python where there is one."""
+    import shlex
+
+    from vpscluster import nodeside
+    from vpscluster.launch.commands import shell_path
+
+    venv_python = f"{node.workdir.rstrip('/')}/venv/bin/python"
+    argv = nodeside.command("PY", "facts", "--gpu-check")[1:]
+    return (f"p={shell_path(venv_python)}; [ -x \"$p\" ] || p={shlex.quote(node.python)}; "
+            f"exec \"$p\" {shlex.join(argv)}")
+
+
+def add_gpu_checks(cluster: Cluster, report: dict, timeout_s: float) -> None:
+    """Each node's NVIDIA driver against the installed torch's CUDA build (`gpu_check` per node:
+    "no GPU" on CPU nodes). A node whose torch cannot use its GPU with that driver fails."""
+    import asyncio
+
+    from vpscluster import nodeside
+    from vpscluster.cluster.inventory import open_executors
+
+    async def gather() -> dict[str, dict]:
+        async with open_executors(cluster) as executors:
+            async def one(ex):
+                r = await ex.run(gpu_check_command(ex.node), timeout_s=timeout_s)
+                doc = nodeside.parse_json_output(r.stdout) if r.stdout else None
+                return ex.node.name, doc or {"status": "unknown", "message": f"gpu check failed: {r.reason()}"}
+            return dict(await asyncio.gather(*(one(ex) for ex in executors)))
+
+    checks = asyncio.run(gather())
+    for n in report["nodes"]:
+        g = checks.get(n["name"])
+        if g is None:
+            continue
+        n["gpu_check"] = g
+        if g.get("status") in ("mismatch", "driver error"):
+            n["errors"].append(f"env: CUDA/driver: {g.get('message')}")
+            n["status"] = "failed"
+        elif g.get("gpu"):
+            n["notes"].append(f"CUDA/driver: {g.get('message')}")
+    bad = [n["name"] for n in report["nodes"] if n.get("gpu_check", {}).get("status") in ("mismatch", "driver error")]
+    if bad:
+        report["ok"] = False
+        report["summary"] += f"; torch's CUDA build does not fit the driver on {', '.join(bad)}"
 
 
 def record_overlay(cluster: Cluster, report: dict) -> dict | None:
