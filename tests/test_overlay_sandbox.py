@@ -126,6 +126,28 @@ def test_train_runs_over_the_overlay_by_itself(meshed, cli):
     assert after[eth] - before[eth] >= wg, (after[eth] - before[eth], wg)
 
 
+def test_batch_workers_join_the_scheduler_over_the_overlay(meshed, cli):
+    """Dask too: the workers listen on and reach the scheduler at overlay addresses (their own
+    log lines say where), while this machine's client reaches the scheduler over the underlay."""
+    from vpscluster.jobs.outputs import LOG_DIR
+
+    info, _, root, _ = meshed
+    code = root / "code"
+    code.mkdir(exist_ok=True)
+    (code / "ovfns.py").write_text("def score(rows):\n    return [{'id': r['id'], 'n': len(r['text'])} for r in rows]\n")
+    data = root / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "text": "x" * i}) + "\n" for i in range(40)))
+    out = root / "batch-out"
+    r = cli("batch", "--cluster", info.cluster_file, "--fn", "ovfns:score", "--input", str(data), "--output", str(out),
+            "--code", str(code), "--partition-rows", "10", "--json", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["rows_out"] == 40
+    logs = "".join(p.read_text() for p in (out / LOG_DIR).glob("*.log"))
+    assert "tcp://10.77.0.1:" in logs and "tcp://10.77.0.2:" in logs, logs[-3000:]
+    underlay = [n.address for n in info.nodes]
+    assert not any(f"Start worker at:       tcp://{a}" in logs for a in underlay)
+
+
 def test_a_node_whose_overlay_is_down_is_refused_with_the_fix(meshed, cli):
     info, _, root, config = meshed
     assert ssh_run(info, "node-2", "ip link del vpsc0").returncode == 0
