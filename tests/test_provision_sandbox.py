@@ -168,6 +168,8 @@ def test_env_one_pinned_venv_per_node_found_and_fixed_after_a_hand_change(own_ro
         assert r.stdout.split()[-1] == reqs["pyyaml"]
         assert not Path(venv).exists()  # on the node's own disk only
     assert hashes == {first["env"]["hash"]}
+    # CPU nodes: the CUDA/driver check says so, without failing anything.
+    assert [n["gpu_check"]["status"] for n in first["nodes"]] == ["no GPU", "no GPU"], first["nodes"]
     assert run()["summary"] == "no changes"
 
     # By hand on node-2: a package removed. --check finds it there only; provision fixes it.

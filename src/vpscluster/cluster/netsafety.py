@@ -82,7 +82,11 @@ def public_nodes(cluster) -> list[tuple[str, str]]:
 
 def require_safe_network(cluster) -> None:
     """Refuse (UserError) a launch over public addresses without an overlay or an explicit opt-in."""
-    if getattr(cluster, "insecure_network", False) or getattr(cluster, "overlay", None):
+    if getattr(cluster, "insecure_network", False):
+        return
+    from vpscluster.cluster import overlay
+
+    if overlay.load(cluster) is not None:  # traffic goes over the provisioned WireGuard mesh
         return
     exposed = public_nodes(cluster)
     if not exposed:
@@ -91,6 +95,6 @@ def require_safe_network(cluster) -> None:
     where = f" --cluster {cluster.source}" if getattr(cluster, "source", None) else ""
     raise UserError(
         f"refusing to launch over public addresses: {shown}; torch.distributed's rendezvous store and gloo accept "
-        f"anyone who connects (no authentication, no encryption). Fix: `vpscluster provision{where}` (firewall to "
-        "the cluster's peers) and use private or overlay addresses in the cluster file, or pass --insecure-network "
+        f"anyone who connects (no authentication, no encryption). Fix: `vpscluster provision{where}` (a WireGuard "
+        "overlay that launches then use by themselves, and a firewall to the cluster's peers), or pass --insecure-network "
         "(cluster file: insecure_network: true) to accept the risk")

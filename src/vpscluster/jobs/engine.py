@@ -40,6 +40,9 @@ class DaskCluster:
     log_dir: str = ""
     code_dirs: dict[str, str | None] = field(default_factory=dict)  # node -> the user's code there
     params: dict[str, dict[str, str]] = field(default_factory=dict)  # node -> function arguments there
+    # Where this machine's client reaches the scheduler; "" = scheduler_address. Differs over an
+    # overlay: the nodes talk over the mesh, the controller (not on it) over the underlay.
+    client_address: str = ""
 
     def node_of(self, worker_name: str) -> str:
         return worker_name.rsplit("/", 1)[0]
@@ -73,6 +76,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
 
     by_name = {ex.node.name: ex for ex in executors}
     workdirs = await pf.resolve_workdirs(executors, timeout_s)
+    endpoints = pf.node_endpoints(cluster)  # the overlay's addresses once provisioned, as train and run
     package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
     code_dirs: dict[str, str | None] = {}
     pythonpath: dict[str, str] = {}
@@ -124,13 +128,23 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
                     f"{distributed.__version__}; install the same version everywhere if workers misbehave")
         gpus = int(ex.node.labels.get("gpus", 0) or 0)
         slots = workers_per_node or cap["slots"]
-        return NodeWorkers(ex.node.name, pf.resolve_address(ex.node.host), cap["cores"], slots, gpus)
+        end = endpoints[ex.node.name]
+        if end.via == "overlay":
+            await pf.check_endpoint(ex, end, endpoints[cluster.head].address, timeout_s, cluster.source)
+        return NodeWorkers(ex.node.name, end.address, cap["cores"], slots, gpus)
 
     nodes = {n.name: n for n in await asyncio.gather(*(size(ex) for ex in executors))}
     head = nodes[cluster.head]
     port = _free_port_here(head.address) if by_name[cluster.head].node.local else \
         await pf.free_port(by_name[cluster.head], head.address, timeout_s)
     dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, cluster.head, code_dirs=code_dirs, params=node_params)
+    listen = head.address
+    if endpoints[cluster.head].via == "overlay":
+        # Workers join over the mesh; this machine's client over the underlay (the firewall
+        # admits only peers and the controller there), so the scheduler listens on both.
+        underlay = pf.resolve_address(cluster.head_node.host)
+        listen = "::" if ":" in underlay else "0.0.0.0"
+        dask.client_address = f"tcp://{'[' + underlay + ']' if ':' in underlay else underlay}:{port}"
     dask.log_dir = log_dir
     os.makedirs(log_dir, exist_ok=True)
 
@@ -151,7 +165,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
         return on_line
 
     sched = [by_name[cluster.head].node.python, "-m", "distributed.cli.dask_scheduler",
-             "--host", head.address, "--port", str(port), "--no-dashboard"]
+             "--host", listen, "--port", str(port), "--no-dashboard"]
     dask.handles.append(await by_name[cluster.head].start(
         _command(workdirs[cluster.head], env_for(cluster.head), sched), on_line=log_to(cluster.head)))
     for name, n in nodes.items():
@@ -171,7 +185,7 @@ async def connect(dask: DaskCluster, timeout_s: float):
     """An asynchronous Dask client, once every worker has joined."""
     from distributed import Client
 
-    client = await asyncio.wait_for(Client(dask.scheduler_address, asynchronous=True, timeout=timeout_s,
+    client = await asyncio.wait_for(Client(dask.client_address or dask.scheduler_address, asynchronous=True, timeout=timeout_s,
                                            set_as_default=False), timeout_s)
     want = sum(n.slots for n in dask.nodes.values())
     try:

@@ -145,18 +145,25 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int) -> li
 
 def dry_run(job: Job) -> dict[str, Any]:
     """The per-node commands and environment, touching no node."""
+    from vpscluster.launch.preflight import node_endpoints
     from vpscluster.probe.store import load_probe
 
     probe = load_probe(job.cluster, None)
     facts = {n["name"]: n for n in (probe or {}).get("nodes", [])}
+    endpoints = node_endpoints(job.cluster, facts, resolve=False)
     states, synced, notes = {}, {}, []
     for node in job.cluster.nodes:
         f = facts.get(node.name, {})
         gpus = f.get("gpus") or []
-        states[node.name] = NodeState(node.name, node.host, node.workdir, interface=f.get("interface"),
+        end = endpoints[node.name]
+        states[node.name] = NodeState(node.name, end.address, node.workdir, interface=end.interface,
                                       gpus=len(gpus) if isinstance(gpus, list) else int(gpus),
                                       cuda=bool(f.get("cuda_available")))
         synced[node.name] = {s.key: posixpath.join(node.workdir, s.remote_rel) for s in job.syncs}
+    if any(e.via == "overlay" for e in endpoints.values()):
+        iface = next(iter(endpoints.values())).interface
+        notes.append(f"network: the provisioned WireGuard overlay ({iface}); its addresses carry the rendezvous "
+                     "and gloo/NCCL (checked on each node at launch)")
     if any(s.interface is None for s in states.values()):
         notes.append("GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: found on each node at launch (`ip -o addr`); "
                      "run `vpscluster probe` to see them here")

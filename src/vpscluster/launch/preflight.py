@@ -112,22 +112,70 @@ async def free_port(executor, address: str, timeout_s: float) -> int:
     return int(r.stdout.strip().splitlines()[-1])
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a node's cluster traffic goes: the address it binds to and advertises, its interface."""
+
+    address: str
+    interface: str | None  # None: unknown until asked on the node
+    via: str  # "overlay" (the provisioned WireGuard mesh) or "underlay" (the cluster file's host)
+
+
+def node_endpoints(cluster, facts: dict[str, dict] | None = None, resolve: bool = True) -> dict[str, Endpoint]:
+    """The one place deciding the addresses of train, run and batch: each node's overlay address
+    and interface when `vpscluster provision` made an overlay for these nodes (cluster/overlay.py),
+    else the cluster file's host (resolved here unless `resolve` is False) and the interface the
+    probe found for it."""
+    from vpscluster.cluster import overlay
+
+    mesh = None if cluster.is_local else overlay.load(cluster)
+    out = {}
+    for node in cluster.nodes:
+        if mesh is not None:
+            out[node.name] = Endpoint(mesh.addresses[node.name], mesh.interface, "overlay")
+        else:
+            f = (facts or {}).get(node.name, {})
+            out[node.name] = Endpoint(resolve_address(node.host) if resolve else node.host, f.get("interface"), "underlay")
+    return out
+
+
+async def check_endpoint(ex, endpoint: Endpoint, head_address: str, timeout_s: float, source: str | None = None) -> str:
+    """The interface carrying the node's traffic: an overlay's interface must hold the node's
+    overlay address (else RemoteError with the fix); an unknown underlay one is looked up."""
+    if endpoint.via != "overlay":
+        if endpoint.interface:
+            return endpoint.interface
+        return (await find_interface(ex, endpoint.address, head_address, timeout_s)).name
+    from vpscluster.launch.netif import interface_for_address
+
+    r = await ex.run("ip -o addr", timeout_s=timeout_s)
+    if not r.ok:
+        raise RemoteError(f"node {ex.node.name}: could not list its network interfaces with `ip -o addr`: {r.reason()}")
+    if interface_for_address(r.stdout, endpoint.address) != endpoint.interface:
+        where = f" --cluster {source}" if source else ""
+        raise RemoteError(f"node {ex.node.name}: the overlay is not up there ({endpoint.interface} does not carry "
+                          f"{endpoint.address}); bring it back with `vpscluster provision{where} --only overlay`")
+    return endpoint.interface
+
+
 async def preflight(cluster, executors, facts: dict[str, dict], timeout_s: float) -> dict[str, NodeState]:
-    """Workdirs, interfaces and accelerators of every node (facts from the probe where it has them)."""
+    """Workdirs, interfaces and accelerators of every node (facts from the probe where it has them);
+    addresses and interfaces from `node_endpoints` (the overlay's, once provisioned)."""
     workdirs = await resolve_workdirs(executors, timeout_s)
-    head = cluster.head_node
+    endpoints = node_endpoints(cluster, facts)
+    head_address = endpoints[cluster.head].address
 
     async def one(ex) -> NodeState:
         node = ex.node
         f = facts.get(node.name, {})
         gpus = f.get("gpus") or []
+        end = endpoints[node.name]
         state = NodeState(
-            node.name, resolve_address(node.host), workdirs[node.name], interface=f.get("interface"),
+            node.name, end.address, workdirs[node.name], interface=end.interface,
             gpus=len(gpus) if isinstance(gpus, list) else int(gpus or 0),
             cuda=bool(f.get("cuda_available")), facts=f,
         )
-        if not state.interface:
-            state.interface = (await find_interface(ex, state.address, resolve_address(head.host), timeout_s)).name
+        state.interface = await check_endpoint(ex, end, head_address, timeout_s, cluster.source)
         return state
 
     states = await asyncio.gather(*(one(ex) for ex in executors))

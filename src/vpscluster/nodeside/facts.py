@@ -220,19 +220,182 @@ def interface_for(address):
     return exact or containing
 
 
-def gpu_facts():
-    gpus, driver = [], None
-    if shutil.which("nvidia-smi"):
+def parse_gpu_query(text):
+    """`nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader,nounits`
+    -> [{"name", "memory_bytes", "driver"}] (lines that do not parse are skipped)."""
+    gpus = []
+    for line in (text or "").strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) < 3:
+            continue
         try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=15).stdout
-            for line in out.strip().splitlines():
-                name, mem_mib, driver = [x.strip() for x in line.split(",")][:3]
-                gpus.append({"name": name, "memory_bytes": int(float(mem_mib)) * 2**20, "driver": driver})
-        except (OSError, subprocess.SubprocessError, ValueError):
-            pass
+            gpus.append({"name": parts[0], "memory_bytes": int(float(parts[1])) * 2**20, "driver": parts[2]})
+        except ValueError:
+            continue
     return gpus
+
+
+def parse_nvidia_smi(text):
+    """Plain `nvidia-smi` (its banner) or `nvidia-smi -q` -> {"driver", "driver_cuda"}: the driver
+    version and the newest CUDA version that driver supports; None where absent."""
+    driver = re.search(r"Driver Version\s*:?\s*([0-9][0-9.]*)", text or "")
+    cuda = re.search(r"CUDA Version\s*:?\s*([0-9][0-9.]*)", text or "")
+    return {"driver": driver.group(1) if driver else None, "driver_cuda": cuda.group(1) if cuda else None}
+
+
+def _major_minor(version):
+    m = re.match(r"(\d+)(?:\.(\d+))?", version or "")
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def cuda_pairing(smi, torch_version, torch_cuda, cuda_available, gpu_count):
+    """Whether the installed torch's CUDA build fits this node's driver.
+
+    smi: None (no nvidia-smi: no GPU), or parse_nvidia_smi's dict plus "error" when nvidia-smi
+    failed. Returns {"gpu", "status", "driver", "driver_cuda", "torch_cuda", "message"}; status is
+    "no GPU", "ok", "mismatch" (torch cannot use the GPU with this driver), "cpu build" (torch has
+    no CUDA: the GPU sits idle), "no torch", or "driver error" (nvidia-smi cannot talk to the driver).
+    A torch built for a newer CUDA minor of the same major runs on an older driver of that major
+    (CUDA minor-version compatibility), so that is "ok" with a note.
+    """
+    out = {"gpu": smi is not None, "status": "no GPU", "driver": None, "driver_cuda": None, "torch_cuda": torch_cuda,
+           "message": "no GPU (nvidia-smi not found)"}
+    if smi is None:
+        return out
+    out.update(driver=smi.get("driver"), driver_cuda=smi.get("driver_cuda"))
+    if smi.get("error") or not smi.get("driver"):
+        out.update(status="driver error", message=f"nvidia-smi cannot talk to the driver: {smi.get('error') or 'no driver version'}; "
+                   "install or load the NVIDIA driver")
+        return out
+    if not torch_version:
+        out.update(status="no torch", message=f"driver {out['driver']} (CUDA {out['driver_cuda']}); torch is not installed")
+        return out
+    if not torch_cuda:
+        out.update(status="cpu build", message=f"torch {torch_version} is a CPU build: the GPU goes unused; "
+                   f"install a CUDA build of torch for CUDA <= {out['driver_cuda']}")
+        return out
+    have, want = _major_minor(out["driver_cuda"]), _major_minor(torch_cuda)
+    if have is None or want is None:
+        out.update(status="ok" if cuda_available else "mismatch",
+                   message=f"driver {out['driver']}, torch built for CUDA {torch_cuda}")
+    elif want[0] > have[0]:
+        out.update(status="mismatch", message=f"torch {torch_version} is built for CUDA {torch_cuda} but driver "
+                   f"{out['driver']} supports CUDA {out['driver_cuda']} at most: upgrade the driver, or install "
+                   f"torch built for CUDA {have[0]}.x")
+    elif want > have:
+        out.update(status="ok", message=f"torch built for CUDA {torch_cuda} on driver {out['driver']} (CUDA "
+                   f"{out['driver_cuda']}): works through CUDA minor-version compatibility (no PTX JIT)")
+    else:
+        out.update(status="ok", message=f"driver {out['driver']} (CUDA {out['driver_cuda']}) runs torch's CUDA {torch_cuda}")
+    if out["status"] == "ok" and gpu_count and not cuda_available:
+        out.update(status="mismatch", message=out["message"] + "; yet torch.cuda.is_available() is False "
+                   "(driver not loaded for this user, or CUDA_VISIBLE_DEVICES hides the GPUs)")
+    return out
+
+
+def gpu_facts():
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        p = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"], 15)
+        if p is not None and p.returncode == 0:
+            gpus = parse_gpu_query(p.stdout)
+    return gpus
+
+
+def nvidia_smi():
+    """parse_nvidia_smi of this node's `nvidia-smi`, with "error" when it fails; None: no nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    p = _run(["nvidia-smi"], 15)
+    if p is None:
+        return {"driver": None, "driver_cuda": None, "error": "nvidia-smi did not answer within 15 s"}
+    found = parse_nvidia_smi(p.stdout)
+    if p.returncode != 0:
+        lines = (p.stdout + p.stderr).strip().splitlines()
+        found["error"] = lines[0] if lines else f"exit status {p.returncode}"
+    return found
+
+
+def gpu_check(torch_info, gpu_count):
+    return cuda_pairing(nvidia_smi(), torch_info.get("torch"), torch_info.get("cuda"),
+                        bool(torch_info.get("cuda_available")), gpu_count)
+
+
+TCP_SYSCTL_FILE = "/etc/sysctl.d/60-vpscluster-tcp.conf"  # what `vpscluster provision` (role tcp) writes
+FIREWALL_TABLE = ("inet", "vpscluster")  # role firewall's nftables table
+
+
+def _run(argv, timeout=5):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p
+
+
+def parse_sysctl_conf(text):
+    """`key = value` lines (comments skipped) -> {key: value with single spaces}."""
+    out = {}
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")) or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        out[key.strip()] = " ".join(value.split())
+    return out
+
+
+def provision_facts(workdir, overlay_interface):
+    """What `vpscluster provision` left on this node: the env venv's hash (and drift from it when
+    this Python is that venv), the tcp sysctls persisted vs live, the firewall table loaded, the
+    overlay interface up with its address. None where it cannot be told (no permission)."""
+    out = {"env_hash": None, "env_venv": None, "env_drift": None, "tcp_tuned": None, "tcp_differs": [],
+           "firewall_up": None, "overlay_interface": overlay_interface, "overlay_up": False, "overlay_address": None}
+    venv = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "venv")
+    marker = _read(os.path.join(venv, "vpscluster-env.json"))
+    if marker:
+        try:
+            doc = json.loads(marker)
+        except ValueError:
+            doc = {}
+        out["env_hash"], out["env_venv"] = doc.get("env_hash"), venv
+        if os.path.realpath(sys.prefix) == os.path.realpath(venv):
+            from importlib import metadata
+
+            drift = []
+            for name, version in sorted((doc.get("packages") or {}).items()):
+                try:
+                    have = metadata.version(name)
+                except metadata.PackageNotFoundError:
+                    have = None
+                if have != version:
+                    drift.append(f"{name} {have or 'missing'} (pinned {version})")
+            out["env_drift"] = drift
+    wanted = parse_sysctl_conf(_read(TCP_SYSCTL_FILE))
+    if wanted:
+        for key, value in wanted.items():
+            live = _read("/proc/sys/" + key.replace(".", "/"))
+            if live is None or " ".join(live.split()) != value:
+                out["tcp_differs"].append(f"{key} = {live} (persisted {value})")
+        out["tcp_tuned"] = not out["tcp_differs"]
+    else:
+        out["tcp_tuned"] = False
+    if shutil.which("nft"):
+        p = _run(["nft", "list", "table", *FIREWALL_TABLE])
+        if p is not None:
+            denied = "Operation not permitted" in (p.stderr or "")
+            out["firewall_up"] = None if denied else p.returncode == 0
+    else:
+        out["firewall_up"] = False
+    if overlay_interface:
+        p = _run(["ip", "-o", "-4", "addr", "show", "dev", overlay_interface])
+        if p is not None and p.returncode == 0:
+            m = re.search(r"inet\s+(\S+)", p.stdout)
+            out["overlay_address"] = m.group(1).split("/")[0] if m else None
+            link = _run(["ip", "-o", "link", "show", "dev", overlay_interface])
+            up = link is not None and link.returncode == 0 and ("state UP" in link.stdout or ",UP" in link.stdout)
+            out["overlay_up"] = bool(up and out["overlay_address"])
+    return out
 
 
 def disk_facts(workdir, size_bytes, budget_s):
@@ -339,6 +502,17 @@ def _matmul_flops(torch, seconds):
 
 
 def main(argv):
+    if argv[1:2] == ["--gpu-check"]:  # only the CUDA/driver pairing (vpscluster provision asks for it)
+        info = {"torch": None, "cuda": None, "cuda_available": False}
+        try:
+            import torch
+
+            info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+        except Exception:
+            pass
+        count = len(gpu_facts())
+        sys.stdout.write(json.dumps(gpu_check(info, count)) + "\n")
+        return 0
     opts = json.loads(argv[1]) if len(argv) > 1 else {}
     started = time.time()
     facts = {"python": platform.python_version(), "python_executable": sys.executable}
@@ -361,6 +535,8 @@ def main(argv):
     gpus = gpu_facts()
     facts["gpus"] = gpus or torch_gpus
     facts["driver"] = gpus[0]["driver"] if gpus else None
+    facts["gpu_check"] = gpu_check(tfacts, len(facts["gpus"]))
+    facts["provision"] = provision_facts(opts.get("workdir", "~/vpscluster"), opts.get("overlay_interface"))
     facts["probe_seconds"] = round(time.time() - started, 3)
     sys.stdout.write(json.dumps(facts) + "\n")
     return 0

@@ -81,7 +81,11 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         done += 1
         report("nodes", done, len(nodes))
 
-    records = await gather_facts(nodes, executors, settings.facts, on_node)
+    from vpscluster.cluster import overlay as overlay_record
+
+    mesh = None if cluster.is_local else overlay_record.load(cluster)
+    records = await gather_facts(nodes, executors, settings.facts, on_node,
+                                 overlay_interface=mesh.interface if mesh else overlay_record.DEFAULT_INTERFACE)
     facts = {r["name"]: r for r in records}
     up = [n for n in nodes if facts[n.name]["reachable"]]
 
@@ -94,6 +98,17 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         rates = [facts[x]["advertised_bandwidth_mbit"] for x in (link["src"], link["dst"])
                  if facts[x].get("advertised_bandwidth_mbit")]
         link["advertised_mbit"] = min(rates) if rates else None
+
+    overlay_links: list[dict] = []
+    if mesh is not None and len(up) > 1:
+        # The same link test between the overlay addresses: what WireGuard costs on these links.
+        import dataclasses
+
+        over = [dataclasses.replace(n, host=mesh.addresses[n.name]) for n in up]
+        if steps:
+            report("overlay links", 0, steps)
+        overlay_links = await measure_links(over, executors, settings.links,
+                                            lambda i, total: report("overlay links", i, total))
 
     collectives = []
     with_torch = [n for n in up if facts[n.name].get("torch") and
@@ -119,12 +134,65 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         "nodes": [_node_record(facts[n.name]) for n in cluster.nodes],
         "links": links,
         "collectives": collectives,
+        "provisioning": provisioning_summary(cluster, facts, mesh),
+        "overlay_links": overlay_links,
+        "overlay_cost": overlay_cost(links, overlay_links) if mesh is not None else None,
     }
     probe["problems"] = find_problems(probe, settings.thresholds)
     probe["duration_s"] = round(time.time() - started, 2)
     if save:
         probe["saved_to"] = str(save_probe(cluster, probe))
     return probe
+
+
+def provisioning_summary(cluster, facts: dict[str, dict], mesh) -> dict:
+    """What `vpscluster provision` left, per node (the node records' `provision`) and for the cluster:
+    one env hash everywhere and no drift from it, tcp tuned, firewall and overlay up."""
+    per = {}
+    for n in cluster.nodes:
+        f = facts.get(n.name, {})
+        p = dict(f.get("provision") or {}) if f.get("reachable") else {}
+        if mesh is not None and p:
+            p["overlay_expected"] = mesh.addresses.get(n.name)
+            p["overlay_up"] = bool(p.get("overlay_up")) and p.get("overlay_address") == p["overlay_expected"]
+        per[n.name] = p
+    reached = [p for p in per.values() if p]
+    hashes = {p.get("env_hash") for p in reached}
+
+    def every(key: str) -> bool | None:
+        values = [p.get(key) for p in reached]
+        return None if not values or any(v is None for v in values) else all(values)
+
+    return {
+        "env_hash": next(iter(hashes)) if len(hashes) == 1 else None,
+        "env_hash_match": (len(hashes) == 1 and None not in hashes and not any(p.get("env_drift") for p in reached))
+                          if reached else None,
+        "tcp_tuned": every("tcp_tuned"), "firewall_up": every("firewall_up"),
+        "overlay": mesh.to_dict() if mesh is not None else None,
+        "overlay_up": every("overlay_up") if mesh is not None else False,
+        "nodes": [{"name": name, **p} for name, p in per.items()],
+    }
+
+
+def overlay_cost(links: list[dict], overlay_links: list[dict]) -> dict:
+    """Per ordered pair: bandwidth and RTT through the overlay against the underlay, and the
+    medians over the pairs (`bandwidth_ratio` < 1: the overlay is slower)."""
+    import statistics
+
+    under = {(l["src"], l["dst"]): l for l in links}
+    pairs = []
+    for o in overlay_links:
+        u = under.get((o["src"], o["dst"]), {})
+        ub, ob, ur, orr = u.get("bandwidth_mbit"), o.get("bandwidth_mbit"), u.get("rtt_ms"), o.get("rtt_ms")
+        pairs.append({"src": o["src"], "dst": o["dst"], "underlay_mbit": ub, "overlay_mbit": ob,
+                      "bandwidth_ratio": round(ob / ub, 3) if ub and ob is not None else None,
+                      "underlay_rtt_ms": ur, "overlay_rtt_ms": orr,
+                      "rtt_added_ms": round(orr - ur, 3) if ur is not None and orr is not None else None,
+                      **({"error": o["error"]} if o.get("error") else {})})
+    ratios = [p["bandwidth_ratio"] for p in pairs if p["bandwidth_ratio"] is not None]
+    added = [p["rtt_added_ms"] for p in pairs if p["rtt_added_ms"] is not None]
+    return {"links": pairs, "bandwidth_ratio": round(statistics.median(ratios), 3) if ratios else None,
+            "rtt_added_ms": round(statistics.median(added), 3) if added else None}
 
 
 def _node_record(facts: dict) -> dict:

@@ -27,9 +27,10 @@ def _base(node) -> dict:
             "advertised_bandwidth_mbit": node.advertised_bandwidth_mbit}
 
 
-async def gather_one(node, ex, settings: FactsSettings) -> dict:
+async def gather_one(node, ex, settings: FactsSettings, overlay_interface: str | None = None) -> dict:
     opts = {"address": node.host, "workdir": node.workdir, "compute_seconds": settings.compute_seconds,
-            "disk_bytes": settings.disk_bytes, "disk_budget_s": settings.disk_budget_s}
+            "disk_bytes": settings.disk_bytes, "disk_budget_s": settings.disk_budget_s,
+            "overlay_interface": overlay_interface}
     result = await ex.run(nodeside.command(node.python, "facts", json.dumps(opts)), timeout_s=settings.timeout_s)
     record = _base(node)
     data = nodeside.parse_json_output(result.stdout) if result.stdout else None
@@ -53,9 +54,9 @@ async def gather_one(node, ex, settings: FactsSettings) -> dict:
 
 
 async def gather_facts(nodes: Sequence, executors: dict, settings: FactsSettings,
-                       on_node: Callable[[dict], None] | None = None) -> list[dict]:
+                       on_node: Callable[[dict], None] | None = None, overlay_interface: str | None = None) -> list[dict]:
     async def one(n):
-        record = await gather_one(n, executors[n.name], settings)
+        record = await gather_one(n, executors[n.name], settings, overlay_interface)
         if on_node:
             on_node(record)
         return record

@@ -91,6 +91,15 @@ def _software(up: list[dict]) -> list[dict]:
         if not n.get("gloo_available") and not n.get("nccl_available"):
             out.append(problem("error", "gloo_missing", f"{n['name']}: torch.distributed has neither gloo nor NCCL",
                                [n["name"]], "install a standard PyTorch build (the pip wheels include gloo)"))
+    for n in up:  # the CUDA build of torch against the node's NVIDIA driver (nodeside facts gpu_check)
+        g = n.get("gpu_check") or {}
+        if g.get("status") in ("mismatch", "driver error"):
+            out.append(problem("error", "cuda_driver_mismatch", f"{n['name']}: {g.get('message')}", [n["name"]],
+                               "match the driver and torch's CUDA build (vpscluster provision pins torch; "
+                               "upgrade the driver or pick the torch build for its CUDA)"))
+        elif g.get("status") == "cpu build":
+            out.append(problem("warning", "gpu_unused", f"{n['name']}: {g.get('message')}", [n["name"]],
+                               "install a CUDA build of torch on that node"))
     # Versions must match exactly across nodes; Python only to the minor version (a differing
     # patch level is worth knowing but not a reason to stop).
     checks = [("torch", "PyTorch", with_torch, "error"), ("cuda", "CUDA", with_torch, "error"),

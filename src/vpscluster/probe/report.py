@@ -31,11 +31,21 @@ def node_table(probe: dict):
             n["name"], cpu,
             f"{n['memory_bytes'] / 2**30:.0f}G" if n.get("memory_bytes") else "-", gpus,
             _num(n.get("disk_read_mb_s"), ".0f"),
-            n.get("python") or "-", n.get("torch") or "[red]missing[/]", n.get("cuda") or "-",
+            n.get("python") or "-", n.get("torch") or "[red]missing[/]", _cuda_cell(n),
             _num(n["flops"] / 1e9 if n.get("flops") else None, ".1f"),
             f"{offset * 1000:+.1f}" if offset is not None else "-",
         )
     return t
+
+
+def _cuda_cell(n: dict) -> str:
+    """torch's CUDA build; on GPU nodes with the driver (red when they do not fit)."""
+    g = n.get("gpu_check") or {}
+    text = n.get("cuda") or "-"
+    if not g.get("gpu"):
+        return text
+    text = f"{n.get('cuda') or 'cpu'} drv {g.get('driver') or '?'}"
+    return f"[red]{text}[/]" if g.get("status") in ("mismatch", "driver error", "cpu build") else text
 
 
 def matrix_table(probe: dict, key: str, title: str, fmt: str):
@@ -82,6 +92,39 @@ def collectives_table(entry: dict):
     return t
 
 
+def _flag(value) -> str:
+    return "-" if value is None else "[green]yes[/]" if value else "[yellow]no[/]"
+
+
+def provisioning_table(probe: dict):
+    """One row per node: what `vpscluster provision` left (env hash, tcp, firewall, overlay)."""
+    from rich.table import Table
+
+    prov = probe.get("provisioning") or {}
+    t = Table(title="Provisioning", title_justify="left")
+    for col in ("node", "env hash", "tcp tuned", "firewall", "overlay"):
+        t.add_column(col)
+    match = prov.get("env_hash_match")
+    for p in prov.get("nodes", []):
+        if not p or len(p) == 1:
+            t.add_row(p.get("name", "?"), "[red]unreachable[/]", "", "", "")
+            continue
+        env = p.get("env_hash") or "-"
+        if p.get("env_drift"):
+            env = f"[red]{env} ({len(p['env_drift'])} differ)[/]"
+        elif p.get("env_hash") and match is False:
+            env = f"[yellow]{env}[/]"
+        ov = p.get("overlay_address") if p.get("overlay_up") else None
+        t.add_row(p["name"], env, _flag(p.get("tcp_tuned")), _flag(p.get("firewall_up")),
+                  f"[green]{p.get('overlay_interface')} {ov}[/]" if ov else _flag(False if prov.get("overlay") else None))
+    cost = probe.get("overlay_cost") or {}
+    if cost.get("bandwidth_ratio") is not None:
+        added = cost.get("rtt_added_ms")
+        t.add_row("overlay cost", "", "", "",
+                  f"bandwidth x{cost['bandwidth_ratio']:.2f}" + (f", RTT {added:+.2f} ms" if added is not None else ""))
+    return t
+
+
 def problems_table(problems: list[dict]):
     from rich.table import Table
 
@@ -108,6 +151,8 @@ def render(probe: dict, console) -> None:
         console.print(f"fitted t(m) = α + m/β: α = {entry['alpha_s'] * 1e3:.3f} ms, β = {beta * 8 / 1e6:.1f} Mbit/s "
                       f"(bus {entry['bus_beta_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
                       if beta else "fitted β: not positive (too noisy)")
+    if (probe.get("cluster") or {}).get("source") and probe.get("provisioning"):
+        console.print(provisioning_table(probe))
     if probe["problems"]:
         console.print(problems_table(probe["problems"]))
     else:

@@ -14,7 +14,9 @@ cluster file (inventory.py), and returns what happened per node and role:
 Idempotent: a second run reports "no changes". `check=True` is Ansible's check mode with diffs:
 what would change, nothing changed. The playbook is plain Ansible and may be run by hand
 (`playbook_dir()`), e.g. `ansible-playbook -i inventory.json site.yml --check --diff`.
-Safety (refusing public launches without an overlay) is in `netsafety.py`.
+Safety (refusing public launches without an overlay) is in `netsafety.py`. After the overlay
+role ran on every node, `report["overlay"]` holds each node's private address and the record
+(cluster/overlay.py) from which train, run and batch bind to the mesh.
 """
 
 from __future__ import annotations
@@ -74,10 +76,74 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
                        progress=progress)
     report = summarize(raw, [n.name for n in cluster.nodes], chosen, check)
     report["tcp_buffer_bytes"] = extra["tcp_buffer_bytes"]
+    if "overlay" in chosen and not check:
+        report["overlay"] = record_overlay(cluster, report)
+    if "env" in chosen:
+        add_gpu_checks(cluster, report, timeout_s=min(timeout_s, 120.0))
     if "env" in chosen:
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
     return report
+
+
+def gpu_check_command(node) -> str:
+    """The node's CUDA/driver pairing, with the provisioned venv's Python where there is one."""
+    import shlex
+
+    from vpscluster import nodeside
+    from vpscluster.launch.commands import shell_path
+
+    venv_python = f"{node.workdir.rstrip('/')}/venv/bin/python"
+    argv = nodeside.command("PY", "facts", "--gpu-check")[1:]
+    return (f"p={shell_path(venv_python)}; [ -x \"$p\" ] || p={shlex.quote(node.python)}; "
+            f"exec \"$p\" {shlex.join(argv)}")
+
+
+def add_gpu_checks(cluster: Cluster, report: dict, timeout_s: float) -> None:
+    """Each node's NVIDIA driver against the installed torch's CUDA build (`gpu_check` per node:
+    "no GPU" on CPU nodes). A node whose torch cannot use its GPU with that driver fails."""
+    import asyncio
+
+    from vpscluster import nodeside
+    from vpscluster.cluster.inventory import open_executors
+
+    async def gather() -> dict[str, dict]:
+        async with open_executors(cluster) as executors:
+            async def one(ex):
+                r = await ex.run(gpu_check_command(ex.node), timeout_s=timeout_s)
+                doc = nodeside.parse_json_output(r.stdout) if r.stdout else None
+                return ex.node.name, doc or {"status": "unknown", "message": f"gpu check failed: {r.reason()}"}
+            return dict(await asyncio.gather(*(one(ex) for ex in executors)))
+
+    checks = asyncio.run(gather())
+    for n in report["nodes"]:
+        g = checks.get(n["name"])
+        if g is None:
+            continue
+        n["gpu_check"] = g
+        if g.get("status") in ("mismatch", "driver error"):
+            n["errors"].append(f"env: CUDA/driver: {g.get('message')}")
+            n["status"] = "failed"
+        elif g.get("gpu"):
+            n["notes"].append(f"CUDA/driver: {g.get('message')}")
+    bad = [n["name"] for n in report["nodes"] if n.get("gpu_check", {}).get("status") in ("mismatch", "driver error")]
+    if bad:
+        report["ok"] = False
+        report["summary"] += f"; torch's CUDA build does not fit the driver on {', '.join(bad)}"
+
+
+def record_overlay(cluster: Cluster, report: dict) -> dict | None:
+    """After the overlay role ran on every node: record it, so launches bind to it (cluster/overlay.py).
+    A failed run records nothing and forgets an older record (the mesh may be half made)."""
+    from vpscluster.cluster import overlay
+    from vpscluster.provision.inventory import OVERLAY_INTERFACE, OVERLAY_SUBNET, overlay_addresses
+
+    if not report.get("ok"):
+        overlay.forget(cluster)
+        return None
+    addresses = overlay_addresses(cluster)
+    path = overlay.save(cluster, OVERLAY_INTERFACE, addresses, OVERLAY_SUBNET)
+    return {"interface": OVERLAY_INTERFACE, "subnet": OVERLAY_SUBNET, "addresses": addresses, "record": str(path)}
 
 
 def refuse_shared_filesystem_sandbox(cluster: Cluster) -> None:

@@ -17,10 +17,12 @@ import socket
 from typing import Any
 
 from vpscluster.cluster.node import Cluster, Node
+from vpscluster.cluster.overlay import DEFAULT_INTERFACE
 from vpscluster.errors import UserError
 
 OVERLAY_SUBNET = "10.77.0.0/24"  # the WireGuard mesh's private addresses, in node order
 OVERLAY_PORT = 51820
+OVERLAY_INTERFACE = DEFAULT_INTERFACE  # what launches bind to afterwards (cluster/overlay.py)
 SEED_BUFFER_BYTES = 16 << 20  # the field's usual minimum for long fat links
 MAX_BUFFER_BYTES = 256 << 20
 
@@ -66,15 +68,21 @@ def ssh_args(cluster: Cluster) -> str:
     return " ".join(shlex.quote(o) for o in opts)
 
 
+def overlay_addresses(cluster: Cluster) -> dict[str, str]:
+    """Each node's private address on the WireGuard mesh, in the cluster file's node order."""
+    subnet = ipaddress.ip_network(OVERLAY_SUBNET)
+    if len(cluster.nodes) > subnet.num_addresses - 2:
+        raise UserError(f"provision: {len(cluster.nodes)} nodes do not fit the overlay subnet {OVERLAY_SUBNET}")
+    return {n.name: str(subnet.network_address + i + 1) for i, n in enumerate(cluster.nodes)}
+
+
 def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) -> dict:
     if cluster.is_local or any(n.local for n in cluster.nodes):
         raise UserError("provision: the local cluster has nothing to provision; pass --cluster with a cluster file "
                         "(or a sandbox's: vpscluster sandbox up --own-root)")
     addresses = {n.name: node_address(n) for n in cluster.nodes}
     subnet = ipaddress.ip_network(OVERLAY_SUBNET)
-    if len(cluster.nodes) > subnet.num_addresses - 2:
-        raise UserError(f"provision: {len(cluster.nodes)} nodes do not fit the overlay subnet {OVERLAY_SUBNET}")
-    overlay = {n.name: str(subnet.network_address + i + 1) for i, n in enumerate(cluster.nodes)}
+    overlay = overlay_addresses(cluster)
     hosts: dict[str, dict] = {}
     for n in cluster.nodes:
         h: dict[str, Any] = {
@@ -101,6 +109,7 @@ def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) 
         "firewall_ssh_from": list(cluster.firewall_ssh_from),
         "firewall_overlay_port": OVERLAY_PORT,
         "overlay_port": OVERLAY_PORT,
+        "overlay_interface": OVERLAY_INTERFACE,
         "overlay_prefix": subnet.prefixlen,
         **(extra_vars or {}),
     }

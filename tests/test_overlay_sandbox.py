@@ -1,0 +1,165 @@
+"""After `vpscluster provision` made the WireGuard overlay, `train --cluster` binds to it by itself:
+on a real 2-node sandbox with per-node filesystems, the launch's rendezvous endpoint, each node's
+--local-addr and GLOO/NCCL_SOCKET_IFNAME are the overlay's, the gradients' bytes show up on the
+WireGuard interface's counters, and a node whose overlay went down is refused before anything
+starts, with the fix."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import secrets
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason, ssh_run
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def lend_host_python(info) -> None:
+    """This machine's interpreter (and the torch of its venv) on every node, read-only, as on a VPS
+    image with Python preinstalled: own-root nodes see the host's files, but /root is each node's
+    fresh home, and the interpreter behind the venv may live there (pyenv). Bound inside the
+    node's mount namespace (where its sshd runs), so the host sees nothing of it."""
+    import subprocess
+    import sys
+
+    prefix = sys.base_prefix
+    if not (prefix == "/root" or prefix.startswith(("/root/", "/tmp/"))):
+        return  # visible through the node's overlay of / already
+    for n in info.nodes:
+        node_dir = Path(info.state_dir) / "nodes" / n.name
+        pid = (node_dir / "sshd.pid").read_text().strip()
+        merged = node_dir / "rootfs" / "merged"
+        subprocess.run(["nsenter", "-t", pid, "-m", "--", "sh", "-c",
+                        'mkdir -p "$1$2" && mount --bind "$2" "$1$2" && mount -o remount,bind,ro "$1$2"',
+                        "sh", str(merged), prefix], check=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def meshed(tmp_path_factory):
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.cluster.sandbox import rootfs
+    from vpscluster.provision import provision
+
+    why = sandbox_unavailable_reason() or rootfs.supported()
+    missing = [t for t in ("wg", "wireguard-go", "nft") if not shutil.which(t)]
+    if why or missing:
+        pytest.skip(f"sandbox unavailable: {why or 'missing ' + ', '.join(missing)}")
+    name = f"{TEST_PREFIX}ov-{secrets.token_hex(3)}"
+    try:
+        info = sandbox.up(name, nodes=2, bandwidth="1gbit", own_root=True)
+        lend_host_python(info)
+        report = provision(load_cluster(info.cluster_file), roles=["overlay", "firewall"])
+        assert report["ok"], report
+        root = tmp_path_factory.mktemp("overlay-train")
+        corpus = root / "corpus.txt"
+        with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
+            corpus.write_text(f.read(100_000))
+        config = root / "c.yaml"
+        config.write_text(yaml.safe_dump({"preset": "tiny", "data": str(corpus), "batch_size": 2, "eval_batches": 1,
+                                          "eval_every": 100, "checkpoint_every": 100, "threads_per_rank": 1}))
+        yield info, report, root, config
+    finally:
+        sandbox.down(name)
+
+
+def counters(info, node: str) -> dict[str, int]:
+    """Bytes received + sent per interface in the node's network namespace."""
+    r = ssh_run(info, node, "cat /proc/net/dev")
+    out = {}
+    for line in r.stdout.splitlines()[2:]:
+        name, _, rest = line.partition(":")
+        f = rest.split()
+        out[name.strip()] = int(f[0]) + int(f[8])
+    return out
+
+
+def test_train_runs_over_the_overlay_by_itself(meshed, cli):
+    info, report, root, config = meshed
+    addresses = report["overlay"]["addresses"]
+    assert addresses == {"node-1": "10.77.0.1", "node-2": "10.77.0.2"}
+    underlay = {n.name: n.address for n in info.nodes}
+    r = ssh_run(info, "node-1", f"ip -o -4 addr show | grep ' {underlay['node-1']}/' | awk '{{print $2}}'")
+    eth = r.stdout.strip().split("@")[0]
+    assert eth and eth != "vpsc0", r.stdout + r.stderr
+
+    before = counters(info, "node-1")
+    run_dir = root / "run"
+    r = cli("train", "--cluster", info.cluster_file, "--config", str(config), "--max-steps", "2",
+            "--run-dir", str(run_dir), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = counters(info, "node-1")
+    doc = json.loads(r.stdout)
+    assert doc["world_size"] == 2 and doc["steps"] == 2
+
+    # The launch bound everything to the overlay: rendezvous, advertised addresses, gloo's interface.
+    log = (run_dir / "logs" / "node-1.log").read_text() + (run_dir / "logs" / "node-2.log").read_text()
+    assert "--rdzv-endpoint 10.77.0.1:" in log, log[:2000]
+    assert "--local-addr 10.77.0.1" in log and "--local-addr 10.77.0.2" in log
+    assert "GLOO_SOCKET_IFNAME=vpsc0" in log and underlay["node-1"] not in log.split("--rdzv-endpoint", 1)[1].split()[0]
+
+    # Pre-flight's quick probe (saved) reports the provisioning state and what the overlay costs.
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.probe.store import load_probe
+
+    probe = load_probe(load_cluster(info.cluster_file))
+    prov = probe["provisioning"]
+    assert prov["overlay_up"] is True and prov["firewall_up"] is True and prov["tcp_tuned"] is False, prov
+    assert {p["name"]: p["overlay_address"] for p in prov["nodes"]} == addresses
+    cost = probe["overlay_cost"]
+    assert {(c["src"], c["dst"]) for c in cost["links"]} == {("node-1", "node-2"), ("node-2", "node-1")}
+    assert all(c["overlay_mbit"] > 0 and c["underlay_mbit"] > 0 for c in cost["links"]), cost
+    assert 0 < cost["bandwidth_ratio"] < 5 and cost["rtt_added_ms"] is not None, cost
+
+    # The gradients crossed the WireGuard interface (and the underlay carried them, encrypted).
+    sent = max(doc["bytes_sent"]) if isinstance(doc["bytes_sent"], list) else doc["bytes_sent"]
+    wg = after["vpsc0"] - before["vpsc0"]
+    assert sent > 0 and wg >= sent, (wg, sent)
+    assert after[eth] - before[eth] >= wg, (after[eth] - before[eth], wg)
+
+
+def test_batch_workers_join_the_scheduler_over_the_overlay(meshed, cli):
+    """Dask too: the workers listen on and reach the scheduler at overlay addresses (their own
+    log lines say where), while this machine's client reaches the scheduler over the underlay."""
+    from vpscluster.jobs.outputs import LOG_DIR
+
+    info, _, root, _ = meshed
+    code = root / "code"
+    code.mkdir(exist_ok=True)
+    (code / "ovfns.py").write_text("def score(rows):\n    return [{'id': r['id'], 'n': len(r['text'])} for r in rows]\n")
+    data = root / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "text": "x" * i}) + "\n" for i in range(40)))
+    out = root / "batch-out"
+    r = cli("batch", "--cluster", info.cluster_file, "--fn", "ovfns:score", "--input", str(data), "--output", str(out),
+            "--code", str(code), "--partition-rows", "10", "--json", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["rows_out"] == 40
+    logs = "".join(p.read_text() for p in (out / LOG_DIR).glob("*.log"))
+    assert "tcp://10.77.0.1:" in logs and "tcp://10.77.0.2:" in logs, logs[-3000:]
+    underlay = [n.address for n in info.nodes]
+    assert not any(f"Start worker at:       tcp://{a}" in logs for a in underlay)
+
+
+def test_a_node_whose_overlay_is_down_is_refused_with_the_fix(meshed, cli):
+    info, _, root, config = meshed
+    assert ssh_run(info, "node-2", "ip link del vpsc0").returncode == 0
+    try:
+        r = cli("train", "--cluster", info.cluster_file, "--config", str(config), "--max-steps", "1",
+                "--run-dir", str(root / "refused"), "--json", timeout=120)
+        assert r.returncode != 0
+        line = r.stderr.strip().splitlines()[-1]
+        assert "node node-2: the overlay is not up there (vpsc0 does not carry 10.77.0.2)" in line, r.stderr
+        assert "--only overlay" in line
+    finally:
+        from vpscluster.cluster.inventory import load_cluster
+        from vpscluster.provision import provision
+
+        assert provision(load_cluster(info.cluster_file), roles=["overlay"])["ok"]
