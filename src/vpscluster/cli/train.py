@@ -37,6 +37,7 @@ FLAG_KEYS: dict[str, str] = {
     "sync_every": "strategy.sync_every",
     "outer_lr": "strategy.outer_lr",
     "outer_momentum": "strategy.outer_momentum",
+    "outer_warmup": "strategy.outer_warmup",
     "wire_dtype": "strategy.wire_dtype",
     "fragments": "strategy.fragments",
     "micro_batches": "strategy.micro_batches",
@@ -82,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {s.sync_every})")
     strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr})")
     strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum})")
+    strat.add_argument("--outer-warmup", type=int, metavar="SYNCS", help=f"diloco: outer syncs from plain averaging to the outer optimizer (default {s.outer_warmup}; 0 = none)")
     strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {s.wire_dtype})")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
 
