@@ -40,6 +40,8 @@ INT8_BLOCK = 1024
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 OUTER_WARMUP_STEPS = 100  # inner steps the outer warm-up spans (at least one sync)
+# The StrategyConfig keys this rule chooses (each only where the user did not set it).
+KEYS = ("sync_every", "wire_dtype", "outer_lr", "outer_momentum", "outer_warmup")
 
 
 def wire_bytes_per_param(wire: str) -> float:
@@ -84,8 +86,11 @@ def outer_warmup_for(sync_every: int) -> int:
 
 def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float, world_size: int,
                 latency_s: float = 0.0, choices: tuple[int, ...] | list[int] = SYNC_EVERY_CHOICES,
-                fraction: float = FRACTION) -> SyncChoice:
-    """H, wire and outer optimizer for DiLoCo on this plan (see the module's rule)."""
+                fraction: float = FRACTION, wires: tuple[str, ...] = WIRES) -> SyncChoice:
+    """H, wire and outer optimizer for DiLoCo on this plan (see the module's rule).
+
+    `choices`: the H values allowed (e.g. those dividing checkpoint_every; one value when the user
+    fixed H); `wires`: the formats allowed, most precise first (one when the user fixed it)."""
     if bandwidth_bytes_s <= 0 or step_seconds <= 0 or num_params <= 0:
         raise ValueError("bandwidth, step time and model size must be positive")
     allowed = sorted(h for h in set(choices) if h >= 1) or [H_MIN]
@@ -94,16 +99,17 @@ def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float
     def needed(wire: str) -> float:  # the (continuous) H at which the sync is `fraction` of a round
         return sync_seconds(num_params, world_size, wire, bandwidth_bytes_s, latency_s) / (fraction * step_seconds)
 
-    wire = next((w for w in WIRES[:-1] if needed(w) <= worth[0]), WIRES[-1])
+    wire = next((w for w in wires[:-1] if needed(w) <= worth[0]), wires[-1])
     h = next((h for h in worth if h >= needed(wire)), worth[-1])
     t = sync_seconds(num_params, world_size, wire, bandwidth_bytes_s, latency_s)
     share = t / (h * step_seconds)
     meets = share <= fraction * (1 + 1e-9)
     mbit = bandwidth_bytes_s * 8 / 1e6
-    why_wire = ("the link is fast enough for full precision" if wire == "fp32" else
+    why_wire = ("the wire format as set" if len(wires) == 1 else
+                "the link is fast enough for full precision" if wire == "fp32" else
                 "bf16 halves the bytes and is enough" if wire == "bf16" else
                 "the link is slow: int8 cuts the bytes 4x (lossless in INTELLECT-1) before H grows")
-    reason = (f"diloco H={h} {wire}: a sync of {sync_bytes(num_params, world_size, wire) / 1e6:.1f} MB per rank "
+    reason = (f"H={h} {wire}: a sync of {sync_bytes(num_params, world_size, wire) / 1e6:.1f} MB per rank "
               f"takes {t:.2f} s at {mbit:.0f} Mbit/s, {share:.1%} of {h} steps of {step_seconds:.2f} s "
               f"({'within' if meets else 'above'} the {fraction:.0%} target); {why_wire}")
     return SyncChoice(sync_every=h, wire_dtype=wire, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,

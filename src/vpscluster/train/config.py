@@ -48,6 +48,11 @@ class StrategyConfig:
     # (outer_lr, outer_momentum) (`strategies/diloco.py: outer_settings`); 0 = none.
     outer_warmup: Int = 0
     wire_dtype: WireDtype = "fp32"
+    # diloco: the keys above whose values the launcher chose from the plan (`plan/sync_rule.py`:
+    # every one of sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup the user did
+    # not set), and its one-line reason; a record, kept in the run's config and report.
+    planned: list[str] = field(default_factory=list)
+    planned_reason: str | None = None
     # diloco: each outer sync's collectives time out after this (0 = the run's training time-out)
     # and are retried this many times on a fresh process group before the round is skipped.
     sync_timeout_s: Float = 0.0
