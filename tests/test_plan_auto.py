@@ -233,3 +233,15 @@ def test_auto_choosing_diloco_uses_the_sync_rule():
 def _inputs(cfg, mbit):
     model, res, eff = auto.plan_inputs(cfg, cluster_of(), probe_doc(bandwidth_mbit=mbit))
     return model, res, eff.value
+
+
+def test_a_short_run_gets_an_h_that_divides_its_checkpoints():
+    from vpscluster.config import build
+    from vpscluster.train.config import TrainConfig
+
+    cfg = build(TrainConfig, {"preset": "small", "strategy": {"name": "diloco"}, "max_steps": 12,
+                              "checkpoint_every": 100, "cluster": "c.yaml"})
+    s = auto.plan_diloco(cfg, *_inputs(cfg, 20.0), given=set())
+    assert s.sync_every == 2  # at least 4 outer steps in 12, and a divisor of 100
+    cfg.strategy = s
+    cfg.validate()

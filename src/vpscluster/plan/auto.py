@@ -121,7 +121,8 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     (default cfg.strategy).
 
     H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps),
-    leave at least 4 outer steps in `max_steps` and are at least `fragments`."""
+    leave at least 4 outer steps in `max_steps` and are at least `fragments` (a run too short for
+    the rule's values gets the largest such divisor)."""
     from vpscluster.plan.compute import node_compute
     from vpscluster.plan.predict import ring_for
 
@@ -134,8 +135,14 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     if "sync_every" in given:
         hs = [s.sync_every]
     else:
-        hs = [h for h in sync_rule.SYNC_EVERY_CHOICES if cfg.checkpoint_every % h == 0
-              and h <= max(1, cfg.max_steps // 4) and h >= s.fragments] or [s.sync_every]
+        limit = max(1, cfg.max_steps // 4)
+
+        def fits(h: int) -> bool:
+            return cfg.checkpoint_every % h == 0 and s.fragments <= h <= limit
+
+        # The rule's values; for a short run any divisor of checkpoint_every that fits.
+        hs = ([h for h in sync_rule.SYNC_EVERY_CHOICES if fits(h)] or [h for h in range(1, limit + 1) if fits(h)]
+              or [s.sync_every])
     wires = (s.wire_dtype,) if "wire_dtype" in given else sync_rule.WIRES
     c = sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
                               latency_s=ring.alpha_s, choices=hs, wires=wires)
