@@ -17,7 +17,7 @@ import pytest
 
 from conftest import free_port
 
-from vpscluster.train.strategies.diloco import split_fragments, sync_offset
+from vpscluster.train.strategies.diloco import outer_settings, split_fragments, sync_offset
 
 TIMEOUT_S = 60
 
@@ -296,17 +296,79 @@ def test_pseudo_gradients_are_weighted_by_tokens(scenarios):
     assert (out0 - (t0 + t1) / 2).abs().max() > 0.1
 
 
+# -- the outer warm-up: plain averaging first, then Nesterov with a growing momentum -------------
+
+
+def test_outer_warmup_goes_from_plain_averaging_to_the_outer_optimizer():
+    assert outer_settings(0.7, 0.9, 0, 0) == (0.7, 0.9)  # no warm-up: DiLoCo's step from the first sync
+    assert outer_settings(0.7, 0.9, 3, 0) == (1.0, 0.0)  # the first sync: the (token-weighted) average
+    lr, mu = outer_settings(0.7, 0.9, 3, 1)
+    assert lr == pytest.approx(0.9) and mu == pytest.approx(0.3)
+    assert outer_settings(0.7, 0.9, 3, 3) == outer_settings(0.7, 0.9, 3, 30) == (0.7, 0.9)
+    # The gain on a fresh pseudo-gradient, lr·(1 + μ), rises smoothly from 1 (the average) to 1.33.
+    gains = [lr * (1 + mu) for lr, mu in (outer_settings(0.7, 0.9, 5, k) for k in range(7))]
+    assert gains[0] == 1.0 and gains == sorted(gains) and gains[-1] == pytest.approx(0.7 * 1.9)
+
+
+WARMUP = 3
+ROUNDS = 5
+
+
+def _warmup(rank, world):
+    """H = 2 with known local results (SetWeights): every sync's global copy, on both ranks."""
+    import torch
+
+    model = make_model()
+    strategy = make_strategy(rank, world, sync_every=2, outer_lr=0.7, outer_momentum=0.9, outer_warmup=WARMUP)
+    model = strategy.setup(model)
+    start = flat(model).clone()
+    targets, globals_ = [], []
+    for k in range(ROUNDS):
+        # Round k's local result: a rank- and round-dependent move away from the last global copy.
+        g = torch.Generator().manual_seed(100 * rank + k)
+        target = torch.cat(strategy.global_flat) + torch.randn(start.numel(), generator=g) * (2.0 if k == 0 else 0.3)
+        opt = SetWeights(model, target)
+        for step in (2 * k + 1, 2 * k + 2):
+            strategy.tokens_processed(8)
+            strategy.step(opt, step)
+        targets.append(target)
+        globals_.append(torch.cat(strategy.global_flat).clone())
+    assert torch.equal(flat(model), globals_[-1])
+    return start, targets, globals_, list(strategy.fragment_syncs), strategy.describe()["outer_warmup"]
+
+
+def test_outer_warmup_is_the_same_arithmetic_on_every_rank(scenarios):
+    import torch
+
+    (start, t0, g0, syncs0, w0), (start1, t1, g1, syncs1, _) = scenarios["warmup"]
+    start = torch.from_numpy(start)
+    assert syncs0 == syncs1 == [ROUNDS] and w0 == WARMUP
+    for a, b in zip(g0, g1):
+        assert (a == b).all()  # bit-identical global copies on both ranks after every sync
+    # The same steps written out by hand (equal tokens: Δ = mean of the ranks' pseudo-gradients).
+    theta, m = start.clone(), torch.zeros_like(start)
+    for k in range(ROUNDS):
+        delta = ((theta - torch.from_numpy(t0[k])) + (theta - torch.from_numpy(t1[k]))) / 2
+        lr, mu = outer_settings(0.7, 0.9, WARMUP, k)
+        m = mu * m + delta
+        theta = theta - lr * (delta + mu * m)
+        torch.testing.assert_close(torch.from_numpy(g0[k]), theta, rtol=0, atol=1e-5)
+        if k == 0:  # the first sync is exactly the average of the ranks' models, no overshoot
+            torch.testing.assert_close(theta, (torch.from_numpy(t0[0]) + torch.from_numpy(t1[0])) / 2, rtol=0, atol=1e-6)
+
+
 # -- resume in the middle of a round ------------------------------------------------------------
 
 
-def _run_with_resume(rank, world, stop_at, total, fragments):
+def _run_with_resume(rank, world, stop_at, total, fragments, warmup=0):
     import torch
 
     H = 4
 
     def build():
         model = make_model()
-        strategy = make_strategy(rank, world, sync_every=H, fragments=fragments, wire_dtype="int8")
+        strategy = make_strategy(rank, world, sync_every=H, fragments=fragments, wire_dtype="int8",
+                                 outer_warmup=warmup)
         model = strategy.setup(model)
         return model, strategy, torch.optim.AdamW(model.parameters(), lr=0.02)
 
@@ -328,13 +390,14 @@ def _run_with_resume(rank, world, stop_at, total, fragments):
     return digest(flat(model)), [digest(g) for g in strategy.global_flat], synced_at_stop
 
 
-def _straight_and_resumed(rank, world, fragments):
-    return _run_with_resume(rank, world, 12, 12, fragments), _run_with_resume(rank, world, 6, 12, fragments)
+def _straight_and_resumed(rank, world, fragments, warmup=0):
+    return (_run_with_resume(rank, world, 12, 12, fragments, warmup),
+            _run_with_resume(rank, world, 6, 12, fragments, warmup))
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_resume_mid_round_equals_uninterrupted_run(scenarios, fragments):
-    (straight0, resumed0), (straight1, resumed1) = scenarios[f"resume{fragments}"]
+@pytest.mark.parametrize("case", ["resume1", "resume2-warmup"])
+def test_resume_mid_round_equals_uninterrupted_run(scenarios, case):
+    (straight0, resumed0), (straight1, resumed1) = scenarios[case]
     assert straight0[:2] == straight1[:2]  # ranks agree
     assert resumed0[:2] == straight0[:2]  # and stopping at step 6 and resuming changed nothing
     assert resumed0[2] == resumed1[2]  # finalize at step 6 left identical weights everywhere
@@ -351,7 +414,8 @@ def _all_scenarios(rank, world):
         "agreement": _agreement_cases(rank, world),
         "weighted": _weighted(rank, world, [300, 100]),
         "resume1": _straight_and_resumed(rank, world, 1),
-        "resume2": _straight_and_resumed(rank, world, 2),
+        "resume2-warmup": _straight_and_resumed(rank, world, 2, warmup=3),  # stops inside the outer warm-up
+        "warmup": _warmup(rank, world),
     }
 
 

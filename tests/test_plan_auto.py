@@ -174,3 +174,74 @@ def test_gpu_nodes_plan_gpu_memory_and_precision_as_asked(tmp_path):
     assert fp32["memory"]["components"]["weights"] == 4 * p  # vpscluster trains in fp32
     assert mixed["memory"]["components"]["weights"] == 2 * p and mixed["memory"]["components"]["optimizer"] == 12 * p
     assert mixed["memory_bytes_per_node"] < fp32["memory_bytes_per_node"]
+
+
+# -- DiLoCo's H, wire and outer optimizer from the plan (plan/sync_rule.py) ---------------------
+
+
+def _diloco_cfg(**strategy):
+    from vpscluster.config import build
+    from vpscluster.train.config import TrainConfig
+
+    return build(TrainConfig, {"preset": "small", "strategy": {"name": "diloco", **strategy}, "max_steps": 2000,
+                               "checkpoint_every": 100, "cluster": "c.yaml"})
+
+
+def test_plan_diloco_fills_in_every_key_the_user_left_open():
+    from vpscluster.plan import sync_rule
+
+    cfg = _diloco_cfg()
+    slow = auto.plan_diloco(cfg, *_inputs(cfg, 20.0), given=set())
+    fast = auto.plan_diloco(cfg, *_inputs(cfg, 10000.0), given=set())
+    assert slow.wire_dtype == "int8" and fast.wire_dtype == "fp32"
+    assert fast.sync_every == sync_rule.H_MIN <= slow.sync_every and 100 % slow.sync_every == 0
+    assert slow.planned == sorted(sync_rule.KEYS) and slow.planned_reason.startswith(f"H={slow.sync_every} int8")
+    assert (slow.outer_lr, slow.outer_momentum) == (0.7, 0.9)
+    assert slow.outer_warmup == sync_rule.outer_warmup_for(slow.sync_every) >= 1
+    cfg.strategy = slow
+    cfg.validate()  # checkpoints still fall on outer steps
+
+
+def test_what_the_user_set_wins_over_the_plan():
+    cfg = _diloco_cfg(sync_every=50, wire_dtype="fp32", outer_lr=0.5)
+    s = auto.plan_diloco(cfg, *_inputs(cfg, 100.0), given={"sync_every", "wire_dtype", "outer_lr"})
+    assert (s.sync_every, s.wire_dtype, s.outer_lr) == (50, "fp32", 0.5)
+    assert s.planned == ["outer_momentum", "outer_warmup"] and s.outer_warmup == 2
+    assert "as set: outer_lr, sync_every, wire_dtype" in s.planned_reason
+    # A StrategyConfig built in Python carries no record: values off the defaults count as set.
+    assert auto.given_keys(cfg.strategy) == {"sync_every", "outer_lr"}
+    everything = auto.plan_diloco(cfg, *_inputs(cfg, 100.0), given={"sync_every", "wire_dtype", "outer_lr",
+                                                                     "outer_momentum", "outer_warmup"})
+    assert everything.planned == [] and everything.outer_warmup == 0
+
+
+def test_auto_choosing_diloco_uses_the_sync_rule():
+    from vpscluster.config import build
+    from vpscluster.train.config import TrainConfig
+
+    cfg = build(TrainConfig, {"preset": "small", "strategy": {"name": "auto"}, "max_steps": 2000,
+                              "checkpoint_every": 100, "cluster": "c.yaml"})
+    strategy, reason = auto.choose_for_training(cfg, cluster_of(), probe_doc(bandwidth_mbit=20.0), given=set())
+    expected = auto.plan_diloco(cfg, *_inputs(cfg, 20.0), given=set())
+    assert strategy.name == "diloco" and strategy.fragments == 1
+    assert (strategy.sync_every, strategy.wire_dtype, strategy.outer_warmup) == (
+        expected.sync_every, expected.wire_dtype, expected.outer_warmup)
+    assert reason.startswith(f"diloco H={strategy.sync_every} {strategy.wire_dtype}") and expected.planned_reason in reason
+    assert strategy.planned_reason == reason
+
+
+def _inputs(cfg, mbit):
+    model, res, eff = auto.plan_inputs(cfg, cluster_of(), probe_doc(bandwidth_mbit=mbit))
+    return model, res, eff.value
+
+
+def test_a_short_run_gets_an_h_that_divides_its_checkpoints():
+    from vpscluster.config import build
+    from vpscluster.train.config import TrainConfig
+
+    cfg = build(TrainConfig, {"preset": "small", "strategy": {"name": "diloco"}, "max_steps": 12,
+                              "checkpoint_every": 100, "cluster": "c.yaml"})
+    s = auto.plan_diloco(cfg, *_inputs(cfg, 20.0), given=set())
+    assert s.sync_every == 2  # at least 4 outer steps in 12, and a divisor of 100
+    cfg.strategy = s
+    cfg.validate()

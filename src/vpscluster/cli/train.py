@@ -37,6 +37,7 @@ FLAG_KEYS: dict[str, str] = {
     "sync_every": "strategy.sync_every",
     "outer_lr": "strategy.outer_lr",
     "outer_momentum": "strategy.outer_momentum",
+    "outer_warmup": "strategy.outer_warmup",
     "wire_dtype": "strategy.wire_dtype",
     "fragments": "strategy.fragments",
     "micro_batches": "strategy.micro_batches",
@@ -79,10 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--strategy", choices=strategy_choices("name"), help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: let the planner choose (default {s.name})")
     strat.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {s.compress})")
     strat.add_argument("--powersgd-rank", type=int, metavar="R", help=f"rank of PowerSGD's low-rank factors (default {s.powersgd_rank})")
-    strat.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {s.sync_every})")
-    strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr})")
-    strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum})")
-    strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {s.wire_dtype})")
+    strat.add_argument("--sync-every", type=int, metavar="H", help="diloco: inner steps between outer syncs (default: from the plan, see plan/sync_rule.py)")
+    strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr}, the plan's)")
+    strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum}, the plan's)")
+    strat.add_argument("--outer-warmup", type=int, metavar="SYNCS", help="diloco: outer syncs from plain averaging to the outer optimizer (default: about 100 steps' worth; 0 = none)")
+    strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help="diloco: dtype of the pseudo-gradient on the wire (default: from the plan, fp32 on fast links, int8 on slow)")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
 
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
@@ -140,6 +142,18 @@ def resolve_config(args: argparse.Namespace):
     return resolve(args.config, _nest(_given(args)))
 
 
+def given_strategy_keys(args: argparse.Namespace) -> set[str]:
+    """The `strategy.*` keys the user set, by flag or in --config: the planner fills in the rest."""
+    from vpscluster.config import load_yaml
+
+    keys = {FLAG_KEYS[d].split(".", 1)[1] for d in _given(args) if FLAG_KEYS[d].startswith("strategy.")}
+    if args.config:
+        section = load_yaml(args.config, "--config").get("strategy")
+        if isinstance(section, dict):
+            keys |= {str(k) for k in section}
+    return keys
+
+
 def resolve_resume(args: argparse.Namespace):
     from vpscluster.config import build, merge, to_dict
     from vpscluster.errors import UserError
@@ -166,9 +180,10 @@ def run(args: argparse.Namespace) -> int:
     # Everything is checked (the cluster file loaded, the data read) before anything is created.
     prepared = train.prepare_training(cfg, resume_dir=args.resume, force=bool(args.force),
                                       accept_new_host_keys=bool(args.accept_new_host_keys),
-                                      insecure_network=bool(args.insecure_network))
+                                      insecure_network=bool(args.insecure_network),
+                                      given=None if args.resume is not None else given_strategy_keys(args))
     if prepared.strategy_reason:
-        out.print(f"strategy auto -> [bold]{prepared.cfg.strategy.name}[/]: {prepared.strategy_reason}")
+        out.print(prepared.strategy_line(bold=True))
     if prepared.speeds_note:
         out.print(prepared.speeds_note, markup=False, soft_wrap=True)
     if args.dry_run:

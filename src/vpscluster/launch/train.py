@@ -63,9 +63,17 @@ class TrainingRun:
     run_dir: Path  # on this machine (created at launch, after pre-flight)
     resume: bool = False
     force: bool = False
-    strategy_reason: str | None = None  # why `--strategy auto` chose what it chose
+    strategy_reason: str | None = None  # why `--strategy auto` chose what it chose, or diloco's planned settings
     speeds_note: str | None = None  # where `--balance`'s starting speeds come from (the probe, or even)
     prediction: dict | None = None  # the plan's prediction for this run (train/prediction.py)
+    auto: bool = False  # the strategy itself was chosen by `--strategy auto`
+
+    def strategy_line(self, bold: bool = False) -> str | None:
+        """"strategy auto -> NAME: reason" (or "strategy diloco: reason"), None when nothing was chosen."""
+        if not self.strategy_reason:
+            return None
+        name = f"[bold]{self.cfg.strategy.name}[/]" if bold else self.cfg.strategy.name
+        return f"strategy {'auto -> ' if self.auto else ''}{name}: {self.strategy_reason}"
 
     @property
     def local(self) -> bool:
@@ -74,12 +82,16 @@ class TrainingRun:
 
 
 def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
-                     accept_new_host_keys: bool = False, insecure_network: bool = False) -> TrainingRun:
+                     accept_new_host_keys: bool = False, insecure_network: bool = False,
+                     given: "set[str] | None" = None) -> TrainingRun:
     """Check everything a run needs and resolve what is left open; create nothing.
 
     Loads the cluster file (or takes the local cluster), resolves `strategy auto` with the
-    planner, reads the data once (bad data fails here, in one line), fixes the LR schedule's
-    horizon (so a later `--resume --max-steps` does not change it) and picks the run dir.
+    planner, sets DiLoCo's H, wire format and outer optimizer from the plan where the user did
+    not (`plan/sync_rule.py`; `given`: the strategy keys the user set, as the CLI knows them;
+    None: those differing from the defaults), reads the data once (bad data fails here, in one
+    line), fixes the LR schedule's horizon (so a later `--resume --max-steps` does not change it)
+    and picks the run dir. A resumed run keeps its stored configuration as it is.
     """
     import dataclasses
 
@@ -102,11 +114,19 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
         cluster = local_cluster()
     reason = None
-    if cfg.strategy.name == AUTO:
+    auto = cfg.strategy.name == AUTO
+    if auto:
         from vpscluster.plan.auto import choose_for_training
 
-        cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None)
+        cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None, given)
         cfg.validate()
+    elif cfg.strategy.name == "diloco" and resume_dir is None:
+        from vpscluster.plan.auto import given_keys, plan_diloco, plan_inputs
+
+        model, res, eff = plan_inputs(cfg, cluster if cfg.cluster else None, None)
+        cfg.strategy = plan_diloco(cfg, model, res, eff.value, given_keys(cfg.strategy) if given is None else given)
+        cfg.validate()
+        reason = cfg.strategy.planned_reason
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
     speeds_note = None if resume_dir is not None else starting_speeds(cfg, cluster)
     if resume_dir is not None:
@@ -116,7 +136,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         run_dir = rundir.fresh_path(cfg.run_dir)
         cfg.run_dir = str(run_dir)
     return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,
-                       force=force, strategy_reason=reason, speeds_note=speeds_note,
+                       force=force, strategy_reason=reason, speeds_note=speeds_note, auto=auto,
                        prediction=predict_run(cfg))
 
 
@@ -391,7 +411,7 @@ def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = Fal
     run = prepare_training(cfg, resume_dir=resume_dir, force=force, accept_new_host_keys=accept_new_host_keys,
                            insecure_network=insecure_network)
     if run.strategy_reason:
-        say(f"strategy auto -> {run.cfg.strategy.name}: {run.strategy_reason}")
+        say(run.strategy_line())
     if run.speeds_note:
         say(run.speeds_note)
     return launch_training(run, say=say, on_event=on_event)

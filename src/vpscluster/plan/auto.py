@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from vpscluster.plan import sync_rule
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
@@ -76,13 +77,9 @@ def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
             f"at {risk_label(chosen.quality_risk)} quality risk{mem}")
 
 
-def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None) -> tuple["StrategyConfig", str]:
-    """Used by `vpscluster train --strategy auto`: a concrete StrategyConfig and the reason.
-
-    H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps)
-    and leave enough outer steps in `max_steps`. Without `probe`, the cluster's last saved probe
-    is used when there is one.
-    """
+def plan_inputs(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None):
+    """The model, resources and compute efficiency a training run is planned on. Without `probe`,
+    the cluster's last saved probe is used when there is one."""
     from vpscluster.plan.calibrate import efficiency_for
     from vpscluster.plan.resources import gather_resources
     from vpscluster.plan.shapes import load_model
@@ -103,16 +100,85 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
                           if isinstance(n, dict) and isinstance(n.get("torch_threads"), int)), None)
     eff = efficiency_for(model, res, calibrate=False, threads=cfg.threads_per_rank or probe_threads,
                          matmul_threads=probe_threads)
+    return model, res, eff
+
+
+def given_keys(s: "StrategyConfig") -> set[str]:
+    """For a StrategyConfig built in Python (no record of what was set): the rule's keys whose
+    values differ from the defaults count as set."""
+    from vpscluster.train.config import StrategyConfig
+
+    d = StrategyConfig()
+    return {k for k in sync_rule.KEYS if getattr(s, k) != getattr(d, k)}
+
+
+def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency: float,
+                given: set[str] | frozenset[str] = frozenset(), strategy: "StrategyConfig | None" = None,
+                ) -> "StrategyConfig":
+    """cfg.strategy as DiLoCo with the sync rule's H, wire and outer optimizer (`plan/sync_rule.py`)
+    for every one of those keys not in `given` (what the user set wins); `planned` and
+    `planned_reason` record what was chosen and why. `strategy`: the settings to start from
+    (default cfg.strategy).
+
+    H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps),
+    leave at least 4 outer steps in `max_steps` and are at least `fragments` (a run too short for
+    the rule's values gets the largest such divisor)."""
+    from vpscluster.plan.compute import node_compute
+    from vpscluster.plan.predict import ring_for
+
+    s = strategy or cfg.strategy
+    todo = [k for k in sync_rule.KEYS if k not in given]
+    if res.world_size <= 1 or not todo:
+        return dataclasses.replace(s, name="diloco", planned=[], planned_reason=None)
+    step_s = max(node_compute(model, node, efficiency).seconds for node in res.nodes)
+    ring = ring_for(res)
+    if "sync_every" in given:
+        hs = [s.sync_every]
+    else:
+        limit = max(1, cfg.max_steps // 4)
+
+        def fits(h: int) -> bool:
+            return cfg.checkpoint_every % h == 0 and s.fragments <= h <= limit
+
+        # The rule's values; for a short run any divisor of checkpoint_every that fits.
+        hs = ([h for h in sync_rule.SYNC_EVERY_CHOICES if fits(h)] or [h for h in range(1, limit + 1) if fits(h)]
+              or [s.sync_every])
+    wires = (s.wire_dtype,) if "wire_dtype" in given else sync_rule.WIRES
+    c = sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
+                              latency_s=ring.alpha_s, choices=hs, wires=wires)
+    chosen = {k: v for k, v in c.settings().items() if k in todo}
+    kept = sorted(set(sync_rule.KEYS) & set(given))
+    reason = c.reason + (f"; as set: {', '.join(kept)}" if kept else "")
+    return dataclasses.replace(s, name="diloco", compress="none", **chosen, planned=sorted(chosen),
+                               planned_reason=reason)
+
+
+def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None,
+                        given: set[str] | None = None) -> tuple["StrategyConfig", str]:
+    """Used by `vpscluster train --strategy auto`: a concrete StrategyConfig and the reason.
+
+    DDP's variants compete with DiLoCo as the sync rule sets it up (`plan_diloco`); `given`: the
+    strategy keys the user set (None: those that differ from the defaults).
+    """
+    model, res, eff = plan_inputs(cfg, cluster, probe)
     tokens = cfg.max_steps * model.shape.batch_size * model.shape.seq_len * res.world_size
     s = cfg.strategy
+    given = given_keys(s) if given is None else set(given)
     base = Settings.of(s, name="ddp", fragments=1)  # the user's knobs; the candidates vary name, compress, H, wire
-    hs = [h for h in SYNC_EVERY_CHOICES if cfg.checkpoint_every % h == 0 and h <= max(1, cfg.max_steps // 4)]
-    chosen, reason, _ = choose(model, res, tokens, eff.value, candidates(res.world_size, hs or [1], base=base))
+    options = candidates(res.world_size, [], base=base)
+    dl = None
+    if res.world_size > 1:
+        dl = plan_diloco(cfg, model, res, eff.value, given, strategy=dataclasses.replace(s, fragments=1))
+        options.append(Settings.of(dl, name="diloco", compress="none", fragments=1))
+    chosen, reason, _ = choose(model, res, tokens, eff.value, options)
     c = chosen.settings
-    out = dataclasses.replace(s, name=c.name, compress=c.compress if c.name == "ddp" else "none",
-                              sync_every=c.sync_every if c.name == "diloco" else s.sync_every,
-                              wire_dtype=c.wire_dtype if c.name == "diloco" else s.wire_dtype,
-                              fragments=1 if c.name == "diloco" else s.fragments)
-    if out.name == "ddp" and out.fragments > out.sync_every:
+    if c.name == "diloco" and dl is not None:
+        out = dataclasses.replace(dl, name="diloco", compress="none", fragments=1)
+        if out.planned_reason:
+            reason = f"{reason}; {out.planned_reason}"
+            out = dataclasses.replace(out, planned_reason=reason)
+        return out, reason
+    out = dataclasses.replace(s, name=c.name, compress=c.compress, planned=[], planned_reason=None)
+    if out.fragments > out.sync_every:
         out = dataclasses.replace(out, fragments=1)
     return out, reason

@@ -44,7 +44,15 @@ class StrategyConfig:
     sync_every: Int = 100
     outer_lr: Float = 0.7
     outer_momentum: Float = 0.9
+    # diloco: outer syncs over which the outer step goes from plain averaging to Nesterov
+    # (outer_lr, outer_momentum) (`strategies/diloco.py: outer_settings`); 0 = none.
+    outer_warmup: Int = 0
     wire_dtype: WireDtype = "fp32"
+    # diloco: the keys above whose values the launcher chose from the plan (`plan/sync_rule.py`:
+    # every one of sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup the user did
+    # not set), and its one-line reason; a record, kept in the run's config and report.
+    planned: list[str] = field(default_factory=list)
+    planned_reason: str | None = None
     # diloco: each outer sync's collectives time out after this (0 = the run's training time-out)
     # and are retried this many times on a fresh process group before the round is skipped.
     sync_timeout_s: Float = 0.0
@@ -88,6 +96,8 @@ class StrategyConfig:
             raise UserError(f"strategy.outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise UserError(f"strategy.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_warmup < 0:
+            raise UserError(f"strategy.outer_warmup must not be negative (0 = none), got {self.outer_warmup}")
         if self.fragments < 1:
             raise UserError(f"strategy.fragments must be at least 1, got {self.fragments}")
         if self.fragments > self.sync_every:

@@ -463,6 +463,9 @@ class Trainer:
             "preset": self.cfg.preset,
             "num_params": self.num_params,
             "strategy_details": self.strategy.describe(),
+            # DiLoCo's settings the launcher chose from the plan (plan/sync_rule.py) and why.
+            "strategy_planned": ({"keys": list(self.cfg.strategy.planned), "reason": self.cfg.strategy.planned_reason}
+                                 if self.cfg.strategy.planned else None),
             "sync_failure_rate": self.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,

@@ -1,0 +1,117 @@
+"""DiLoCo's defaults from the plan: H, the wire format and the outer optimizer, as one pure rule.
+
+Inputs are plan quantities only: the ring's bottleneck bandwidth (bytes/s), the predicted
+compute time of one inner step (the slowest rank's), the model's parameter count and the world
+size (optionally the ring's per-step latency). Nothing is measured here, so the choice is a
+pure function of the plan, testable on a grid.
+
+The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1, 2024):
+
+1. One outer sync moves a ring all-reduce of the pseudo-gradient: each rank sends
+   2(n-1)/n · P · b bytes, b = 4 (fp32), 2 (bf16) or 1 + 4/1024 (int8 with one fp32 scale per
+   1024 values), plus 2(n-1) latencies. Its time is `sync_seconds(wire)`.
+2. The sync may cost at most `FRACTION` (5%) of the compute of a round: sync ≤ 5% · H · step.
+   That keeps compute utilization ≥ ~95% without overlap.
+3. Wire: the most precise format for which the smallest H worth running (`H_MIN`) already meets
+   rule 2 — fp32 on fast links, then bf16; otherwise int8: on a slow link cutting the bytes 4×
+   costs less quality than a 4× larger H (INTELLECT-1 found int8 pseudo-gradients lossless).
+4. H: the smallest allowed value ≥ H_MIN meeting rule 2 with that wire; when none does, the
+   largest allowed (the link is too slow for the target; the reason says so).
+5. Outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (DiLoCo's), with an outer warm-up of
+   `outer_warmup` syncs (see `train/strategies/diloco.py`): the outer lr ramps linearly over
+   the first syncs and the first sync is plain averaging, so a model trained from scratch
+   (whose first pseudo-gradients are huge and not in a consistent direction) does not
+   overshoot. The warm-up covers about OUTER_WARMUP_STEPS inner steps, at least one sync.
+
+Slower link → the fp32 H needed grows → the wire moves fp32 → bf16 → int8 and H never shrinks
+(monotone; `tests/test_plan_sync_rule.py` checks it over 10 Mbit/s … 10 Gbit/s and model sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FRACTION = 0.05  # the sync's share of a round's compute
+H_MIN = 10  # below this DiLoCo is DDP with extra steps; no rule picks less
+SYNC_EVERY_CHOICES = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
+WIRES = ("fp32", "bf16", "int8")  # most precise first
+INT8_BLOCK = 1024
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+OUTER_WARMUP_STEPS = 100  # inner steps the outer warm-up spans (at least one sync)
+# The StrategyConfig keys this rule chooses (each only where the user did not set it).
+KEYS = ("sync_every", "wire_dtype", "outer_lr", "outer_momentum", "outer_warmup")
+
+
+def wire_bytes_per_param(wire: str) -> float:
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[wire]
+
+
+def sync_bytes(num_params: float, world_size: int, wire: str) -> float:
+    """Bytes each rank sends in one outer sync (a ring all-reduce of the encoded pseudo-gradient)."""
+    if world_size <= 1:
+        return 0.0
+    return 2.0 * (world_size - 1) / world_size * num_params * wire_bytes_per_param(wire)
+
+
+def sync_seconds(num_params: float, world_size: int, wire: str, bandwidth_bytes_s: float,
+                 latency_s: float = 0.0) -> float:
+    if world_size <= 1:
+        return 0.0
+    return sync_bytes(num_params, world_size, wire) / bandwidth_bytes_s + 2 * (world_size - 1) * latency_s
+
+
+@dataclass(frozen=True)
+class SyncChoice:
+    sync_every: int
+    wire_dtype: str
+    outer_lr: float
+    outer_momentum: float
+    outer_warmup: int  # outer syncs over which the outer lr ramps up (1 = the first is plain averaging)
+    sync_seconds: float  # one sync in the chosen wire
+    comm_fraction: float  # sync_seconds / (H * step_seconds)
+    meets_target: bool  # comm_fraction <= FRACTION
+    reason: str
+
+    def settings(self) -> dict:
+        """The StrategyConfig keys this rule sets."""
+        return {"sync_every": self.sync_every, "wire_dtype": self.wire_dtype, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "outer_warmup": self.outer_warmup}
+
+
+def outer_warmup_for(sync_every: int) -> int:
+    return max(1, math.ceil(OUTER_WARMUP_STEPS / sync_every))
+
+
+def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float, world_size: int,
+                latency_s: float = 0.0, choices: tuple[int, ...] | list[int] = SYNC_EVERY_CHOICES,
+                fraction: float = FRACTION, wires: tuple[str, ...] = WIRES) -> SyncChoice:
+    """H, wire and outer optimizer for DiLoCo on this plan (see the module's rule).
+
+    `choices`: the H values allowed (e.g. those dividing checkpoint_every; one value when the user
+    fixed H); `wires`: the formats allowed, most precise first (one when the user fixed it)."""
+    if bandwidth_bytes_s <= 0 or step_seconds <= 0 or num_params <= 0:
+        raise ValueError("bandwidth, step time and model size must be positive")
+    allowed = sorted(h for h in set(choices) if h >= 1) or [H_MIN]
+    worth = [h for h in allowed if h >= H_MIN] or [allowed[-1]]
+
+    def needed(wire: str) -> float:  # the (continuous) H at which the sync is `fraction` of a round
+        return sync_seconds(num_params, world_size, wire, bandwidth_bytes_s, latency_s) / (fraction * step_seconds)
+
+    wire = next((w for w in wires[:-1] if needed(w) <= worth[0]), wires[-1])
+    h = next((h for h in worth if h >= needed(wire)), worth[-1])
+    t = sync_seconds(num_params, world_size, wire, bandwidth_bytes_s, latency_s)
+    share = t / (h * step_seconds)
+    meets = share <= fraction * (1 + 1e-9)
+    mbit = bandwidth_bytes_s * 8 / 1e6
+    why_wire = ("the wire format as set" if len(wires) == 1 else
+                "the link is fast enough for full precision" if wire == "fp32" else
+                "bf16 halves the bytes and is enough" if wire == "bf16" else
+                "the link is slow: int8 cuts the bytes 4x (lossless in INTELLECT-1) before H grows")
+    reason = (f"H={h} {wire}: a sync of {sync_bytes(num_params, world_size, wire) / 1e6:.1f} MB per rank "
+              f"takes {t:.2f} s at {mbit:.0f} Mbit/s, {share:.1%} of {h} steps of {step_seconds:.2f} s "
+              f"({'within' if meets else 'above'} the {fraction:.0%} target); {why_wire}")
+    return SyncChoice(sync_every=h, wire_dtype=wire, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                      outer_warmup=outer_warmup_for(h), sync_seconds=t, comm_fraction=share, meets_target=meets,
+                      reason=reason)

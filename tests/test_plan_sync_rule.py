@@ -1,0 +1,79 @@
+"""DiLoCo's H, wire format and outer optimizer chosen from the plan: a pure function on a grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from vpscluster.plan.sync_rule import (FRACTION, H_MIN, SYNC_EVERY_CHOICES, WIRES, choose_sync, outer_warmup_for,
+                                       sync_bytes)
+
+MBIT = 1e6 / 8
+LINKS_MBIT = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+MODELS = [1e6, 1e7, 1e8, 1e9]  # parameters
+STEPS_S = [0.05, 0.5, 2.0]
+WORLDS = [2, 4, 8]
+PRECISION = {w: i for i, w in enumerate(WIRES)}  # 0 = most precise
+
+
+def test_reference_scenario_int8_with_a_small_h():
+    # 4 x 100 Mbit/s, `small` (~10.7M parameters), 1.7 s per step: DDP would wait ~5 s per step.
+    c = choose_sync(100 * MBIT, 1.7, 10.7e6, 4)
+    assert c.wire_dtype == "int8"
+    assert c.sync_every == 20 and c.meets_target and c.comm_fraction <= FRACTION
+    assert (c.outer_lr, c.outer_momentum) == (0.7, 0.9) and c.outer_warmup == 5
+    assert "H=20 int8" in c.reason and "100 Mbit/s" in c.reason
+
+
+@pytest.mark.parametrize("params", MODELS)
+@pytest.mark.parametrize("step_s", STEPS_S)
+@pytest.mark.parametrize("world", WORLDS)
+def test_slower_link_never_gives_a_smaller_h_or_a_wider_wire(params, step_s, world):
+    prev = None
+    for mbit in sorted(LINKS_MBIT, reverse=True):  # fast to slow
+        c = choose_sync(mbit * MBIT, step_s, params, world)
+        assert c.sync_every in SYNC_EVERY_CHOICES and c.sync_every >= H_MIN
+        assert c.outer_warmup == outer_warmup_for(c.sync_every) >= 1
+        if prev is not None:
+            assert c.sync_every >= prev.sync_every, (mbit, c, prev)
+            assert PRECISION[c.wire_dtype] >= PRECISION[prev.wire_dtype], (mbit, c, prev)
+        prev = c
+
+
+@pytest.mark.parametrize("params", MODELS)
+@pytest.mark.parametrize("mbit", LINKS_MBIT)
+def test_the_sync_is_at_most_the_fraction_of_a_round_and_h_is_the_smallest_that_is(params, mbit):
+    step_s, world = 0.5, 4
+    c = choose_sync(mbit * MBIT, step_s, params, world)
+    t = sync_bytes(params, world, c.wire_dtype) / (mbit * MBIT)
+    assert c.sync_seconds == pytest.approx(t)
+    if c.meets_target:
+        assert t <= FRACTION * c.sync_every * step_s * (1 + 1e-9)
+        smaller = [h for h in SYNC_EVERY_CHOICES if H_MIN <= h < c.sync_every]
+        assert all(t > FRACTION * h * step_s for h in smaller)  # the smallest sufficient H
+    else:  # too slow for the target even at the largest H: int8 at the largest H
+        assert c.wire_dtype == "int8" and c.sync_every == max(SYNC_EVERY_CHOICES)
+        assert "above" in c.reason
+
+
+def test_fast_links_keep_full_precision_and_slow_links_send_int8():
+    assert choose_sync(10000 * MBIT, 0.5, 1e7, 4).wire_dtype == "fp32"
+    assert choose_sync(10 * MBIT, 0.5, 1e7, 4).wire_dtype == "int8"
+    # In between bf16 appears where halving the bytes is enough to meet the target at H_MIN.
+    wires = {choose_sync(m * MBIT, 0.5, 1e7, 4).wire_dtype for m in range(100, 10001, 50)}
+    assert wires == {"fp32", "bf16", "int8"}
+
+
+def test_the_allowed_h_values_are_respected():
+    c = choose_sync(100 * MBIT, 1.7, 10.7e6, 4, choices=[10, 25, 50])
+    assert c.sync_every == 25
+    c = choose_sync(10 * MBIT, 0.01, 1e9, 4, choices=[10, 25, 50])
+    assert c.sync_every == 50 and not c.meets_target
+    assert choose_sync(100 * MBIT, 1.7, 10.7e6, 4, choices=[5]).sync_every == 5  # nothing >= H_MIN allowed
+
+
+def test_latency_counts_and_bad_inputs_are_refused():
+    a = choose_sync(1000 * MBIT, 0.05, 1e6, 8)
+    b = choose_sync(1000 * MBIT, 0.05, 1e6, 8, latency_s=0.05)
+    assert b.sync_seconds > a.sync_seconds and b.sync_every >= a.sync_every
+    with pytest.raises(ValueError):
+        choose_sync(0, 1.0, 1e6, 2)

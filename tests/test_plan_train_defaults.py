@@ -1,0 +1,66 @@
+"""`train --strategy diloco` with no tuning flag: H, wire and outer optimizer come from the plan."""
+
+from __future__ import annotations
+
+import argparse
+
+from conftest import run_cli
+
+from vpscluster.plan import sync_rule
+
+
+def _args(*argv):
+    from vpscluster.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_keys_the_user_set_by_flag_or_config_file(tmp_path):
+    from vpscluster.cli.train import given_strategy_keys
+
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text("strategy: {name: diloco, outer_lr: 0.5}\nmax_steps: 40\n")
+    assert given_strategy_keys(_args("--config", str(cfg), "--sync-every", "20")) == {"name", "outer_lr", "sync_every"}
+    word = tmp_path / "word.yaml"
+    word.write_text("strategy: diloco\n")
+    assert given_strategy_keys(_args("--config", str(word), "--outer-warmup", "0")) == {"outer_warmup"}
+    assert given_strategy_keys(_args("--strategy", "diloco")) == {"name"}
+
+
+def test_prepare_training_plans_what_is_open_keeps_what_is_set_and_resume_changes_nothing(tmp_path):
+    from vpscluster.cli.train import given_strategy_keys, resolve_config
+    from vpscluster.launch.train import prepare_training
+    from vpscluster.train import rundir
+
+    args = _args("--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--sync-every", "25",
+                 "--max-steps", "200", "--run-dir", str(tmp_path / "run"))
+    run = prepare_training(resolve_config(args), given=given_strategy_keys(args))
+    s = run.cfg.strategy
+    assert s.sync_every == 25 and "sync_every" not in s.planned
+    assert s.planned == ["outer_lr", "outer_momentum", "outer_warmup", "wire_dtype"]
+    assert s.outer_warmup == sync_rule.outer_warmup_for(25) and s.wire_dtype in sync_rule.WIRES
+    assert run.strategy_line().startswith("strategy diloco: H=25 ") and "as set: sync_every" in run.strategy_line()
+    rundir.write_config(run.cfg, tmp_path)  # the record travels with the run's config
+    assert rundir.read_config(tmp_path).strategy == s
+    # A resumed run keeps its stored configuration: nothing is re-planned.
+    stored = run.cfg
+    stored.strategy.outer_warmup = 7
+    again = prepare_training(stored, resume_dir=tmp_path)
+    assert again.cfg.strategy == stored.strategy and again.strategy_reason is None
+    # A user who sets every key gets exactly those values, and nothing is planned.
+    args = _args("--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--sync-every", "50", "--wire-dtype", "bf16",
+                 "--outer-lr", "0.5", "--outer-momentum", "0.8", "--outer-warmup", "0", "--run-dir", str(tmp_path / "r2"))
+    fixed = prepare_training(resolve_config(args), given=given_strategy_keys(args))
+    s = fixed.cfg.strategy
+    assert (s.sync_every, s.wire_dtype, s.outer_lr, s.outer_momentum, s.outer_warmup) == (50, "bf16", 0.5, 0.8, 0)
+    assert s.planned == [] and fixed.strategy_line() is None
+
+
+def test_train_prints_the_planned_choice_and_its_reason(tmp_path):
+    r = run_cli("train", "--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--dry-run",
+                "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "strategy diloco: H=" in text and "target" in text
