@@ -44,6 +44,8 @@ class BatchSpec:
     placement: str = "vpscluster"  # or "dask": Dask's own placement only (the benchmark's baseline)
     params: dict[str, str] = field(default_factory=dict)  # keyword arguments of the function
     ship: dict[str, str] = field(default_factory=dict)  # parameter -> a local file every node needs
+    task_timeout_s: float | None = None  # a partition running longer fails and is retried elsewhere
+    task_memory_mb: float | None = None  # a partition whose process uses more fails the job (one line)
 
     def __post_init__(self) -> None:
         if self.partition_rows < 1:
@@ -58,6 +60,10 @@ class BatchSpec:
             raise UserError(f"--max-load {self.max_load}: a fraction of a node's CPU, in (0, 1]")
         if self.placement not in ("vpscluster", "dask"):
             raise UserError(f"placement {self.placement!r}: choose vpscluster or dask")
+        if self.task_timeout_s is not None and not self.task_timeout_s > 0:
+            raise UserError(f"--task-timeout {self.task_timeout_s:g}: seconds, more than 0")
+        if self.task_memory_mb is not None and not self.task_memory_mb > 0:
+            raise UserError(f"--task-memory {self.task_memory_mb:g}: megabytes, more than 0")
         if self.workers_per_node is not None and self.workers_per_node < 1:
             raise UserError(f"--workers-per-node {self.workers_per_node}: must be at least 1")
 
@@ -85,6 +91,7 @@ class BatchResult:
     error: str | None = None
     interrupted: bool = False
     teardown_error: str | None = None
+    moved: int = 0  # queued partitions handed to another worker before they started
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +179,8 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                         fn=spec.fn, code_dirs=dask.code_dirs, params=dask.params, output=output, output_format=spec.output_format,
                         on_error=spec.on_error, retries=spec.retries, gpu=gpu, max_load=spec.max_load,
                         admission=spec.admission, speculation=spec.speculation,
-                        load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement)
+                        load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement,
+                        task_timeout_s=spec.task_timeout_s, task_memory_mb=spec.task_memory_mb)
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
             finally:
@@ -201,7 +209,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
         per_node=stats.per_node, retries=stats.retries, backups=stats.backups, backups_won=stats.backups_won,
         duplicated_rows=stats.duplicated_rows, workers_lost=stats.workers_lost, rows_skipped=stats.rows_skipped,
         nodes={n: {"cores": w.cores, "workers": w.slots} for n, w in (dask.nodes.items() if dask else [])},
-        error=error, interrupted=interrupted, teardown_error=teardown_error,
+        error=error, interrupted=interrupted, teardown_error=teardown_error, moved=stats.moved,
     )
     manifest = {**result.to_dict(), "job": job_record(spec, files),
                 "partitions_list": sorted(stats.partitions, key=lambda p: p["index"])}
