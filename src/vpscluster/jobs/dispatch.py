@@ -15,11 +15,13 @@ node). A worker whose running partition is overdue gets nothing queued behind it
   until it falls below again. If every node is above, the least loaded one keeps going, so a
   job on a busy machine is slowed, never stalled.
 - Speculation: once nothing is left to hand out, a partition running much longer than its node
-  usually needs per row (median of its finished partitions; the cluster's median before it has
-  any) gets a backup copy on an idle worker of another admitted node (of its own node when there
-  is no other). The first result wins, the other copy is cancelled (a copy already running
-  finishes in its worker thread, as Dask cannot stop a running Python function; its result is
-  dropped).
+  usually needs per row (median of its last finished partitions; the cluster's median before it
+  has any) gets a backup copy on an idle worker of another admitted node (of its own node when
+  there is no other). So does, within `max_duplicate_share` of the rows, a partition that an
+  idle worker would finish in less than half the time its own node still needs (the slowest or
+  a newly loaded node holding the end of the job). The first result wins, the other copy is
+  cancelled (a copy already running finishes in its worker thread, as Dask cannot stop a running
+  Python function; its result is dropped).
 - Retries: a failed attempt (an error raised by the function, a worker lost more often than
   Dask allows, `task_timeout_s` exceeded) goes back to the front of the queue, preferably for a
   node that has not failed it yet, up to `retries` times; then the job stops with the last
@@ -76,6 +78,7 @@ class DispatchOptions:
     admission: bool = True
     speculation: bool = True
     speculation_factor: float = 2.5
+    max_duplicate_share: float = 0.05  # of the rows: backups for partitions merely faster elsewhere
     load_interval_s: float = 1.0
     job_id: str = ""
     depth: int = 2  # partitions in flight per worker: the running one and the next
@@ -236,8 +239,9 @@ class Dispatcher:
                                 if self._usable(addr) and busy[addr] == 0 and w["node"] != exclude_node)
 
     def _spr(self, node: str) -> float | None:
-        """Seconds per row on a node: its median so far, else the cluster's; None before any."""
-        spr = self.seconds_per_row.get(node) or [x for v in self.seconds_per_row.values() for x in v]
+        """Seconds per row on a node: the median of its last partitions (nodes change speed), else
+        the cluster's; None before any."""
+        spr = self.seconds_per_row.get(node, [])[-5:] or [x for v in self.seconds_per_row.values() for x in v[-5:]]
         return statistics.median(spr) if len(spr) >= 2 else None
 
     def _overdue(self, a: Attempt, now: float) -> bool:
@@ -335,16 +339,29 @@ class Dispatcher:
         self._event("withdraw", partition=a.part.index, node=a.node, why=why)
 
     def _speculate(self) -> None:
+        """Backups once nothing is left to hand out: for a straggler (overdue for its node), and,
+        within `max_duplicate_share` of the rows, for a partition an idle worker would finish
+        well before its own slow (or slowed) node does."""
         now = time.monotonic()
+        rows_known = self.stats.rows_in + sum(a.part.rows for a in self.running.values() if not a.backup)
         for a in sorted(self.running.values(), key=lambda a: a.started):
             if a.backup or a.queued or sum(1 for b in self.running.values() if b.part.index == a.part.index) > 1:
-                continue
-            if not self._overdue(a, now):
                 continue
             # Another node first (this one may be the slow one); on a one-node cluster, another worker.
             idle = self._idle_workers(exclude_node=a.node) or [w for w in self._idle_workers() if w != a.worker]
             if not idle:
                 return
+            if not self._overdue(a, now):
+                spr = self._spr(a.node)
+                fastest = min(idle, key=lambda w: self._spr(self.workers[w]["node"]) or float("inf"))
+                spr_idle = self._spr(self.workers[fastest]["node"])
+                if spr is None or spr_idle is None:
+                    continue
+                left, fresh = spr * a.part.rows - (now - a.started), spr_idle * a.part.rows
+                budget = self.opts.max_duplicate_share * rows_known - self.stats.duplicated_rows
+                if not (left > 2 * fresh and left - fresh > 1.0 and a.part.rows <= budget):
+                    continue
+                idle = [fastest]
             self.stats.backups += 1
             self.stats.duplicated_rows += a.part.rows
             self._submit(a.part, a.rows, a.number, worker=idle[0], backup=True, avoid=a.avoid)

@@ -46,6 +46,7 @@ class BatchSpec:
     ship: dict[str, str] = field(default_factory=dict)  # parameter -> a local file every node needs
     task_timeout_s: float | None = None  # a partition running longer fails and is retried elsewhere
     task_memory_mb: float | None = None  # a partition whose process uses more fails the job (one line)
+    depth: int = 2  # partitions in flight per worker (1: hand one to a worker only once it is idle)
 
     def __post_init__(self) -> None:
         if self.partition_rows < 1:
@@ -64,6 +65,8 @@ class BatchSpec:
             raise UserError(f"--task-timeout {self.task_timeout_s:g}: seconds, more than 0")
         if self.task_memory_mb is not None and not self.task_memory_mb > 0:
             raise UserError(f"--task-memory {self.task_memory_mb:g}: megabytes, more than 0")
+        if self.depth < 1:
+            raise UserError(f"depth {self.depth}: partitions in flight per worker, at least 1")
         if self.workers_per_node is not None and self.workers_per_node < 1:
             raise UserError(f"--workers-per-node {self.workers_per_node}: must be at least 1")
 
@@ -180,7 +183,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                         on_error=spec.on_error, retries=spec.retries, gpu=gpu, max_load=spec.max_load,
                         admission=spec.admission, speculation=spec.speculation,
                         load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement,
-                        task_timeout_s=spec.task_timeout_s, task_memory_mb=spec.task_memory_mb)
+                        task_timeout_s=spec.task_timeout_s, task_memory_mb=spec.task_memory_mb, depth=spec.depth)
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
             finally:
