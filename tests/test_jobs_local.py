@@ -399,3 +399,32 @@ def test_task_memory_limit_fails_the_partition_in_one_line_and_a_rerun_completes
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*") if p.name in kept} == kept
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert digest(outputs(out)) == digest(serial(code, "score", rows))  # nothing lost, nothing twice
+
+
+def test_admission_load_falls_back_to_direct_samples_without_a_monitor(code, tmp_path, monkeypatch):
+    import socket
+
+    from vpscluster.jobs.load import monitor_busy
+    from vpscluster.monitor.server import record_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the monitor record lives under ~/.cache
+    cluster = local_cluster()
+    assert monitor_busy(cluster) is None  # no `monitor up` for this cluster
+    # A record whose Prometheus is gone (nothing listens on its port): no answer, no figures.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = record_path(cluster)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"head": "local", "url": f"http://127.0.0.1:{port}", "monitor_dir": str(tmp_path),
+                                "prometheus_pid": 0, "scrape_interval_s": 5.0}))
+    started = time.monotonic()
+    assert monitor_busy(cluster) is None
+    assert time.monotonic() - started < 5
+    data = make_input(tmp_path / "in.jsonl", 30)
+    r = run_batch(BatchSpec(fn="batchfns:slow", input=str(data), output=str(tmp_path / "out"), partition_rows=5,
+                            code_dir=str(code), load_interval_s=0.2), cluster)
+    assert r.ok, r.error
+    assert r.load_source == "proc"  # admission sampled /proc and the cgroup itself
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(tmp_path / "out")) == digest(serial(code, "score", rows))

@@ -11,7 +11,8 @@ an idle worker that would finish it sooner than its own worker (behind a straggl
 node). A worker whose running partition is overdue gets nothing queued behind it.
 
 - Admission: every `load_interval_s` each node reports the CPU share taken by processes that
-  are not this job's (`load.sample_load`). Above `max_load` the node gets no new partitions
+  are not this job's (`load.sample_load`; with `busy` — the monitoring's Prometheus — the node's
+  busy share comes from there, less this job's share from the sample). Above `max_load` the node gets no new partitions
   until it falls below again. If every node is above, the least loaded one keeps going, so a
   job on a busy machine is slowed, never stalled.
 - Speculation: once nothing is left to hand out, a partition running much longer than its node
@@ -88,6 +89,8 @@ class DispatchOptions:
     # scheduler alone (its queuing and work stealing; no admission, no speculation): the
     # benchmark's plain-Dask baseline.
     placement: str = "vpscluster"
+    # node -> busy share of its CPU from the monitoring (None: no monitor; use the direct samples)
+    busy: Callable[[], dict[str, float] | None] | None = None
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Stats:
     backups_won: int = 0
     duplicated_rows: int = 0
     moved: int = 0  # queued partitions handed to another worker before they started
+    load_sources: set = field(default_factory=set)  # "prometheus", "proc"
     workers_lost: list = field(default_factory=list)
     per_node: dict = field(default_factory=dict)
     partitions: list = field(default_factory=list)
@@ -198,9 +202,20 @@ class Dispatcher:
                                                            on_error="return"), 10)
         except (asyncio.TimeoutError, OSError):
             return
+        busy = None
+        if self.opts.busy is not None:
+            try:
+                busy = await asyncio.wait_for(asyncio.to_thread(self.opts.busy), 5)
+            except asyncio.TimeoutError:
+                busy = None
         for node, addr in one_per_node.items():
             if isinstance(loads.get(addr), dict):
-                self.load[node] = loads[addr]
+                self.load[node] = {**loads[addr], "source": "proc"}
+                ours = loads[addr].get("ours")
+                if busy and node in busy and ours is not None:
+                    self.load[node].update(foreign=round(max(0.0, busy[node] - ours), 3), source="prometheus")
+                if self.load[node].get("foreign") is not None:  # the first sample has nothing to compare with
+                    self.stats.load_sources.add(self.load[node]["source"])
         self._admit()
 
     def _admit(self) -> None:
@@ -212,9 +227,10 @@ class Dispatcher:
         for node, ok in want.items():
             if ok != self.admitted[node]:
                 self.admitted[node] = ok
-                self._event("admission", node=node, admitted=ok, foreign_load=foreign[node])
+                source = (self.load.get(node) or {}).get("source")
+                self._event("admission", node=node, admitted=ok, foreign_load=foreign[node], source=source)
                 self.log.write({"event": "admission", "node": node, "admitted": ok, "foreign_load": foreign[node],
-                                "t": time.time()})
+                                "source": source, "t": time.time()})
 
     # --- handing out ------------------------------------------------------------------------
 

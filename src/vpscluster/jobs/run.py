@@ -95,6 +95,7 @@ class BatchResult:
     interrupted: bool = False
     teardown_error: str | None = None
     moved: int = 0  # queued partitions handed to another worker before they started
+    load_source: str = ""  # where admission's node load came from: "prometheus", "proc" (direct samples)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,7 +184,8 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                         on_error=spec.on_error, retries=spec.retries, gpu=gpu, max_load=spec.max_load,
                         admission=spec.admission, speculation=spec.speculation,
                         load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement,
-                        task_timeout_s=spec.task_timeout_s, task_memory_mb=spec.task_memory_mb, depth=spec.depth)
+                        task_timeout_s=spec.task_timeout_s, task_memory_mb=spec.task_memory_mb, depth=spec.depth,
+                        busy=(await asyncio.to_thread(_monitor_busy, cluster)) if spec.admission else None)
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
             finally:
@@ -213,6 +215,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
         duplicated_rows=stats.duplicated_rows, workers_lost=stats.workers_lost, rows_skipped=stats.rows_skipped,
         nodes={n: {"cores": w.cores, "workers": w.slots} for n, w in (dask.nodes.items() if dask else [])},
         error=error, interrupted=interrupted, teardown_error=teardown_error, moved=stats.moved,
+        load_source=",".join(sorted(stats.load_sources)),
     )
     manifest = {**result.to_dict(), "job": job_record(spec, files),
                 "partitions_list": sorted(stats.partitions, key=lambda p: p["index"])}
@@ -221,6 +224,16 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
         raise Interrupted(f"interrupted: {stats.done} of {todo} partitions finished and kept in {output}; "
                           "run the same command again to do the rest")
     return result
+
+
+def _monitor_busy(cluster):
+    """The monitoring's node load when `vpscluster monitor up` runs for the cluster, else None
+    (admission then samples /proc and the cgroups itself); checked once, when the job starts."""
+    from vpscluster.jobs.load import monitor_busy
+
+    if monitor_busy(cluster) is None:
+        return None
+    return lambda: monitor_busy(cluster)
 
 
 def _chain(first, rest):
