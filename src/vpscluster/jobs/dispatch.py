@@ -12,9 +12,10 @@ node). A worker whose running partition is overdue gets nothing queued behind it
 
 - Admission: every `load_interval_s` each node reports the CPU share taken by processes that
   are not this job's (`load.sample_load`; with `busy` — the monitoring's Prometheus — the node's
-  busy share comes from there, less this job's share from the sample). Above `max_load` the node gets no new partitions
-  until it falls below again. If every node is above, the least loaded one keeps going, so a
-  job on a busy machine is slowed, never stalled.
+  busy share comes from there, less this job's share from the sample). Above `max_load` the
+  node gets no new partitions (its queued ones move elsewhere) until it falls below again. If
+  every node is above, the least loaded one keeps going, so a job on a busy machine is slowed,
+  never stalled.
 - Speculation: once nothing is left to hand out, a partition running much longer than its node
   usually needs per row (median of its last finished partitions; the cluster's median before it
   has any) gets a backup copy on an idle worker of another admitted node (of its own node when
