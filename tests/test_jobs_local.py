@@ -66,6 +66,23 @@ FNS = textwrap.dedent('''
     def slow(rows):
         time.sleep(0.3)
         return score(rows)
+
+    def hang(rows):
+        # The partition holding id 12 hangs: only its first attempt (HANG_ONCE set), or every one.
+        if any(r["id"] == 12 for r in rows):
+            marker = os.path.join(os.environ["FLAKY_DIR"], "hung")
+            if not (os.environ.get("HANG_ONCE") and os.path.exists(marker)):
+                open(marker, "w").close()
+                time.sleep(60)
+        return score(rows)
+
+    def big(rows):
+        # The partition holding id 12 makes 400 MB resident for a moment.
+        if any(r["id"] == 12 for r in rows):
+            blob = b"x" * (400 * 2**20)
+            time.sleep(2)
+            del blob
+        return score(rows)
 ''')
 
 
@@ -213,6 +230,8 @@ def test_interrupted_job_rerun_skips_finished_partitions(cli, code, tmp_path):
     (["--fn", "batchfns:score", "--input", "latin1.jsonl"], "line 1 is not UTF-8 text"),
     (["--fn", "batchfns:score", "--input", "corrupt.parquet"], "not a readable Parquet file"),
     (["--fn", "batchfns:score", "--partition-rows", "0"], "--partition-rows 0: must be at least 1"),
+    (["--fn", "batchfns:score", "--task-timeout", "0"], "--task-timeout 0: seconds, more than 0"),
+    (["--fn", "batchfns:score", "--task-memory", "-5"], "--task-memory -5: megabytes, more than 0"),
 ])
 def test_user_mistakes_are_one_line(cli, code, tmp_path, args, message):
     make_input(code / "in.jsonl", 5)
@@ -301,3 +320,111 @@ def test_plain_dask_placement_baseline_gives_the_same_outputs(code, tmp_path):
     assert r.partitions_done == 10 and r.backups == 0
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert digest(outputs(out)) == digest(serial(code, "score", rows))
+
+
+def test_each_worker_has_its_next_partition_queued_never_more(code, tmp_path):
+    # Two partitions in flight per worker: the one it runs and the next, so it never waits on the loop.
+    data = make_input(tmp_path / "in.jsonl", 100)
+    out = tmp_path / "out"
+    r = run_batch(BatchSpec(fn="batchfns:slow", input=str(data), output=str(out), partition_rows=5,
+                            code_dir=str(code), workers_per_node=2), local_cluster())
+    assert r.ok, r.error
+    events = assignments(out)
+    assert any(e["event"] == "assign" and e["queued"] for e in events)
+    in_flight: dict[str, set] = {}
+    by_partition = {}
+    for e in events:
+        if e["event"] == "assign":
+            in_flight.setdefault(e["worker"], set()).add(e["partition"])
+            by_partition[e["partition"]] = e["worker"]
+            assert len(in_flight[e["worker"]]) <= 2, e
+        elif e["event"] in ("done", "withdraw"):
+            in_flight[by_partition[e["partition"]]].discard(e["partition"])
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
+    assert sorted(a["partition"] for a in events if a["event"] == "done") == list(range(20))
+
+
+def test_task_timeout_fails_the_attempt_and_retries_then_names_the_partition(code, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAKY_DIR", str(tmp_path))
+    data = make_input(tmp_path / "in.jsonl", 40)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    # The first attempt hangs past the limit and is killed; the retry finishes (no speculation: a
+    # backup copy would win first).
+    monkeypatch.setenv("HANG_ONCE", "1")
+    started = time.monotonic()
+    r = run_batch(BatchSpec(fn="batchfns:hang", input=str(data), output=str(tmp_path / "o1"), partition_rows=10,
+                            code_dir=str(code), retries=1, task_timeout_s=2, workers_per_node=2, speculation=False),
+                  local_cluster())
+    assert r.ok, r.error
+    assert time.monotonic() - started < 45  # did not wait for the 60 s hang
+    assert r.retries == 1 and r.backups == 0
+    retry = [e for e in assignments(tmp_path / "o1") if e["event"] == "retry"]
+    assert [e["partition"] for e in retry] == [1]
+    assert "ran longer than --task-timeout 2 s" in retry[0]["error"]
+    assert digest(outputs(tmp_path / "o1")) == digest(serial(code, "score", rows))
+    assert sorted(e["partition"] for e in assignments(tmp_path / "o1") if e["event"] == "done") == [0, 1, 2, 3]
+
+    # Every attempt hangs: after the retries the job stops with one line naming the partition.
+    monkeypatch.delenv("HANG_ONCE")
+    out = tmp_path / "o2"
+    r = run_batch(BatchSpec(fn="batchfns:hang", input=str(data), output=str(out), partition_rows=10,
+                            code_dir=str(code), retries=1, task_timeout_s=2, workers_per_node=2, speculation=False),
+                  local_cluster())
+    assert not r.ok
+    assert r.error.startswith("partition 1 (in.jsonl rows 11-20) ran longer than --task-timeout 2 s on "), r.error
+    assert r.error.endswith("(after 2 attempts)") and "\n" not in r.error
+    assert "part-00001.jsonl" not in {p.name for p in out.glob("part-*")}
+    assert not list(out.glob(".*.tmp"))
+    done = [e["partition"] for e in assignments(out) if e["event"] == "done"]
+    assert len(done) == len(set(done)) == len(list(out.glob("part-*")))
+
+
+def test_task_memory_limit_fails_the_partition_in_one_line_and_a_rerun_completes(code, tmp_path):
+    data = make_input(tmp_path / "in.jsonl", 40)
+    out = tmp_path / "out"
+    r = run_batch(BatchSpec(fn="batchfns:big", input=str(data), output=str(out), partition_rows=10,
+                            code_dir=str(code), task_memory_mb=200, workers_per_node=2), local_cluster())
+    assert not r.ok
+    assert r.error.startswith("partition 1 (in.jsonl rows 11-20) used "), r.error
+    assert "over --task-memory 200 MB; raise --task-memory or lower --partition-rows" in r.error
+    assert "\n" not in r.error and r.retries == 0  # not retried: it would need as much anywhere
+    assert "part-00001.jsonl" not in {p.name for p in out.glob("part-*")}
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*")}
+
+    r = run_batch(BatchSpec(fn="batchfns:big", input=str(data), output=str(out), partition_rows=10,
+                            code_dir=str(code), task_memory_mb=1000, workers_per_node=2), local_cluster())
+    assert r.ok, r.error
+    assert r.partitions_resumed == len(kept)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*") if p.name in kept} == kept
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))  # nothing lost, nothing twice
+
+
+def test_admission_load_falls_back_to_direct_samples_without_a_monitor(code, tmp_path, monkeypatch):
+    import socket
+
+    from vpscluster.jobs.load import monitor_busy
+    from vpscluster.monitor.server import record_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the monitor record lives under ~/.cache
+    cluster = local_cluster()
+    assert monitor_busy(cluster) is None  # no `monitor up` for this cluster
+    # A record whose Prometheus is gone (nothing listens on its port): no answer, no figures.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = record_path(cluster)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"head": "local", "url": f"http://127.0.0.1:{port}", "monitor_dir": str(tmp_path),
+                                "prometheus_pid": 0, "scrape_interval_s": 5.0}))
+    started = time.monotonic()
+    assert monitor_busy(cluster) is None
+    assert time.monotonic() - started < 5
+    data = make_input(tmp_path / "in.jsonl", 30)
+    r = run_batch(BatchSpec(fn="batchfns:slow", input=str(data), output=str(tmp_path / "out"), partition_rows=5,
+                            code_dir=str(code), load_interval_s=0.2), cluster)
+    assert r.ok, r.error
+    assert r.load_source == "proc"  # admission sampled /proc and the cgroup itself
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(tmp_path / "out")) == digest(serial(code, "score", rows))

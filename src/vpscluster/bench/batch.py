@@ -11,7 +11,9 @@ processes) started inside the first node's cgroup `hog_after_s` seconds into the
 - `static`: an equal split, one partition per node (what `split -n N` and N SSH sessions do);
 - `dask`: every partition handed to Dask's scheduler at once (its queuing and work stealing,
   no admission, no speculation);
-- `vpscluster`: `vpscluster batch` as shipped (admission at `max_load`, speculation).
+- `vpscluster`: `vpscluster batch` as shipped (admission at `max_load`, speculation);
+- `vpscluster-depth1` (only when asked for with `--modes`): the same with one partition in
+  flight per worker (handed out once the worker is idle: the dispatch before queue depth 2).
 
 For each: makespan and its ratio to the ideal — total work over the CPU actually available to
 the job (each node's quota; on the hogged node, after the hog starts, the fair share 1/(hogs+1)
@@ -35,7 +37,8 @@ from typing import Any, Callable
 
 from vpscluster.bench import table
 
-MODES = ("static", "dask", "vpscluster")
+MODES = ("static", "dask", "vpscluster", "vpscluster-depth1")
+DEFAULT_MODES = ("static", "dask", "vpscluster")
 
 
 @dataclass
@@ -48,7 +51,7 @@ class BatchBenchSettings:
     hog_after_s: float = 10.0
     hogs: int = 3
     max_load: float = 0.8
-    modes: str = ",".join(MODES)
+    modes: str = ",".join(DEFAULT_MODES)
     out: str | None = None
 
 
@@ -122,7 +125,8 @@ def _one(mode: str, s: BatchBenchSettings, cluster, info, data: Path, out: Path,
     spec = BatchSpec(fn="vpscluster.bench.batch:burn", input=str(data), output=str(out),
                      partition_rows=-(-s.rows // n) if mode == "static" else s.partition_rows,
                      workers_per_node=1 if mode == "static" else None, max_load=s.max_load,
-                     admission=mode == "vpscluster", speculation=mode == "vpscluster",
+                     admission=mode.startswith("vpscluster"), speculation=mode.startswith("vpscluster"),
+                     depth=1 if mode == "vpscluster-depth1" else 2,
                      placement="dask" if mode == "dask" else "vpscluster", retries=0)
     started = {}
     hog = _Hog(info.nodes[0], s.hogs)

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the current folder)")
     p.add_argument("--partition-rows", type=int, default=10_000, metavar="N", help="rows per partition (default 10000)")
     p.add_argument("--retries", type=int, default=2, metavar="R", help="attempts after a failed one (default 2)")
+    p.add_argument("--task-timeout", type=float, metavar="S",
+                   help="a partition running longer than this fails and is retried on another node (--retries), "
+                        "then the job stops naming it (default: no limit)")
+    p.add_argument("--task-memory", type=float, metavar="MB",
+                   help="a partition whose process uses more resident memory than this fails the job, naming it "
+                        "(default: no limit; with either limit each partition runs in a child process of its worker)")
     p.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                    help="a row the function raises on: stop the job (fail, default) or leave the row out (skip)")
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="output files (default jsonl)")
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                      retries=args.retries, on_error=args.on_error, gpu=args.gpu, output_format=args.format,
                      code_dir=args.code, max_load=args.max_load, admission=not args.no_admission,
                      speculation=not args.no_speculation, workers_per_node=args.workers_per_node,
-                     params=params, ship=ship)
+                     params=params, ship=ship, task_timeout_s=args.task_timeout, task_memory_mb=args.task_memory)
     view = BatchProgress(out)
     try:
         result = run_batch(spec, cluster, on_event=view.handle, say=lambda s: out.print(s, markup=False))

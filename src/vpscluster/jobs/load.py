@@ -9,6 +9,11 @@ the CPU time of the processes in the cgroup; without, the whole machine's (/proc
 own share is the CPU time of the processes tagged with the job's `VPSC_LAUNCH_ID` (workers and
 what they start), so `foreign = busy - ours`: the load that admission acts on. A process we
 cannot read (another user's) counts as foreign, which it is.
+
+When the cluster's monitoring runs (`vpscluster monitor up`), how busy a node is comes from its
+Prometheus instead (`monitor_busy`: the node exporters' CPU over quota, quota-aware like the
+above) and only our own share from the workers; without a monitor, or when it does not answer
+within its time-out, the direct samples are used.
 """
 
 from __future__ import annotations
@@ -147,3 +152,19 @@ def capacity_from_shell(stdout: str) -> dict:
         quota = int(words[1]) / int(words[2])
     cores = min(cpus, quota) if quota else float(cpus)
     return {"cores": cores, "cpus": cpus, "cgroup": "yes" if quota else None, "slots": max(1, int(cores + 0.5))}
+
+
+MONITOR_WINDOW = "10s"  # two scrapes at the monitor's default 5 s interval
+
+
+def monitor_busy(cluster, timeout_s: float = 2.0, window: str = MONITOR_WINDOW) -> dict[str, float] | None:
+    """Each node's busy share of its CPU (0..1) from the cluster's Prometheus, or None when no
+    monitor runs for the cluster, it does not answer, or it has no figure yet (the caller then
+    uses the workers' direct samples). Blocking (HTTP): call it off the event loop."""
+    from vpscluster.errors import RemoteError, UserError
+    from vpscluster.monitor.query import cpu_utilization, prometheus_for
+
+    try:
+        return cpu_utilization(prometheus_for(cluster, timeout_s), window) or None
+    except (UserError, RemoteError, ValueError, KeyError):
+        return None

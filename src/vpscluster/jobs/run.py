@@ -44,6 +44,9 @@ class BatchSpec:
     placement: str = "vpscluster"  # or "dask": Dask's own placement only (the benchmark's baseline)
     params: dict[str, str] = field(default_factory=dict)  # keyword arguments of the function
     ship: dict[str, str] = field(default_factory=dict)  # parameter -> a local file every node needs
+    task_timeout_s: float | None = None  # a partition running longer fails and is retried elsewhere
+    task_memory_mb: float | None = None  # a partition whose process uses more fails the job (one line)
+    depth: int = 2  # partitions in flight per worker (1: hand one to a worker only once it is idle)
 
     def __post_init__(self) -> None:
         if self.partition_rows < 1:
@@ -58,6 +61,12 @@ class BatchSpec:
             raise UserError(f"--max-load {self.max_load}: a fraction of a node's CPU, in (0, 1]")
         if self.placement not in ("vpscluster", "dask"):
             raise UserError(f"placement {self.placement!r}: choose vpscluster or dask")
+        if self.task_timeout_s is not None and not self.task_timeout_s > 0:
+            raise UserError(f"--task-timeout {self.task_timeout_s:g}: seconds, more than 0")
+        if self.task_memory_mb is not None and not self.task_memory_mb > 0:
+            raise UserError(f"--task-memory {self.task_memory_mb:g}: megabytes, more than 0")
+        if self.depth < 1:
+            raise UserError(f"depth {self.depth}: partitions in flight per worker, at least 1")
         if self.workers_per_node is not None and self.workers_per_node < 1:
             raise UserError(f"--workers-per-node {self.workers_per_node}: must be at least 1")
 
@@ -85,6 +94,8 @@ class BatchResult:
     error: str | None = None
     interrupted: bool = False
     teardown_error: str | None = None
+    moved: int = 0  # queued partitions handed to another worker before they started
+    load_source: str = ""  # where admission's node load came from: "prometheus", "proc" (direct samples)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +183,9 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                         fn=spec.fn, code_dirs=dask.code_dirs, params=dask.params, output=output, output_format=spec.output_format,
                         on_error=spec.on_error, retries=spec.retries, gpu=gpu, max_load=spec.max_load,
                         admission=spec.admission, speculation=spec.speculation,
-                        load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement)
+                        load_interval_s=spec.load_interval_s, job_id=job_id, placement=spec.placement,
+                        task_timeout_s=spec.task_timeout_s, task_memory_mb=spec.task_memory_mb, depth=spec.depth,
+                        busy=(await asyncio.to_thread(_monitor_busy, cluster)) if spec.admission else None)
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
             finally:
@@ -201,7 +214,8 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
         per_node=stats.per_node, retries=stats.retries, backups=stats.backups, backups_won=stats.backups_won,
         duplicated_rows=stats.duplicated_rows, workers_lost=stats.workers_lost, rows_skipped=stats.rows_skipped,
         nodes={n: {"cores": w.cores, "workers": w.slots} for n, w in (dask.nodes.items() if dask else [])},
-        error=error, interrupted=interrupted, teardown_error=teardown_error,
+        error=error, interrupted=interrupted, teardown_error=teardown_error, moved=stats.moved,
+        load_source=",".join(sorted(stats.load_sources)),
     )
     manifest = {**result.to_dict(), "job": job_record(spec, files),
                 "partitions_list": sorted(stats.partitions, key=lambda p: p["index"])}
@@ -210,6 +224,16 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
         raise Interrupted(f"interrupted: {stats.done} of {todo} partitions finished and kept in {output}; "
                           "run the same command again to do the rest")
     return result
+
+
+def _monitor_busy(cluster):
+    """The monitoring's node load when `vpscluster monitor up` runs for the cluster, else None
+    (admission then samples /proc and the cgroups itself); checked once, when the job starts."""
+    from vpscluster.jobs.load import monitor_busy
+
+    if monitor_busy(cluster) is None:
+        return None
+    return lambda: monitor_busy(cluster)
 
 
 def _chain(first, rest):

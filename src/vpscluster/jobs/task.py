@@ -6,14 +6,27 @@ Marked with `@dataframe_fn` it takes and returns a pandas DataFrame instead; mar
 `@gpu_fn` it runs only on nodes with a GPU resource. When the function raises on a partition,
 it is run again row by row to name the row: `on_error="fail"` raises `RowError` naming the
 partition and the row, `"skip"` keeps the other rows' results and reports the skipped ones.
+
+With limits (`--task-timeout S`, `--task-memory MB`) the partition runs in a child process of
+the worker (one kept per worker thread, started on first use, tagged like the worker so
+teardown finds it): the worker watches its wall time and resident memory every 50 ms and kills
+it past a limit, so a runaway function costs its partition, never the worker. The child is
+started again for the next partition. The limit errors (`TaskTimeout`, `TaskMemoryError`) are
+one line naming the partition, the worker and the limit.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import pickle
+import select
+import signal
 import socket
+import struct
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
@@ -23,6 +36,25 @@ from vpscluster.errors import UserError
 
 class RowError(Exception):
     """The user's function failed on a row (the message is one line naming it)."""
+
+
+class TaskLimitError(Exception):
+    """A partition went over a limit (one line); `worker` names the Dask worker it ran on."""
+
+    def __init__(self, message: str, worker: str = "") -> None:
+        super().__init__(message, worker)
+        self.worker = worker
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class TaskTimeout(TaskLimitError):
+    """The partition ran longer than --task-timeout (retried elsewhere)."""
+
+
+class TaskMemoryError(TaskLimitError):
+    """The partition's process used more than --task-memory (not retried: it needs as much anywhere)."""
 
 
 def dataframe_fn(fn: Callable) -> Callable:
@@ -78,16 +110,31 @@ def _one_line(e: BaseException) -> str:
 
 
 def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: dict, on_error: str,
-                  params: dict | None = None) -> dict:
+                  params: dict | None = None, limits: dict | None = None) -> dict:
     """Run the function over one partition; the result rows and where and how long it ran.
 
     `where` is the partition (index, path, first_row, rows) for error messages; `params` are
-    keyword arguments for the function (`--param KEY=VALUE`, files shipped to the node).
+    keyword arguments for the function (`--param KEY=VALUE`, files shipped to the node);
+    `limits` ({"timeout_s", "memory_mb"}, either None) run it in a watched child process.
     """
+    from distributed import get_worker
+
+    worker = get_worker()
+    started = time.monotonic()
+    if limits and (limits.get("timeout_s") or limits.get("memory_mb")):
+        out, skipped = _run_limited(limits, str(worker.name), (fn_spec, code_dir, rows, where, on_error, params))
+    else:
+        out, skipped = compute(fn_spec, code_dir, rows, where, on_error, params)
+    return {"rows": out, "skipped": skipped, "seconds": time.monotonic() - started,
+            "worker": worker.name, "address": worker.address, "host": socket.gethostname()}
+
+
+def compute(fn_spec: str, code_dir: str | None, rows: list[dict], where: dict, on_error: str,
+            params: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """The function over one partition, here: (result rows, skipped rows); `RowError` on failure."""
     params = params or {}
     from vpscluster.jobs.inputs import Partition
 
-    started = time.monotonic()
     part = Partition(**where)
     fn = load_function(fn_spec, code_dir)
     skipped: list[dict] = []
@@ -112,8 +159,120 @@ def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: d
             line = f" at {os.path.basename(tb[0].filename)}:{tb[0].lineno}" if tb else ""
             raise RowError(f"partition {part.index} {at}: {_one_line(e)}{line}") from None
         skipped = [{"row": i + 1, "where": part.where(i), "error": _one_line(e)} for i, e in bad]
-    from distributed import get_worker
+    return out, skipped
 
-    worker = get_worker()
-    return {"rows": out, "skipped": skipped, "seconds": time.monotonic() - started,
-            "worker": worker.name, "address": worker.address, "host": socket.gethostname()}
+
+# --- partitions under limits: a watched child process --------------------------------------
+
+_POLL_S = 0.05
+_idle_children: list[subprocess.Popen] = []
+_children_lock = threading.Lock()
+
+
+def _send(f, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(struct.pack("!Q", len(data)) + data)
+    f.flush()
+
+
+def _recv(f):
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError
+    (n,) = struct.unpack("!Q", head)
+    data = f.read(n)
+    if len(data) < n:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _child() -> subprocess.Popen:
+    with _children_lock:
+        if _idle_children:
+            return _idle_children.pop()
+    # The worker's environment (PYTHONPATH, the job's tag) goes with it; its stderr is the worker's log.
+    return subprocess.Popen([sys.executable, "-c", "from vpscluster.jobs.task import serve; serve()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+def _run_limited(limits: dict, worker: str, job: tuple) -> tuple[list[dict], list[dict]]:
+    from vpscluster.jobs.inputs import Partition
+
+    timeout_s, memory_mb = limits.get("timeout_s"), limits.get("memory_mb")
+    part = Partition(**job[3])
+    proc = _child()
+    try:
+        _send(proc.stdin, job)
+    except OSError:  # a child that died while idle: start another
+        _kill(proc)
+        proc = _child()
+        _send(proc.stdin, job)
+    started = time.monotonic()
+    peak = 0.0
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], _POLL_S)
+        if ready:
+            try:
+                ok, value = _recv(proc.stdout)
+            except (EOFError, OSError):
+                ok, value = None, None
+            if ok is not None:
+                with _children_lock:
+                    _idle_children.append(proc)
+                if ok:
+                    return value
+                raise value
+        if proc.poll() is not None or ready:  # died without an answer
+            _kill(proc)
+            code = proc.returncode
+            how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit status {code}"
+            raise RuntimeError(f"partition {part.index} ({part.where()}): the process running it on {worker} "
+                               f"ended ({how}) without a result")
+        if memory_mb:
+            peak = max(peak, _rss_mb(proc.pid))
+            if peak > memory_mb:
+                _kill(proc)
+                raise TaskMemoryError(f"partition {part.index} ({part.where()}) used {peak:.0f} MB on {worker}, over "
+                                      f"--task-memory {memory_mb:g} MB; raise --task-memory or lower --partition-rows",
+                                      worker)
+        if timeout_s and time.monotonic() - started > timeout_s:
+            _kill(proc)
+            raise TaskTimeout(f"partition {part.index} ({part.where()}) ran longer than --task-timeout {timeout_s:g} s "
+                              f"on {worker}; raise --task-timeout or lower --partition-rows", worker)
+
+
+def serve() -> None:
+    """The child's loop: read a partition, run it, answer; until the worker closes the pipe."""
+    inp = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # the function's prints go to the worker's log, not into the answers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker (or teardown) ends it
+    while True:
+        try:
+            job = _recv(inp)
+        except (EOFError, OSError):
+            return
+        try:
+            answer = (True, compute(*job))
+        except Exception as e:
+            answer = (False, e)
+        try:
+            _send(out, answer)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # an exception or row pickle cannot carry
+            _send(out, (False, RuntimeError(_one_line(answer[1]) if not answer[0] else f"result rows: {_one_line(e)}")))
