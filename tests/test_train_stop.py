@@ -75,3 +75,27 @@ def test_sigterm_to_launcher_checkpoints_and_resume_equals_uninterrupted(tmp_pat
     assert resumed["resumed_from_step"] == k and resumed["steps"] == N
     assert resumed["model_sha256"] == reference["model_sha256"]
     assert resumed["optimizer_sha256"] == reference["optimizer_sha256"]
+
+
+def test_sigkilled_launcher_still_gets_a_checkpoint_from_the_guard(tmp_path):
+    """No teardown of its own can run: the node-side guard stops the workers, and they checkpoint first."""
+    run = tmp_path / "run"
+    proc = _launch("--nodes", "2", "--max-steps", "100000", "--batch-size", "4", "--eval-every", "100000",
+                   "--run-dir", str(run))
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and _steps_logged(run) < 3 and proc.poll() is None:
+            time.sleep(0.1)
+        assert _steps_logged(run) >= 3, "training did not start"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (run / "report.json").exists():
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = json.loads((run / "report.json").read_text())
+    k = report["steps"]
+    assert report["stopped_by"] == "stop_requested" and k >= 3
+    assert (run / "checkpoints" / f"step-{k:08d}" / "manifest.json").exists()

@@ -121,7 +121,8 @@ class Trainer:
         self.stop_requested = True
 
     def install_stop_handler(self) -> None:
-        """SIGTERM/SIGINT ask for a stop with a checkpoint instead of killing the rank mid-step."""
+        """SIGTERM/SIGINT ask for a stop with a checkpoint instead of killing the rank mid-step.
+        `run` installs it once start-up is over: a rank stopped while it starts has nothing to save."""
         for sig in STOP_SIGNALS:
             try:
                 signal.signal(sig, self._request_stop)
@@ -277,6 +278,8 @@ class Trainer:
         if resume:
             self.resume()
         end_startup(self.ctx, cfg.timeouts.train_collective_s)
+        # From here a stop saves a checkpoint; before (rendezvous, start-up) it ends the rank at once.
+        self.install_stop_handler()
         start_step = self.step
         self.events.emit(
             "start", world_size=self.ctx.world_size, start_step=start_step, max_steps=cfg.max_steps,
@@ -531,7 +534,6 @@ def _adamw(model, cfg: TrainConfig, fused: bool):
 
 def run(cfg: TrainConfig, run_dir: Path, resume: bool, backend: str = "auto") -> dict[str, Any] | None:
     trainer = Trainer(cfg, run_dir, backend)
-    trainer.install_stop_handler()
     try:
         return trainer.train(resume)
     finally:
