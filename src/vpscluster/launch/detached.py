@@ -40,12 +40,14 @@ def start(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     run_dir = Path(run_dir)
     log = log_path(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / STATE).unlink(missing_ok=True)  # a previous detached session's (a resume)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vpscluster", *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    state = {"pid": proc.pid, "argv": argv, "started": time.time(), "log": str(log)}
+    # Merged: a launcher that already failed has written its exit status (finish).
+    state = {**(read_state(run_dir) or {}), "pid": proc.pid, "argv": argv, "started": time.time(), "log": str(log)}
     fsutil.write_json(run_dir / STATE, state)
     return state
 
