@@ -91,12 +91,14 @@ def test_slow_start_uses_the_startup_timeout_and_a_stuck_peer_the_training_one(t
     assert r0["step"] == r1["step"] == 3
 
     # The same slow start, then rank 1 stuck for STUCK_S after step 2's all-reduce: rank 0's
-    # all-reduce of step 3 fails after about TRAIN_TIMEOUT_S, long before the stuck peer wakes
+    # next collective fails after about TRAIN_TIMEOUT_S, long before the stuck peer wakes
     # (under the start-up time-out it would simply have waited for it).
     stuck = tmp_path / "stuck"
     stuck.mkdir()
     r0, r1 = _run(stuck, stuck_at_step=2)
     assert not r0["ok"] and "timed out" in r0["error"].lower(), r0
-    assert r0["step"] == 3
+    # Rank 0's next collective times out: step 2's stop agreement (a stop may be requested at any
+    # step, see trainer.py), or step 3's all-reduce where no agreement runs after step 2.
+    assert r0["step"] in (2, 3)
     waited = r0["ended_at"] - float((stuck / "stuck_since").read_text())
     assert TRAIN_TIMEOUT_S - 1 < waited < STUCK_S - 5, (waited, r0)

@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("vpscluster.cli.monitor", "Prometheus for a cluster: up, down, status, a Grafana dashboard"),
     "top": ("vpscluster.cli.top", "a live view of every node and the current run (from Prometheus)"),
     "report": ("vpscluster.cli.report", "write RUN_DIR/report.html: where the time and the bytes of a run went"),
+    "attach": ("vpscluster.cli.attach", "follow a run started with `train --detach` until it ends (Ctrl-C leaves it running)"),
+    "stop": ("vpscluster.cli.stop", "stop a run started with `train --detach`: a checkpoint first, then every process"),
 }
 
 
@@ -70,6 +72,7 @@ def add_subcommands(parser: argparse.ArgumentParser, registry: dict[str, tuple[s
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # as typed (`train --detach` runs it again)
     try:
         try:
             return int(args._module.run(args) or 0)

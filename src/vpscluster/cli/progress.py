@@ -95,6 +95,9 @@ class ProgressView:
     def _on_checkpoint(self, ev: dict[str, Any]) -> None:
         self.console.print(f"step {ev['step']}: checkpoint {ev['path']}", style="dim")
 
+    def _on_stopping(self, ev: dict[str, Any]) -> None:
+        self.console.print(f"step {ev['step']}: asked to stop; saving a checkpoint first", style="yellow")
+
     def _on_resume(self, ev: dict[str, Any]) -> None:
         if ev.get("step"):
             self.console.print(f"resuming from the checkpoint of step {ev['step']}")

@@ -75,6 +75,9 @@ class Job:
     create_run: Callable[[], None] | None = None
     # logs/<file name> per node (default <node>.log).
     log_names: dict[str, str] = field(default_factory=dict)
+    # Stopping (teardown, the node-side guard): SIGTERM, this long to finish (training saves a
+    # checkpoint in it), then SIGKILL. None: 5 s in the guard, 6 s at teardown.
+    stop_grace_s: float | None = None
 
     def node_run_dir(self, workdir: str) -> str:
         return posixpath.join(workdir, self.run_dir_on_node or posixpath.join("runs", self.run_id))
@@ -277,7 +280,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             router.note(c.node, "$ " + c.shell())
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
             # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
-            line = guarded(c.argv[0], rdzv_id, c.shell())
+            line = guarded(c.argv[0], rdzv_id, c.shell(), grace_s=job.stop_grace_s or 5.0)
             handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
         if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see
@@ -285,7 +288,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     finally:
         if was_interrupted:
             job.say("interrupted: stopping every process on every node")
-        reaped = await asyncio.shield(teardown(executors, handles, rdzv_id))
+        reaped = await asyncio.shield(teardown(executors, handles, rdzv_id, grace_s=job.stop_grace_s or 6.0))
         router.close()
     for h in handles:
         outcomes[h.node].exit_status = h.returncode

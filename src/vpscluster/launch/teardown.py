@@ -44,8 +44,9 @@ class ReapResult:
 
 
 async def reap_node(executor, launch_id: str, grace_s: float = 6.0, kill_wait_s: float = 3.0,
-                    timeout_s: float = 30.0) -> ReapResult:
+                    timeout_s: float | None = None) -> ReapResult:
     node = executor.node
+    timeout_s = timeout_s if timeout_s is not None else grace_s + kill_wait_s + 25.0
     result = await executor.run(
         nodeside.command(node.python, "reap", LAUNCH_ID_ENV, launch_id, str(grace_s), str(kill_wait_s)),
         timeout_s=timeout_s,

@@ -310,6 +310,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         # Quiet for longer than the workers' own time-outs means a hang they cannot see.
         silence_limits_s=(cfg.timeouts.rendezvous_s + cfg.timeouts.startup_collective_s,
                           2 * cfg.timeouts.train_collective_s + 60),
+        stop_grace_s=cfg.timeouts.stop_grace_s,  # the workers checkpoint before they stop
     )
 
 
@@ -343,9 +344,15 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 
             fsutil.write_json(run.run_dir / PREDICTION, run.prediction)
 
+    stop_checkpoint: list[int] = []  # the step of the checkpoint saved by a stop, once rank 0 says so
+
     def with_monitor(event: dict) -> None:
         if event.get("event") == "start" and event.get("exporters"):
             _publish_targets(run, event["exporters"], say)
+        if event.get("event") == "stopping":
+            stop_checkpoint[:] = [-1]
+        elif event.get("event") == "checkpoint" and stop_checkpoint:
+            stop_checkpoint[:] = [int(event.get("step", -1))]
         if on_event is not None:
             on_event(event)
 
@@ -354,8 +361,11 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     job.create_run = create_run
     result = launch(job)
     _clear_targets(run, say)
-    if result.interrupted:
-        raise Interrupted()  # every process on every node has been stopped
+    if result.interrupted:  # every process on every node has been stopped
+        if stop_checkpoint and stop_checkpoint[0] >= 0:
+            raise Interrupted(f"interrupted; checkpoint saved at step {stop_checkpoint[0]}, "
+                              f"continue with: vpscluster train --resume {run.run_dir}")
+        raise Interrupted()
     logs = run.run_dir / rundir.LOGS
     if not result.ok:
         outcome = next((o for o in result.nodes if o.name == result.failed_node), None)

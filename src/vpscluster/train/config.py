@@ -132,12 +132,15 @@ class TimeoutConfig:
     rendezvous_s: Float = 600.0  # all nodes join (slow SSH start, package imports on cold disks)
     startup_collective_s: Float = 300.0  # first collectives (weight broadcast over a slow link)
     train_collective_s: Float = 180.0  # once training runs: a dead peer is noticed this fast
+    # A stopped run (Ctrl-C, SIGTERM, `vpscluster stop`, a launcher gone): its workers save a
+    # checkpoint at the next step boundary within this, else they are killed.
+    stop_grace_s: Float = 30.0
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("rendezvous_s", "startup_collective_s", "train_collective_s"):
+        for name in ("rendezvous_s", "startup_collective_s", "train_collective_s", "stop_grace_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"timeouts.{name} must be positive")
 

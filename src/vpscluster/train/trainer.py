@@ -19,12 +19,19 @@ than 0.
   the checkpoint agreement of a resume); once start-up is over the same group's time-out is
   lowered to `timeouts.train_collective_s` (torchtitan's init/train time-outs), so a dead peer
   stops the job quickly instead of hanging it.
+- Stopping: SIGTERM or SIGINT to a rank (Ctrl-C or SIGTERM to the launcher, `vpscluster stop`,
+  the node-side guard of a launcher that is gone) only sets `stop_requested`. The flag rides on
+  the same one-integer agreement as the time budget (checked every step), so every rank stops
+  after the same step, saves a checkpoint there (no final evaluation) and writes its report
+  (`stopped_by: "stop_requested"`); `--resume` continues from it. While stopping, collectives
+  time out after `timeouts.stop_grace_s`; past that the launcher kills what is left anyway.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -38,6 +45,7 @@ from vpscluster.train.config import TrainConfig
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
 
 RECENT_LOSSES = 10
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXPORTERS = "exporters.json"  # where every rank's and node's metrics are served (rank 0 writes it)  # final_train_loss = mean of rank 0's last this-many step losses
 
 
@@ -107,6 +115,19 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, backend: str = "auto") -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.backend = backend
+        self.stop_requested = False  # set by SIGTERM/SIGINT; acted on at the next step boundary
+
+    def _request_stop(self, signum, _frame) -> None:
+        self.stop_requested = True
+
+    def install_stop_handler(self) -> None:
+        """SIGTERM/SIGINT ask for a stop with a checkpoint instead of killing the rank mid-step.
+        `run` installs it once start-up is over: a rank stopped while it starts has nothing to save."""
+        for sig in STOP_SIGNALS:
+            try:
+                signal.signal(sig, self._request_stop)
+            except ValueError:  # not the main thread (a library caller): keep the default
+                pass
 
     # ---- build ----------------------------------------------------------------------------
     def build(self) -> None:
@@ -248,14 +269,16 @@ class Trainer:
         return val
 
     # ---- the loop -------------------------------------------------------------------------
-    def _agree_stop(self, over_budget: bool) -> bool:
-        """All ranks stop after the same step: MAX over a one-integer all-reduce."""
+    def _agree_stop(self, over_budget: bool) -> int:
+        """All ranks stop after the same step: MAX over a one-integer all-reduce. 0: go on,
+        1: some rank spent the time budget, STOP_REQUESTED: some rank was asked to stop."""
+        code = STOP_REQUESTED if self.stop_requested else int(over_budget)
         if self.ctx.group is None:
-            return over_budget
-        flag = self._torch.tensor([int(over_budget)], dtype=self._torch.int32, device=self.ctx.device)
+            return code
+        flag = self._torch.tensor([code], dtype=self._torch.int32, device=self.ctx.device)
         with self.strategy.comm.timed(ring_allreduce_bytes(flag.numel() * flag.element_size(), self.ctx.world_size)):
             self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self.ctx.group)
-        return bool(flag.item())
+        return int(flag.item())
 
     def train(self, resume: bool) -> dict[str, Any] | None:
         self.build()
@@ -263,6 +286,8 @@ class Trainer:
         if resume:
             self.resume()
         end_startup(self.ctx, cfg.timeouts.train_collective_s)
+        # From here a stop saves a checkpoint; before (rendezvous, start-up) it ends the rank at once.
+        self.install_stop_handler()
         start_step = self.step
         self.events.emit(
             "start", world_size=self.ctx.world_size, start_step=start_step, max_steps=cfg.max_steps,
@@ -300,7 +325,7 @@ class Trainer:
                 local_tokens = n_micro * micro_tokens
             opt.zero_grad(set_to_none=True)
             over = cfg.time_budget_s is not None and time.perf_counter() - session_start >= cfg.time_budget_s
-            stop = self._agree_stop(over) if cfg.time_budget_s is not None else False
+            stop = self._agree_stop(over)  # also when no budget is set: a stop may be requested any time
             comm_s, nbytes = strategy.comm.take()
             step_s = time.perf_counter() - t0
             self.totals.add_step(local_tokens, step_s, comm_s, nbytes)
@@ -337,13 +362,16 @@ class Trainer:
                     self._rebalance()
             last = stop or self.step == cfg.max_steps
             if last:
-                stopped_by = "time_budget" if stop else "max_steps"
+                stopped_by = STOPPED_BY.get(stop, "max_steps")
                 break
             if self.step % cfg.eval_every == 0:
                 val_loss, val_step = self.evaluate(), self.step
             if self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         t_final = time.perf_counter()
+        if stopped_by == "stop_requested":  # a stuck peer must not hold the stop past its grace
+            end_startup(self.ctx, min(cfg.timeouts.train_collective_s, cfg.timeouts.stop_grace_s))
+            self.events.emit("stopping", step=self.step)
         strategy.finalize(self.step)
         # A last sync (DiLoCo ending mid-round) is communication too: count it, and its time.
         final_s, final_bytes = strategy.comm.take()
@@ -351,8 +379,8 @@ class Trainer:
         self.totals.bytes_sent += final_bytes
         self.exporter.communicated(final_bytes)
         self.totals.wall_seconds += time.perf_counter() - t_final
-        if val_step != self.step or val_loss is None:
-            val_loss, val_step = self.evaluate(), self.step
+        if (val_step != self.step or val_loss is None) and stopped_by != "stop_requested":
+            val_loss, val_step = self.evaluate(), self.step  # a stop saves its grace for the checkpoint
         if self.step > start_step or not _has_checkpoint(self.run_dir, self.step):
             self.save_checkpoint()
         report = self.build_report(val_loss, stopped_by, start_step)
@@ -513,6 +541,10 @@ class Trainer:
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+STOP_REQUESTED = 2
+STOPPED_BY = {1: "time_budget", STOP_REQUESTED: "stop_requested"}
 
 
 def _has_checkpoint(run_dir: Path, step: int) -> bool:

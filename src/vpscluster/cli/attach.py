@@ -1,0 +1,74 @@
+"""`vpscluster attach RUN`: follow a run started with `train --detach` until it ends.
+
+Prints the launcher's output (RUN_DIR/logs/detached.log) as it grows, and a line per step from
+metrics.jsonl (at most one a second). Ends with the launcher's exit status once it is gone.
+Ctrl-C detaches: the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="the run directory or run id `train --detach` printed")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vpscluster.launch import detached
+
+    run_dir = detached.find_run(args.run)
+    log, metrics = _Tail(detached.log_path(run_dir)), _Tail(run_dir / "metrics.jsonl")
+    last_step_shown = 0.0
+    try:
+        while True:
+            state = detached.read_state(run_dir) or {}
+            alive = detached.running(state)
+            for line in log.lines():
+                print(line, flush=True)
+            steps = [d for d in map(_json, metrics.lines()) if d and d.get("loss") is not None]
+            if steps and (time.monotonic() - last_step_shown >= 1.0 or not alive):
+                s = steps[-1]
+                print(f"step {s['step']}: loss {s['loss']:.4f} ({s.get('step_seconds', 0):.2f} s/step)", flush=True)
+                last_step_shown = time.monotonic()
+            if not alive:
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        print(f"detached; the run goes on (vpscluster stop {run_dir} stops it)", file=sys.stderr)
+        return 0
+    state = detached.read_state(run_dir) or {}
+    status = state.get("exit_status")
+    print(f"run {run_dir}: {detached.describe_end(state)}", file=sys.stderr)
+    return int(status) if isinstance(status, int) else 1
+
+
+def _json(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+class _Tail:
+    """The complete lines appended to a file since the last look (the file may not exist yet)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = Path(path), 0, b""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *done, self.partial = (self.partial + data).split(b"\n")
+        return [d.decode(errors="replace") for d in done]

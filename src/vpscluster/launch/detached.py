@@ -1,0 +1,135 @@
+"""Runs whose launcher works in the background: `train --detach`, `attach RUN`, `stop RUN`.
+
+`train --detach` validates the run as usual, then starts the same `vpscluster train` command as
+a launcher process of its own (a new session, no terminal: closing the terminal or the SSH
+session it was typed in does not stop it) and returns. Everything about it lives in the run dir:
+
+    RUN_DIR/launcher.json       {"pid", "argv", "started", "log"}; the launcher adds
+                                "exit_status" and "message" when it ends
+    RUN_DIR/logs/detached.log   the launcher's own output (what `train` prints in a terminal)
+
+`stop` sends the launcher SIGTERM, which is Ctrl-C for it: every rank saves a checkpoint at the
+next step boundary and the launcher stops every process on every node; after a time-out it is
+killed, and its node-side guards still stop the workers (after their own grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vpscluster import fsutil
+from vpscluster.errors import UserError
+
+STATE = "launcher.json"
+LOG = "detached.log"
+
+
+def log_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "logs" / LOG
+
+
+def start(run_dir: Path, argv: list[str]) -> dict[str, Any]:
+    """Start `vpscluster ARGV...` in the background, its output to RUN_DIR/logs/detached.log."""
+    run_dir = Path(run_dir)
+    log = log_path(run_dir)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / STATE).unlink(missing_ok=True)  # a previous detached session's (a resume)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vpscluster", *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    # Merged: a launcher that already failed has written its exit status (finish).
+    state = {**(read_state(run_dir) or {}), "pid": proc.pid, "argv": argv, "started": time.time(), "log": str(log)}
+    fsutil.write_json(run_dir / STATE, state)
+    return state
+
+
+def finish(run_dir: Path, exit_status: int, message: str | None) -> None:
+    """The detached launcher's last word, for `attach` and `stop` to read."""
+    state = read_state(run_dir) or {}
+    state.update(exit_status=exit_status, message=message, ended=time.time())
+    fsutil.write_json(Path(run_dir) / STATE, state)
+
+
+def read_state(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_run(ref: str, base: str | Path = "runs") -> Path:
+    """A run named by its directory or by its run id under `base`; one-line error otherwise."""
+    for d in (Path(ref), Path(base) / ref):
+        if (d / STATE).is_file():
+            return d
+    if any((d / "config.yaml").is_file() for d in (Path(ref), Path(base) / ref)):
+        raise UserError(f"run {ref} was not started with --detach (no {STATE}); only detached runs can be attached or stopped")
+    raise UserError(f"no run {ref!r}: give a run directory or a run id under {base}/ (as `train --detach` printed it)")
+
+
+def running(state: dict[str, Any]) -> bool:
+    """The launcher process still runs (and is the one started: same pid, a vpscluster command, not a zombie)."""
+    pid = state.get("pid")
+    if not isinstance(pid, int) or state.get("exit_status") is not None and state.get("ended"):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z" and b"vpscluster" in cmdline
+
+
+def stop(run_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """SIGTERM the launcher (a checkpoint, then every process stopped); SIGKILL after `timeout_s`.
+    Returns the final state plus "forced": whether it had to be killed."""
+    state = read_state(run_dir) or {}
+    if not running(state):
+        raise UserError(f"run {run_dir} is not running ({_ended(state)}); continue it with: vpscluster train --resume {run_dir} --detach")
+    pid = state["pid"]
+    os.kill(pid, signal.SIGTERM)
+    forced = not _wait_gone(state, timeout_s)
+    if forced:
+        try:
+            os.kill(pid, signal.SIGKILL)  # the node-side guards see their launcher gone and stop the rest
+        except ProcessLookupError:
+            pass
+        _wait_gone(state, 10.0)
+    _reap_if_child(pid)
+    return {**(read_state(run_dir) or state), "forced": forced}
+
+
+def _wait_gone(state: dict[str, Any], seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not running({**state, "exit_status": None}):
+            return True
+        time.sleep(0.2)
+    return not running({**state, "exit_status": None})
+
+
+def _reap_if_child(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _ended(state: dict[str, Any]) -> str:
+    if state.get("exit_status") is None:
+        return "its launcher is gone without an exit status (killed?)"
+    msg = f"; {state['message']}" if state.get("message") else ""
+    return f"it ended with exit status {state['exit_status']}{msg}"
+
+
+def describe_end(state: dict[str, Any]) -> str:
+    return _ended(state)

@@ -1,0 +1,91 @@
+"""`train --detach` returns at once and leaves the launcher running; `attach` follows it and
+Ctrl-C leaves it running; `stop` ends it with a checkpoint; unknown runs are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import pid_alive, run_cli
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmd and pid_alive(int(pid)):
+                found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_detach_attach_stop(tmp_path):
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    r = run_cli("train", "--detach", "--json", "--nodes", "2", "--max-steps", "100000", "--batch-size", "4",
+                "--eval-every", "100000", "--run-dir", str(run), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["run_dir"] == str(run) and doc["run_id"] == "run"
+    pid = doc["pid"]
+    try:
+        assert time.monotonic() - t0 < 60  # it did not wait for the training
+        assert pid_alive(pid)
+        attach = subprocess.Popen([sys.executable, "-m", "vpscluster", "attach", str(run)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 240
+        metrics = run / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count('"loss"') >= 3):
+            time.sleep(0.2)
+        time.sleep(1.5)  # attach polls twice a second
+        attach.send_signal(signal.SIGINT)
+        out, err = attach.communicate(timeout=30)
+        assert attach.returncode == 0, err
+        assert "step 0: validation loss" in out and "loss" in out.split("validation loss", 1)[1], out
+        assert "detached; the run goes on" in err
+        assert pid_alive(pid)  # Ctrl-C on attach left the run alone
+
+        s = run_cli("stop", "--json", str(run), timeout=150)
+        assert s.returncode == 0, s.stderr
+        stopped = json.loads(s.stdout)
+        assert stopped["forced"] is False and stopped["exit_status"] == 130
+        report = json.loads((run / "report.json").read_text())
+        k = report["steps"]
+        assert report["stopped_by"] == "stop_requested" and k >= 3
+        assert (run / "checkpoints" / f"step-{k:08d}" / "manifest.json").exists()
+        assert f"checkpoint saved at step {k}" in stopped["message"]
+        assert not pid_alive(pid)
+        time.sleep(0.5)
+        assert _processes_mentioning(str(run)) == []
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+    # a finished run: attach ends at once with its status; stop says it is not running
+    a = run_cli("attach", str(run), timeout=60)
+    assert a.returncode == 130 and "exit status 130" in a.stderr
+    again = run_cli("stop", str(run), timeout=60)
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
+    assert "is not running" in again.stderr and f"--resume {run}" in again.stderr
+
+
+def test_unknown_runs_are_one_line_errors(tmp_path):
+    for cmd in ("attach", "stop"):
+        r = run_cli(cmd, str(tmp_path / "nope"), timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "no run" in r.stderr, r.stderr
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.yaml").write_text("preset: tiny\n")
+    r = run_cli("stop", str(tmp_path / "plain"), timeout=60)
+    assert r.returncode == 2 and "not started with --detach" in r.stderr
