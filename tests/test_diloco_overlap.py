@@ -39,6 +39,17 @@ def fragment_digests(strategy):
     return [digest(torch.cat([p.detach().reshape(-1) for p in ps])) for ps in strategy.fragment_params]
 
 
+def test_overlap_setting_is_checked_and_capped_below_h():
+    from vpscluster.errors import UserError
+    from vpscluster.train.config import StrategyConfig
+
+    with pytest.raises(UserError, match="overlap_steps"):
+        StrategyConfig(name="diloco", overlap_steps=-1)
+    assert make_strategy(0, 2, sync_every=4, overlap_steps=10).overlap == 3  # never sent again before it lands
+    assert make_strategy(0, 2, sync_every=1).overlap == 0  # H = 1: nothing to overlap with
+    assert make_strategy(0, 1, sync_every=4, overlap_steps=2).overlap == 0  # one rank: nothing on the wire
+
+
 # -- agreement and timing with overlap ------------------------------------------------------------
 
 
