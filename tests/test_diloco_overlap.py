@@ -19,7 +19,7 @@ import os
 import pytest
 
 from conftest import free_port
-from test_diloco_strategy import batch, digest, flat, make_model, run_ranks, train_step
+from test_diloco_strategy import digest, flat, make_model, run_ranks, train_step
 
 H = 4
 
@@ -97,7 +97,7 @@ def test_overlapped_syncs_agree_on_every_rank_and_land_tau_steps_late(scenarios,
     assert any(l0 != l1 for (_, _, l0), (_, _, l1) in zip(log0, log1))
     # ...until finalize flushes everything: identical weights, equal to θ_global.
     assert end0 == end1 and end0[0] == end0[1]
-    assert bytes0 > 0 and bytes1 > 0 and busy0 > 0
+    assert bytes0 > 0 and bytes1 > 0 and busy0 > 0 and busy1 > 0
 
 
 # -- the documented delay, from the math ---------------------------------------------------------
