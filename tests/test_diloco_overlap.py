@@ -162,7 +162,9 @@ def test_overlap_equals_the_blocking_run_delayed_by_tau(scenarios, fragments):
 # -- resume with a sync in flight ----------------------------------------------------------------
 
 
-def _resume_in_flight(rank, world, stop_at, total, use_finalize):
+def _resume_in_flight(rank, world, stop_at, total, use_finalize, hold=False):
+    import time
+
     import torch
 
     def build():
@@ -173,12 +175,16 @@ def _resume_in_flight(rank, world, stop_at, total, use_finalize):
 
     model, strategy, opt = build()
     for step in range(1, stop_at + 1):
+        if hold and step == stop_at:  # the sync sent at this step queues behind 1 s of other work
+            strategy._executor.submit(time.sleep, 1.0)
         train_step(model, opt, strategy, rank, step)
     in_flight = len(strategy.in_flight)
+    redo = None
     if stop_at < total:
         if use_finalize:
             strategy.finalize(stop_at)
         ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "strategy": strategy.state_dict()})
+        redo = [e["sent"] is not None for e in ckpt["strategy"]["in_flight"]]
         strategy.close()
         model, strategy, opt = build()  # a new process, in effect
         model.load_state_dict(ckpt["model"])
@@ -188,22 +194,27 @@ def _resume_in_flight(rank, world, stop_at, total, use_finalize):
             train_step(model, opt, strategy, rank, step)
     strategy.finalize(total)
     strategy.close()
-    return digest(flat(model)), [digest(g) for g in strategy.global_flat], in_flight
+    return digest(flat(model)), [digest(g) for g in strategy.global_flat], in_flight, redo
 
 
 def _resumes(rank, world):
     return {
         "straight": _resume_in_flight(rank, world, 13, 13, False),
         "checkpoint": _resume_in_flight(rank, world, 5, 13, False),  # sent at 4, lands at 6
+        "running": _resume_in_flight(rank, world, 4, 13, False, hold=True),  # saved while still reducing
         "finalized": _resume_in_flight(rank, world, 7, 13, True),  # sent at 6, lands at 8
     }
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "finalized"])
+@pytest.mark.parametrize("how", ["checkpoint", "running", "finalized"])
 def test_resume_with_a_sync_in_flight_equals_an_uninterrupted_run(scenarios, how):
     r0, r1 = scenarios["resume"]
     assert r0["straight"][:2] == r1["straight"][:2]
     assert r0[how][2] == 1  # a sync really was in flight when the state was saved
+    if how == "running":  # saved unfinished: the resumed run reduced it again
+        assert r0[how][3] == r1[how][3] == [True]
+    if how == "finalized":  # finalize waits for it first: its result was saved
+        assert r0[how][3] == r1[how][3] == [False]
     assert r0[how][:2] == r0["straight"][:2] and r1[how][:2] == r1["straight"][:2]
 
 

@@ -40,9 +40,11 @@ later (tests/test_diloco_overlap.py checks this). τ is capped at H − 1, so a 
 sent again before its update has landed. τ = 0 is the blocking sync, run on the loop's thread.
 
 Resume: the state holds θ_global, m, and per fragment the steps and tokens since its last sync,
-so a run resumed mid-round continues exactly. With overlap, `state_dict` first waits for the
-syncs in flight and saves their results (fragment, step it lands, reduced Δ, θ_r(s)), to be
-applied at the same step after a resume. `finalize` applies those in flight, then syncs every fragment with pending
+so a run resumed mid-round continues exactly. With overlap, `state_dict` does not wait for the
+syncs in flight: it saves each one's fragment, the step it lands, θ_r(s) and either the reduced
+Δ (done) or this rank's Δ_r, which the resumed run reduces again (every rank resumes from the
+same step, and the reduction is deterministic), so the update lands at the same step with the
+same value. `finalize` applies those in flight, then syncs every fragment with pending
 steps so all ranks end on identical weights; because that changes the weights, the state saved
 after it is the snapshot from just *before* it (plus this rank's local weights), so resuming a
 finished run continues as if it had never stopped.
@@ -115,6 +117,7 @@ class _InFlight:
     tokens: float
     future: Any = None  # the background reduction; None once waited for
     result: "torch.Tensor | None" = None  # the reduced Δ; None (once waited for) = skipped
+    sent: "torch.Tensor | None" = None  # this rank's Δ_r, kept until the reduction is done
 
 
 class DiLoCoStrategy(Strategy):
@@ -339,18 +342,21 @@ class DiLoCoStrategy(Strategy):
 
     def _send(self, f: int, step: int) -> None:
         """Start fragment f's overlapped sync: its reduction runs on the background thread."""
-        from concurrent.futures import ThreadPoolExecutor
-
         local = self._local_flat(f)
         delta = self.global_flat[f] - local
-        entry = _InFlight(f, step + self.overlap, local, self.steps_since_sync[f], self.tokens_since_sync[f])
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
-        # One thread, so reductions run (and their collectives are issued) in send order on every rank.
-        entry.future = self._executor.submit(self._reduce_with_retry, entry.tokens, delta, self._bg_comm)
+        entry = _InFlight(f, step + self.overlap, local, self.steps_since_sync[f], self.tokens_since_sync[f], sent=delta)
+        self._submit(entry)
         self.in_flight.append(entry)
         self.steps_since_sync[f] = 0  # the next round counts from here
         self.tokens_since_sync[f] = 0.0
+
+    def _submit(self, entry: _InFlight) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
+        # One thread, so reductions run (and their collectives are issued) in send order on every rank.
+        entry.future = self._executor.submit(self._reduce_with_retry, entry.tokens, entry.sent, self._bg_comm)
 
     def _wait(self, entry: _InFlight) -> None:
         """Block until the entry's reduction is done (counted as communication: this rank waits)."""
@@ -362,7 +368,7 @@ class DiLoCoStrategy(Strategy):
         try:
             entry.result = entry.future.result()
         finally:
-            entry.future = None
+            entry.future = entry.sent = None
             busy, nbytes = self._bg_comm.take()
             self.collective_busy_seconds += busy
             self.comm.add(time.perf_counter() - t0, nbytes)
@@ -426,10 +432,12 @@ class DiLoCoStrategy(Strategy):
             "steps_since_sync": list(self.steps_since_sync),
             "tokens_since_sync": list(self.tokens_since_sync),
             "outer_steps": self.outer_steps,
-            # Overlapped syncs in flight, already waited for (`state_dict`/`finalize` wait first).
+            # Overlapped syncs in flight: the reduced Δ when done, else this rank's Δ_r, which a
+            # resumed run reduces again (every rank resumes from the same step: same collectives).
             "in_flight": [
                 {"fragment": e.fragment, "apply_at": e.apply_at, "at_send": e.at_send.clone(), "steps": e.steps,
-                 "tokens": e.tokens, "result": None if e.result is None else e.result.clone()}
+                 "tokens": e.tokens, "result": None if e.result is None else e.result.clone(),
+                 "sent": None if e.sent is None else e.sent.clone()}
                 for e in self.in_flight
             ],
         }
@@ -440,7 +448,9 @@ class DiLoCoStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         if self._pre_finalize_state is not None:
             return self._pre_finalize_state
-        self._wait_all()  # the results are saved and land at their step after a resume
+        for entry in self.in_flight:  # collect what is done; a reduction still running is not waited for
+            if entry.future is not None and entry.future.done():
+                self._wait(entry)
         return self._state(include_local=False)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -462,8 +472,12 @@ class DiLoCoStrategy(Strategy):
         self.outer_steps = int(state["outer_steps"])
         self.in_flight = [
             _InFlight(int(e["fragment"]), int(e["apply_at"]), e["at_send"].to("cpu", copy=True), int(e["steps"]),
-                      float(e["tokens"]), None, None if e["result"] is None else e["result"].to("cpu", copy=True))
+                      float(e["tokens"]), None, None if e["result"] is None else e["result"].to("cpu", copy=True),
+                      None if e.get("sent") is None else e["sent"].to("cpu", copy=True))
             for e in state.get("in_flight", [])
         ]
+        for entry in self.in_flight:
+            if entry.sent is not None:  # saved while its reduction ran: run it again (all ranks do)
+                self._submit(entry)
         for f, flat in enumerate(state.get("local") or []):
             self._write_local(f, flat)
