@@ -90,6 +90,7 @@ def make_strategy(rank, world, **overrides):
     from vpscluster.train.strategies.base import DistContext
     from vpscluster.train.strategies.diloco import DiLoCoStrategy
 
+    overrides.setdefault("overlap_steps", 0)  # these tests check the blocking sync (overlap: test_diloco_overlap.py)
     cfg = StrategyConfig(name="diloco", **overrides)
     cfg.validate()
     return DiLoCoStrategy(cfg, DistContext(rank=rank, world_size=world))

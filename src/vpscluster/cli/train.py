@@ -40,6 +40,7 @@ FLAG_KEYS: dict[str, str] = {
     "outer_warmup": "strategy.outer_warmup",
     "wire_dtype": "strategy.wire_dtype",
     "fragments": "strategy.fragments",
+    "overlap_steps": "strategy.overlap_steps",
     "micro_batches": "strategy.micro_batches",
     "balance": "strategy.balance",
     "speeds": "strategy.speeds",
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--outer-warmup", type=int, metavar="SYNCS", help="diloco: outer syncs from plain averaging to the outer optimizer (default: about 100 steps' worth; 0 = none)")
     strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help="diloco: dtype of the pseudo-gradient on the wire (default: from the plan, fp32 on fast links, int8 on slow)")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
+    strat.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire; its update lands TAU steps late (default {s.overlap_steps}, capped at H-1; 0 = blocking)")
 
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
     uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")

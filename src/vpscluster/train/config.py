@@ -60,6 +60,11 @@ class StrategyConfig:
     # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
     # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
     fragments: Int = 1
+    # Overlapped outer sync (Streaming DiLoCo, Douillard et al. 2025): a fragment's all-reduce
+    # runs in the background while the next `overlap_steps` inner steps compute; its outer update
+    # is applied that many steps late, merged with the local progress made meanwhile. 0 = the
+    # blocking sync. Capped at H - 1 (a fragment is never sent again before its update lands).
+    overlap_steps: Int = 1
     # Uneven nodes (`train/shares.py`). A step's global batch is `micro_batches` micro-batches
     # of batch_size sequences, split among the ranks (0 = one per rank: the classic even split).
     # ddp: a rank accumulates its share (no_sync for all but the last); diloco: each of its
@@ -100,6 +105,8 @@ class StrategyConfig:
             raise UserError(f"strategy.outer_warmup must not be negative (0 = none), got {self.outer_warmup}")
         if self.fragments < 1:
             raise UserError(f"strategy.fragments must be at least 1, got {self.fragments}")
+        if self.overlap_steps < 0:
+            raise UserError(f"strategy.overlap_steps must be >= 0 (0 = blocking outer sync), got {self.overlap_steps}")
         if self.fragments > self.sync_every:
             raise UserError(
                 f"strategy.fragments ({self.fragments}) cannot exceed sync_every ({self.sync_every}): "

@@ -11,9 +11,11 @@ than 0.
 - Gradient clipping by global norm after the gradients are synchronised (same on all ranks).
 - Evaluation: mean loss over the same `eval_batches` validation batches on every rank (no
   communication; every rank gets the same figure).
-- Time budget: every step the ranks agree through a one-integer all-reduce (MAX) whether any
-  has spent the budget, so all stop after the same step. Its time and bytes count as
-  communication.
+- Time budget: at the strategy's sync points (`strategy.is_sync_point`: ddp every step, diloco
+  the steps an outer update lands) the ranks agree through a one-integer all-reduce (MAX)
+  whether any has spent the budget, so all stop after the same step, and that step is a sync
+  point. No collective between sync points. With sync points many steps apart a rank votes to
+  stop at the one nearest the budget (`_budget_spent`). Its time and bytes count as communication.
 - Time-outs: the process group is created with `timeouts.startup_collective_s`, which covers
   every start-up collective (DDP's weight broadcast and shape check, DiLoCo's weight check,
   the checkpoint agreement of a resume); once start-up is over the same group's time-out is
@@ -21,8 +23,9 @@ than 0.
   stops the job quickly instead of hanging it.
 - Stopping: SIGTERM or SIGINT to a rank (Ctrl-C or SIGTERM to the launcher, `vpscluster stop`,
   the node-side guard of a launcher that is gone) only sets `stop_requested`. The flag rides on
-  the same one-integer agreement as the time budget (checked every step), so every rank stops
-  after the same step, saves a checkpoint there (no final evaluation) and writes its report
+  the same one-integer agreement as the time budget (at sync points: every step for ddp, every
+  H/F steps for diloco, so a diloco stop waits for the next outer update and a large H can
+  outlast `stop_grace_s`), so every rank stops after the same step, saves a checkpoint there (no final evaluation) and writes its report
   (`stopped_by: "stop_requested"`); `--resume` continues from it. While stopping, collectives
   time out after `timeouts.stop_grace_s`; past that the launcher kills what is left anyway.
 """
@@ -115,7 +118,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, backend: str = "auto") -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.backend = backend
-        self.stop_requested = False  # set by SIGTERM/SIGINT; acted on at the next step boundary
+        self.stop_requested = False  # set by SIGTERM/SIGINT; acted on at the next sync point
 
     def _request_stop(self, signum, _frame) -> None:
         self.stop_requested = True
@@ -280,6 +283,19 @@ class Trainer:
             self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self.ctx.group)
         return int(flag.item())
 
+    def _budget_spent(self, elapsed: float, budget: float) -> bool:
+        """This rank's vote at a sync point: stop here? Sync points one step apart (ddp): once the
+        budget is spent. Further apart (diloco): at the sync point nearest the budget, i.e. also
+        when the next one would overshoot it by more than this one falls short (the interval is
+        the last one's length in seconds), so a run with H = 100 does not overrun by a round."""
+        last_step, last_t = self._last_sync
+        self._last_sync = (self.step, elapsed)
+        if elapsed >= budget:
+            return True
+        if self.step - last_step <= 1:
+            return False
+        return elapsed + (elapsed - last_t) / 2 >= budget
+
     def train(self, resume: bool) -> dict[str, Any] | None:
         self.build()
         cfg, torch = self.cfg, self._torch
@@ -301,6 +317,7 @@ class Trainer:
         val_loss, val_step = self.totals.initial_val_loss, 0
         stopped_by = "max_steps"
         session_start = time.perf_counter()
+        self._last_sync = (start_step, 0.0)  # (step, seconds into the session) of the last sync point
         wall_before = self.totals.wall_seconds
         local_tokens = micro_tokens = cfg.micro_batch() * self.shape.seq_len
         global_micro = cfg.strategy.micro_batches or self.ctx.world_size
@@ -324,8 +341,10 @@ class Trainer:
                 loss_value, n_micro = self._shared_step()
                 local_tokens = n_micro * micro_tokens
             opt.zero_grad(set_to_none=True)
-            over = cfg.time_budget_s is not None and time.perf_counter() - session_start >= cfg.time_budget_s
-            stop = self._agree_stop(over)  # also when no budget is set: a stop may be requested any time
+            stop = 0
+            if strategy.is_sync_point(self.step):  # ddp: every step; diloco: where an outer update lands
+                over = cfg.time_budget_s is not None and self._budget_spent(time.perf_counter() - session_start, cfg.time_budget_s)
+                stop = self._agree_stop(over)  # also when no budget is set: a stop may be requested any time
             comm_s, nbytes = strategy.comm.take()
             step_s = time.perf_counter() - t0
             self.totals.add_step(local_tokens, step_s, comm_s, nbytes)

@@ -8,6 +8,10 @@ The training loop never branches on the strategy. It calls, per step:
     seconds, nbytes = strategy.comm.take() # communication spent since the last take()
 
 and `strategy.finalize(last_step)` once at the end, before the final validation and checkpoint.
+With a time budget the loop asks `strategy.is_sync_point(step)` after each step and agrees on
+stopping (a one-integer all-reduce) only at those steps: where the ranks wait for each other
+anyway (ddp: every step; diloco: the steps an outer update lands), never a collective of its own
+in between.
 
 and `strategy.setup(model)` once, before the optimizer is built from the module it returns.
 Each strategy is one file under `train/strategies/`:
@@ -125,6 +129,12 @@ class Strategy(ABC):
     def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
         """Apply this step's update (and any synchronisation). `step` counts from 1."""
         optimizer.step()
+
+    def is_sync_point(self, step: int) -> bool:
+        """Do the ranks wait for each other at the end of `step` anyway? Only there does the loop
+        agree on a time-budget stop. Default: every step (ddp all-reduces every step; its
+        agreement stays a separate one-integer all-reduce right after the gradients')."""
+        return True
 
     def finalize(self, step: int) -> None:
         """Called once after the last step, on every rank (DiLoCo: a last outer sync mid-round)."""

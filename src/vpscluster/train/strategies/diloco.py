@@ -24,9 +24,30 @@ so roughly layer blocks), fragment f is synced at the steps s with s ≡ (f+1)·
 fragment still syncs once every H steps, but the traffic is spread over the round instead of
 one burst. F = 1 is plain DiLoCo (sync at s ≡ 0 mod H).
 
+Overlap (Streaming DiLoCo's overlapping communication, arXiv:2501.18512): with
+τ = `overlap_steps` > 0, at fragment f's sync step s the rank computes Δ_r from its weights at s,
+hands the reduction (token all-reduce + pseudo-gradient all-reduce, any wire codec) to a
+background thread that uses the syncs' own process group, and keeps taking inner steps. At step
+s + τ it waits for the result (the only time it may block on the network), applies the outer
+update to θ_global (`_outer_update`, the same function as without overlap) and merges the local
+progress made meanwhile:
+
+    θ_r ← θ_global_new + (θ_r(s+τ) − θ_r(s))       (the delta merge)
+
+so no inner step is thrown away (the paper's alternative, mixing θ_r and θ_global with a
+factor α, is not implemented). θ_global after the k-th sync is bit-identical on every rank.
+With inner updates that do not depend on the weights the pseudo-gradients, and so every
+θ_global, are exactly those of the blocking run: only the moment they land moves, τ steps
+later (tests/test_diloco_overlap.py checks this). τ is capped at H − 1, so a fragment is never
+sent again before its update has landed. τ = 0 is the blocking sync, run on the loop's thread.
+
 Resume: the state holds θ_global, m, and per fragment the outer steps applied (the warm-up's
 clock) and the steps and tokens since its last sync,
-so a run resumed mid-round continues exactly. `finalize` syncs every fragment with pending
+so a run resumed mid-round continues exactly. With overlap, `state_dict` does not wait for the
+syncs in flight: it saves each one's fragment, the step it lands, θ_r(s) and either the reduced
+Δ (done) or this rank's Δ_r, which the resumed run reduces again (every rank resumes from the
+same step, and the reduction is deterministic), so the update lands at the same step with the
+same value. `finalize` applies those in flight, then syncs every fragment with pending
 steps so all ranks end on identical weights; because that changes the weights, the state saved
 after it is the snapshot from just *before* it (plus this rank's local weights), so resuming a
 finished run continues as if it had never stopped.
@@ -36,10 +57,11 @@ The loop contract: `tokens_processed(n)` is called for each step before `step(op
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vpscluster.errors import UserError
-from vpscluster.train.strategies.base import DistContext, Strategy, ring_allreduce_bytes
+from vpscluster.train.strategies.base import CommStats, DistContext, Strategy, ring_allreduce_bytes
 from vpscluster.train.strategies.wire import all_reduce_sum, get_codec
 
 if TYPE_CHECKING:
@@ -107,12 +129,32 @@ def sync_offset(fragment: int, n_fragments: int, sync_every: int) -> int:
     return ((fragment + 1) * sync_every // n_fragments) % sync_every
 
 
+@dataclass
+class _InFlight:
+    """A fragment's overlapped sync: sent at step `apply_at` − τ, lands at `apply_at`."""
+
+    fragment: int
+    apply_at: int
+    at_send: "torch.Tensor"  # θ_r of the fragment when Δ_r was taken
+    steps: int  # inner steps and tokens the round covered (given back if the sync is skipped)
+    tokens: float
+    future: Any = None  # the background reduction; None once waited for
+    result: "torch.Tensor | None" = None  # the reduced Δ; None (once waited for) = skipped
+    sent: "torch.Tensor | None" = None  # this rank's Δ_r, kept until the reduction is done
+
+
 class DiLoCoStrategy(Strategy):
     name = "diloco"
     micro_batches_are_steps = True  # uneven shares: a faster rank does more inner steps per round
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         super().__init__(config, ctx)
+        # τ: outer updates land this many inner steps after their send (0 = blocking).
+        self.overlap = min(config.overlap_steps, config.sync_every - 1) if ctx.is_distributed else 0
+        self.in_flight: list[_InFlight] = []  # oldest first
+        self._executor = None  # the one background thread that runs overlapped reductions
+        self._bg_comm = CommStats()  # its bytes (and busy seconds), moved to `comm` when waited for
+        self.collective_busy_seconds = 0.0  # seconds the background reductions ran
         self.codec = get_codec(config.wire_dtype)
         self.model: "nn.Module | None" = None
         self.fragment_params: list[list["torch.Tensor"]] = []
@@ -153,7 +195,9 @@ class DiLoCoStrategy(Strategy):
                     dist.broadcast(buf, src=0)  # start-up: the default group, long time-out
                 flats[f] = buf.cpu()
                 self._write_local(f, flats[f])
-        if self.ctx.is_distributed and self.config.sync_timeout_s > 0:
+        if self.ctx.is_distributed and (self.config.sync_timeout_s > 0 or self.overlap > 0):
+            # Overlapped syncs run on a background thread: they need a group of their own, the
+            # loop keeps using the default one (time-budget agreement, checkpoints) meanwhile.
             self.sync_group = self._new_sync_group()
         for flat in flats:
             self.global_flat.append(flat.clone())
@@ -204,16 +248,37 @@ class DiLoCoStrategy(Strategy):
         H, F = self.config.sync_every, len(self.fragment_params)
         for f in range(F):
             self.steps_since_sync[f] += 1
+        while self.in_flight and self.in_flight[0].apply_at <= step:  # updates sent τ steps ago land
+            self._land(self.in_flight.pop(0))
+        for f in range(F):
             if step % H == sync_offset(f, F, H):
-                self._sync(f)
+                if self.overlap:
+                    self._send(f, step)
+                else:
+                    self._sync(f)
+
+    def is_sync_point(self, step: int) -> bool:
+        """The steps an outer update lands (sent τ steps earlier): the ranks wait there anyway."""
+        H, F = self.config.sync_every, len(self.fragment_params)
+        sent = step - self.overlap
+        return sent >= 1 and any(sent % H == sync_offset(f, F, H) for f in range(F))
 
     def finalize(self, step: int) -> None:
+        self._wait_all()
         pending = [f for f, n in enumerate(self.steps_since_sync) if n > 0]
-        if not pending:
+        if not pending and not self.in_flight:
             return
         self._pre_finalize_state = self._state(include_local=True)
+        landed = set()
+        while self.in_flight:
+            entry = self.in_flight.pop(0)
+            self._land(entry)
+            landed.add(entry.fragment)
+        pending = [f for f, n in enumerate(self.steps_since_sync) if n > 0]  # a skipped sync gave its steps back
         for f in pending:
             self._sync(f)
+        for f in landed - set(pending):  # sent at the very last step: nothing to merge, θ_r = θ_global
+            self._write_local(f, self.global_flat[f])
 
     # -- the outer step -------------------------------------------------------------------------
 
@@ -232,20 +297,20 @@ class DiLoCoStrategy(Strategy):
             return dist.new_group(timeout=timedelta(seconds=self.config.sync_timeout_s))
         return dist.new_group()
 
-    def _reduce(self, f: int, delta: "torch.Tensor", group) -> "torch.Tensor":
+    def _reduce(self, my_tokens: float, delta: "torch.Tensor", group, comm: CommStats) -> "torch.Tensor":
         """The token-weighted sum of every rank's `delta` (two collectives on `group`)."""
         import torch
         import torch.distributed as dist
 
-        tokens = torch.tensor([self.tokens_since_sync[f]], dtype=torch.float64, device=self.comm_device)
-        with self.comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
+        tokens = torch.tensor([my_tokens], dtype=torch.float64, device=self.comm_device)
+        with comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
             dist.all_reduce(tokens, group=group)
         total = float(tokens.item())
         # No token counts reported at all: weigh ranks equally.
-        weight = self.tokens_since_sync[f] / total if total > 0 else 1.0 / self.ctx.world_size
-        return all_reduce_sum(delta * weight, self.codec, self.comm, self.ctx.world_size, self.comm_device, group)
+        weight = my_tokens / total if total > 0 else 1.0 / self.ctx.world_size
+        return all_reduce_sum(delta * weight, self.codec, comm, self.ctx.world_size, self.comm_device, group)
 
-    def _reduce_with_retry(self, f: int, delta: "torch.Tensor") -> "torch.Tensor | None":
+    def _reduce_with_retry(self, my_tokens: float, delta: "torch.Tensor", comm: CommStats | None = None) -> "torch.Tensor | None":
         """`_reduce`, retried on a fresh group after a time-out or a broken link; None when every
         attempt failed (the round is skipped: nothing is applied, the next sync carries its delta).
 
@@ -262,7 +327,7 @@ class DiLoCoStrategy(Strategy):
                 if attempt:
                     self.syncs_retried += 1
                     group = self._new_sync_group(short=False)  # waits for a late rank (default time-out)
-                reduced = self._reduce(f, delta, group)
+                reduced = self._reduce(my_tokens, delta, group, comm or self.comm)
                 if attempt:  # every rank is here together now: back to a group with the short time-out
                     self.sync_group = self._new_sync_group() if self.config.sync_timeout_s > 0 else group
                 self._failed_in_a_row = 0
@@ -279,10 +344,11 @@ class DiLoCoStrategy(Strategy):
         return None
 
     def _sync(self, f: int) -> None:
+        """The blocking sync of fragment f (τ = 0, and `finalize`)."""
         local = self._local_flat(f)
         delta = self.global_flat[f] - local
         if self.ctx.is_distributed:
-            delta = self._reduce_with_retry(f, delta)
+            delta = self._reduce_with_retry(self.tokens_since_sync[f], delta)
             if delta is None:  # skipped: keep training locally; the next sync carries this round too
                 return
         self._outer_update(f, delta)
@@ -301,7 +367,62 @@ class DiLoCoStrategy(Strategy):
         self.global_flat[f].sub_(update, alpha=lr)
         self.fragment_syncs[f] += 1
 
+    def _send(self, f: int, step: int) -> None:
+        """Start fragment f's overlapped sync: its reduction runs on the background thread."""
+        local = self._local_flat(f)
+        delta = self.global_flat[f] - local
+        entry = _InFlight(f, step + self.overlap, local, self.steps_since_sync[f], self.tokens_since_sync[f], sent=delta)
+        self._submit(entry)
+        self.in_flight.append(entry)
+        self.steps_since_sync[f] = 0  # the next round counts from here
+        self.tokens_since_sync[f] = 0.0
+
+    def _submit(self, entry: _InFlight) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync")
+        # One thread, so reductions run (and their collectives are issued) in send order on every rank.
+        entry.future = self._executor.submit(self._reduce_with_retry, entry.tokens, entry.sent, self._bg_comm)
+
+    def _wait(self, entry: _InFlight) -> None:
+        """Block until the entry's reduction is done (counted as communication: this rank waits)."""
+        import time
+
+        if entry.future is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            entry.result = entry.future.result()
+        finally:
+            entry.future = entry.sent = None
+            busy, nbytes = self._bg_comm.take()
+            self.collective_busy_seconds += busy
+            self.comm.add(time.perf_counter() - t0, nbytes)
+
+    def _wait_all(self) -> None:
+        for entry in self.in_flight:
+            self._wait(entry)
+
+    def _land(self, entry: _InFlight) -> None:
+        """Apply an overlapped sync τ steps after its send, keeping the local progress since."""
+        self._wait(entry)
+        f = entry.fragment
+        if entry.result is None:  # skipped: the next sync carries this round too
+            self.steps_since_sync[f] += entry.steps
+            self.tokens_since_sync[f] += entry.tokens
+            return
+        progress = self._local_flat(f) - entry.at_send
+        self._outer_update(f, entry.result)
+        self._write_local(f, self.global_flat[f] + progress)
+        self.outer_steps += 1
+
     # -- what the loop reads --------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._executor is not None:  # a reduction still running (the run failed) is abandoned
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def unwrap(self) -> "nn.Module":
         if self.model is None:
@@ -317,7 +438,9 @@ class DiLoCoStrategy(Strategy):
             "outer_warmup": self.config.outer_warmup,
             "wire_dtype": self.codec.name,
             "fragments": self.config.fragments,
+            "overlap_steps": self.overlap,
             "outer_syncs": self.outer_steps,
+            "collective_busy_seconds": self.collective_busy_seconds if self.overlap else None,
             "sync_timeout_s": self.config.sync_timeout_s or None,
             "sync_retries": self.config.sync_retries,
             "syncs_attempted": self.syncs_attempted,
@@ -338,6 +461,14 @@ class DiLoCoStrategy(Strategy):
             "tokens_since_sync": list(self.tokens_since_sync),
             "outer_steps": self.outer_steps,
             "fragment_syncs": list(self.fragment_syncs),
+            # Overlapped syncs in flight: the reduced Δ when done, else this rank's Δ_r, which a
+            # resumed run reduces again (every rank resumes from the same step: same collectives).
+            "in_flight": [
+                {"fragment": e.fragment, "apply_at": e.apply_at, "at_send": e.at_send.clone(), "steps": e.steps,
+                 "tokens": e.tokens, "result": None if e.result is None else e.result.clone(),
+                 "sent": None if e.sent is None else e.sent.clone()}
+                for e in self.in_flight
+            ],
         }
         if include_local:
             state["local"] = [self._local_flat(f) for f in range(len(self.fragment_params))]
@@ -346,6 +477,9 @@ class DiLoCoStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         if self._pre_finalize_state is not None:
             return self._pre_finalize_state
+        for entry in self.in_flight:  # collect what is done; a reduction still running is not waited for
+            if entry.future is not None and entry.future.done():
+                self._wait(entry)
         return self._state(include_local=False)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -368,5 +502,14 @@ class DiLoCoStrategy(Strategy):
         # Older checkpoints kept no per-fragment count: every fragment synced alike, up to one.
         self.fragment_syncs = [int(n) for n in state.get("fragment_syncs")
                                or [self.outer_steps // len(numels)] * len(numels)]
+        self.in_flight = [
+            _InFlight(int(e["fragment"]), int(e["apply_at"]), e["at_send"].to("cpu", copy=True), int(e["steps"]),
+                      float(e["tokens"]), None, None if e["result"] is None else e["result"].to("cpu", copy=True),
+                      None if e.get("sent") is None else e["sent"].to("cpu", copy=True))
+            for e in state.get("in_flight", [])
+        ]
+        for entry in self.in_flight:
+            if entry.sent is not None:  # saved while its reduction ran: run it again (all ranks do)
+                self._submit(entry)
         for f, flat in enumerate(state.get("local") or []):
             self._write_local(f, flat)
