@@ -22,6 +22,8 @@ STEPS = 2
 def _cfg(world: int, micro: int, speeds, strategy: str = "ddp", **extra):
     from vpscluster.train.config import StrategyConfig, TrainConfig
 
+    if strategy == "diloco":
+        extra.setdefault("overlap_steps", 0)  # a blocking sync: every rank identical right at step 2
     s = StrategyConfig(name=strategy, micro_batches=micro, speeds=speeds, min_share=0, max_spread=0, sync_every=2, **extra)
     return TrainConfig(preset="tiny", batch_size=2, nodes=world, threads_per_rank=1, warmup_steps=0, strategy=s,
                        checkpoint_every=2)
