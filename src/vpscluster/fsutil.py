@@ -50,3 +50,21 @@ def _fsync_dir(folder: Path) -> None:
         pass  # some file systems refuse fsync on a folder
     finally:
         os.close(fd)
+
+
+def read_cache(path: str | Path) -> dict:
+    """A JSON object cached on disk, or {} when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_cache(path: str | Path, doc: dict) -> None:
+    """Write a cache atomically, best effort: a read-only home only loses the cache, not the figures."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, doc)
+    except OSError:
+        pass

@@ -181,20 +181,11 @@ def efficiency_for(model: ModelSpec, res: Resources, calibrate: bool = False, th
 
 
 def _read_cache() -> dict:
-    try:
-        data = json.loads(_cache_path().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return fsutil.read_cache(_cache_path())
 
 
 def _write_cache(cache: dict) -> None:
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fsutil.write_json(path, cache)
-    except OSError:
-        pass  # a read-only home: the value is still used for this plan
+    fsutil.write_cache(_cache_path(), cache)  # a read-only home: the value is still used for this plan
 
 
 if __name__ == "__main__":  # run on a node by `calibrate_on_node` (nodeside.run_module): one JSON line out

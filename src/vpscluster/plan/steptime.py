@@ -172,21 +172,13 @@ def _cache_path() -> Path:
 
 
 def _read_cache() -> dict:
-    try:
-        data = json.loads(_cache_path().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return fsutil.read_cache(_cache_path())
 
 
 def _write_cache(cache: dict) -> None:
     now = time.time()
-    cache = {k: v for k, v in cache.items() if now - v.get("measured_at_unix", 0) < CACHE_MAX_AGE_S}
-    try:
-        _cache_path().parent.mkdir(parents=True, exist_ok=True)
-        fsutil.write_json(_cache_path(), cache)
-    except OSError:
-        pass  # a read-only home: the figures still serve this plan
+    fresh = {k: v for k, v in cache.items() if now - v.get("measured_at_unix", 0) < CACHE_MAX_AGE_S}
+    fsutil.write_cache(_cache_path(), fresh)  # a read-only home: the figures still serve this plan
 
 
 def _shape_dict(shape) -> dict:
