@@ -169,6 +169,34 @@ def test_reap_kills_what_ignores_sigterm():
         p.wait(timeout=10)
 
 
+def test_reap_gives_a_lingering_torchrun_agent_only_a_short_grace():
+    """The grace period is for the workers (a checkpoint); once only torchrun agents are left
+    (they can linger half a minute after SIGTERM), they get AGENT_GRACE_S, then SIGKILL. A worker
+    that ignores SIGTERM still gets the whole grace."""
+    import time
+
+    from vpscluster.nodeside.reap import AGENT_GRACE_S
+
+    var, mine = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}"
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    for argv_tail, least, most in ((["-m", "torch.distributed.run"], AGENT_GRACE_S - 0.5, AGENT_GRACE_S + 4),
+                                   (["worker"], 8.0, 14.0)):
+        # `python -c CODE -m torch.distributed.run`: the agent's markers in its command line
+        p = subprocess.Popen([sys.executable, "-c", code, *argv_tail], env={**os.environ, var: mine},
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            t0 = time.monotonic()
+            doc = json.loads(run("reap", var, mine, "8", "3").stdout)
+            took = time.monotonic() - t0
+            assert doc == {"found": [p.pid], "left": []}
+            assert least <= took <= most, (argv_tail, took)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
 def test_guard_passes_the_command_through_and_reaps_when_told_to_stop():
     var, mine = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}"
     assert run("reap", "guard", var, mine, "1", "/bin/sh", "-c", "exit 7").returncode == 7

@@ -31,6 +31,11 @@ import sys
 import time
 
 POLL_S = 0.5
+# torchrun's agents: once every worker is gone they have nothing left to save, but after a
+# SIGTERM an agent can linger in its shutdown (threads, the rendezvous) for half a minute; the
+# grace period is for the workers (a checkpoint), so the agents alone get at most this long.
+AGENT_MARKERS = (b"torch.distributed.run", b"torchrun", b"torch.distributed.launch")
+AGENT_GRACE_S = 3.0
 
 
 def tagged(tag, me=None):
@@ -51,6 +56,16 @@ def tagged(tag, me=None):
     return out
 
 
+def is_agent(pid):
+    """Whether `pid` is a torchrun elastic agent (by its command line)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(m in arg for arg in argv[:6] for m in AGENT_MARKERS)
+
+
 def reap(tag, grace_s, kill_wait_s):
     me = os.getpid()
 
@@ -66,11 +81,28 @@ def reap(tag, grace_s, kill_wait_s):
         while time.time() < end and tagged(tag, me):
             time.sleep(0.2)
 
+    def wait_workers_gone(seconds):
+        """Wait up to `seconds` for every tagged process to go, but only AGENT_GRACE_S once
+        nothing but torchrun agents is left."""
+        end = time.time() + seconds
+        agents_only_since = None
+        while time.time() < end:
+            left = tagged(tag, me)
+            if not left:
+                return
+            if all(is_agent(p) for p in left):
+                agents_only_since = agents_only_since or time.time()
+                if time.time() - agents_only_since >= min(AGENT_GRACE_S, seconds):
+                    return
+            else:
+                agents_only_since = None
+            time.sleep(0.2)
+
     found = tagged(tag, me)
     if found:
         signal_all(signal.SIGTERM)
         signal_all(signal.SIGCONT)  # a stopped process (SIGSTOP) acts on SIGTERM only once it runs
-        wait_gone(grace_s)
+        wait_workers_gone(grace_s)
         signal_all(signal.SIGKILL)
         wait_gone(kill_wait_s)
     return {"found": found, "left": tagged(tag, me)}
@@ -104,7 +136,8 @@ def guard(tag, grace_s, command):
                 status = child.wait()
             break
     if status < 0:  # died of a signal: so does the guard, so the caller sees the same thing
-        signal.signal(-status, signal.SIG_DFL)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot have a handler
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
         time.sleep(1.0)
     return status if status >= 0 else 128 - status
