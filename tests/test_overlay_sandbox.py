@@ -30,16 +30,17 @@ def lend_host_python(info) -> None:
     import subprocess
     import sys
 
-    prefix = sys.base_prefix
-    if not (prefix == "/root" or prefix.startswith(("/root/", "/tmp/"))):
-        return  # visible through the node's overlay of / already
+    # The interpreter and the venv (a fresh clone may live under /tmp, which is each node's own).
+    hidden = [p for p in dict.fromkeys((sys.base_prefix, sys.prefix))
+              if p == "/root" or p.startswith(("/root/", "/tmp/"))]
     for n in info.nodes:
         node_dir = Path(info.state_dir) / "nodes" / n.name
         pid = (node_dir / "sshd.pid").read_text().strip()
         merged = node_dir / "rootfs" / "merged"
-        subprocess.run(["nsenter", "-t", pid, "-m", "--", "sh", "-c",
-                        'mkdir -p "$1$2" && mount --bind "$2" "$1$2" && mount -o remount,bind,ro "$1$2"',
-                        "sh", str(merged), prefix], check=True, timeout=30)
+        for prefix in hidden:
+            subprocess.run(["nsenter", "-t", pid, "-m", "--", "sh", "-c",
+                            'mkdir -p "$1$2" && mount --bind "$2" "$1$2" && mount -o remount,bind,ro "$1$2"',
+                            "sh", str(merged), prefix], check=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
