@@ -161,8 +161,14 @@ class Dispatcher:
                     continue
                 finished, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 for w in finished:
-                    if w is not self._sampler:
-                        self._finish(*w.result())
+                    if w is self._sampler:
+                        continue
+                    if w.cancelled():  # withdrawn by us (then no longer in `running`), or else a failed attempt
+                        a = next((a for a in self.running.values() if a.waiter is w), None)
+                        if a is not None:
+                            self._finish(a.key, False, asyncio.CancelledError("the attempt was cancelled"))
+                        continue
+                    self._finish(*w.result())
         finally:
             if self._sampler is not None:
                 self._sampler.cancel()
@@ -489,8 +495,13 @@ class Dispatcher:
 async def _outcome(key: str, fut) -> tuple[str, bool, object]:
     try:
         return key, True, await fut
-    except asyncio.CancelledError:
-        raise
+    except asyncio.CancelledError as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # we withdrew this attempt ourselves
+            raise
+        # Dask cancelled the future (e.g. its client lost the scheduler for a moment under load):
+        # a failed attempt like any other, retried; never a traceback.
+        return key, False, e
     except BaseException as e:  # the user's error, KilledWorker, a lost connection
         return key, False, e
 
