@@ -163,7 +163,7 @@ def test_overlap_equals_the_blocking_run_delayed_by_tau(scenarios, fragments):
 
 
 def _resume_in_flight(rank, world, stop_at, total, use_finalize, hold=False):
-    import time
+    import threading
 
     import torch
 
@@ -174,9 +174,13 @@ def _resume_in_flight(rank, world, stop_at, total, use_finalize, hold=False):
         return model, strategy, torch.optim.AdamW(model.parameters(), lr=0.02)
 
     model, strategy, opt = build()
+    release = threading.Event()
     for step in range(1, stop_at + 1):
-        if hold and step == stop_at:  # the sync sent at this step queues behind 1 s of other work
-            strategy._executor.submit(time.sleep, 1.0)
+        if hold and step == stop_at:
+            # The sync sent at this step queues behind other work that lasts until the state is
+            # saved and the strategy closed: on every rank it is still unstarted then, whatever
+            # the machine's load (a fixed sleep raced with a slow rank and left one reducing).
+            strategy._executor.submit(release.wait, 120.0)
         train_step(model, opt, strategy, rank, step)
     in_flight = len(strategy.in_flight)
     redo = None
@@ -186,6 +190,7 @@ def _resume_in_flight(rank, world, stop_at, total, use_finalize, hold=False):
         ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "strategy": strategy.state_dict()})
         redo = [e["sent"] is not None for e in ckpt["strategy"]["in_flight"]]
         strategy.close()
+        release.set()
         model, strategy, opt = build()  # a new process, in effect
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])

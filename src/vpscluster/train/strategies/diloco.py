@@ -153,6 +153,7 @@ class DiLoCoStrategy(Strategy):
         self.overlap = min(config.overlap_steps, config.sync_every - 1) if ctx.is_distributed else 0
         self.in_flight: list[_InFlight] = []  # oldest first
         self._executor = None  # the one background thread that runs overlapped reductions
+        self._closed = False
         self._bg_comm = CommStats()  # its bytes (and busy seconds), moved to `comm` when waited for
         self.collective_busy_seconds = 0.0  # seconds the background reductions ran
         self.codec = get_codec(config.wire_dtype)
@@ -323,6 +324,8 @@ class DiLoCoStrategy(Strategy):
         self.syncs_attempted += 1
         group = self.sync_group if self.sync_group is not None else self.ctx.group
         for attempt in range(self.config.sync_retries + 1):
+            if attempt and self._closed:  # closed meanwhile: the peers will not join a new group
+                break
             try:
                 if attempt:
                     self.syncs_retried += 1
@@ -420,6 +423,7 @@ class DiLoCoStrategy(Strategy):
     # -- what the loop reads --------------------------------------------------------------------
 
     def close(self) -> None:
+        self._closed = True  # an abandoned reduction must not retry: that makes groups, a collective
         if self._executor is not None:  # a reduction still running (the run failed) is abandoned
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
