@@ -9,6 +9,7 @@ check that all ranks hold identical weights.
 """
 
 import argparse
+import gc
 import hashlib
 import os
 
@@ -77,6 +78,12 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"rank-{rank}.sha256"), "w") as f:
             f.write(digest + "\n")
+    # Exit hygiene a plain script needs with torch 2.x under load: DDP's reducer holds the process
+    # group, and freed only by the interpreter's final garbage collection, gloo's worker thread
+    # can still be releasing a finished all-reduce and the rank aborts (SIGABRT, "terminate
+    # called without an active exception") after printing its hash. Free it while Python is whole.
+    del ddp_model
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import itertools
 import json
 import math
@@ -258,6 +259,12 @@ def main():
         with open(tmp, "w") as f:
             json.dump(result, f, indent=1)
         os.replace(tmp, args.out)
+    # DDP's reducer holds the process group: freed by the interpreter's last garbage collection,
+    # gloo's worker thread can still be releasing a finished all-reduce then, and torch 2.x aborts
+    # the process (SIGABRT, "terminate called without an active exception") after a good run.
+    # Freed here, while the interpreter is whole, the group's threads end cleanly.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
