@@ -58,6 +58,27 @@ def test_prepare_training_plans_what_is_open_keeps_what_is_set_and_resume_change
     assert s.planned == [] and fixed.strategy_line() is None
 
 
+def test_checkpoints_fall_on_outer_steps_of_the_planned_h_and_a_set_h_that_misses_is_refused(tmp_path):
+    from vpscluster.cli.train import given_strategy_keys, resolve_config
+    from vpscluster.errors import UserError
+    from vpscluster.launch.train import prepare_training
+
+    # H is open: the plan takes one that checkpoint_every is a multiple of (the default H, 100, is not).
+    args = _args("--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--checkpoint-every", "30",
+                 "--max-steps", "300", "--run-dir", str(tmp_path / "run"))
+    s = prepare_training(resolve_config(args), given=given_strategy_keys(args)).cfg.strategy
+    assert "sync_every" in s.planned and 30 % s.sync_every == 0
+    # H is set and checkpoints would fall between outer steps: refused in one line, naming both.
+    args = _args("--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--checkpoint-every", "30",
+                 "--sync-every", "100", "--run-dir", str(tmp_path / "r2"))
+    try:
+        prepare_training(resolve_config(args), given=given_strategy_keys(args))
+    except UserError as e:
+        assert "checkpoint_every (30) must be a multiple of sync_every (100)" in str(e) and "\n" not in str(e)
+    else:
+        raise AssertionError("a set H that checkpoints miss was accepted")
+
+
 def test_train_prints_the_planned_choice_and_its_reason(tmp_path):
     r = run_cli("train", "--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--dry-run",
                 "--run-dir", str(tmp_path / "run"), timeout=120)

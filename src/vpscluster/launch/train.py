@@ -100,7 +100,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
     from vpscluster.train.presets import get_preset
 
     cfg = copy.deepcopy(cfg)
-    cfg.validate()  # a TrainConfig built in Python has not been checked yet
+    cfg.validate(outer_steps=False)  # a TrainConfig built in Python has not been checked yet; H may be planned
     if cfg.cluster:
         from vpscluster.cluster.inventory import load_cluster
 
@@ -127,6 +127,8 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cfg.strategy = plan_diloco(cfg, model, res, eff.value, given_keys(cfg.strategy) if given is None else given)
         cfg.validate()
         reason = cfg.strategy.planned_reason
+    else:
+        cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
     speeds_note = None if resume_dir is not None else starting_speeds(cfg, cluster)
     if resume_dir is not None:

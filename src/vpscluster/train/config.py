@@ -187,9 +187,11 @@ class TrainConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
 
     def __post_init__(self) -> None:
-        self.validate()
+        self.validate(outer_steps=False)  # DiLoCo's H may still be planned (launch/train.py checks after)
 
-    def validate(self) -> None:
+    def validate(self, outer_steps: bool = True) -> None:
+        """Refuse impossible settings in one line. `outer_steps`: also that DiLoCo checkpoints fall
+        on outer steps (checkpoint_every a multiple of H); false until the planner has set H."""
         from vpscluster.train.presets import get_preset
 
         shape = get_preset(self.preset)
@@ -251,7 +253,7 @@ class TrainConfig:
                     f"--micro-batches {s.micro_batches} cannot give each of {world} ranks at least "
                     f"{s.min_share}; use at least {s.min_share * world} or lower strategy.min_share"
                 )
-        if s.name == "diloco" and self.checkpoint_every % s.sync_every:
+        if outer_steps and s.name == "diloco" and self.checkpoint_every % s.sync_every:
             raise UserError(
                 f"checkpoint_every ({self.checkpoint_every}) must be a multiple of sync_every "
                 f"({s.sync_every}) so checkpoints fall on outer steps"
