@@ -428,3 +428,20 @@ def test_admission_load_falls_back_to_direct_samples_without_a_monitor(code, tmp
     assert r.load_source == "proc"  # admission sampled /proc and the cgroup itself
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert digest(outputs(tmp_path / "out")) == digest(serial(code, "score", rows))
+
+
+def test_admission_withdraws_above_max_load_and_readmits_only_below_the_margin():
+    from vpscluster.jobs.dispatch import admission
+
+    admitted = {"a": True, "b": True}
+    # a load hovering around the threshold: out above 0.8, back only at 0.7 or below
+    trace = []
+    for load in (0.5, 0.85, 0.79, 0.75, 0.81, 0.7, 0.79, 0.82):
+        admitted = admission({"a": load, "b": 0.1}, admitted, max_load=0.8, margin=0.1)
+        trace.append(admitted["a"])
+    assert trace == [True, False, False, False, False, True, True, False]
+    assert admitted["b"] is True
+    # unknown load: admitted; every node busy: the least busy keeps working
+    assert admission({"a": None, "b": 0.95}, {"a": False, "b": True}, 0.8, 0.1) == {"a": True, "b": False}
+    assert admission({"a": 0.9, "b": 0.95}, {"a": True, "b": True}, 0.8, 0.1) == {"a": True, "b": False}
+    assert admission({}, {}, 0.8, 0.1) == {}

@@ -13,7 +13,8 @@ node). A worker whose running partition is overdue gets nothing queued behind it
 - Admission: every `load_interval_s` each node reports the CPU share taken by processes that
   are not this job's (`load.sample_load`; with `busy` — the monitoring's Prometheus — the node's
   busy share comes from there, less this job's share from the sample). Above `max_load` the
-  node gets no new partitions (its queued ones move elsewhere) until it falls below again. If
+  node gets no new partitions (its queued ones move elsewhere) until it falls below
+  `max_load - readmit_margin` (hysteresis: a load hovering at the threshold does not flap). If
   every node is above, the least loaded one keeps going, so a job on a busy machine is slowed,
   never stalled.
 - Speculation: once nothing is left to hand out, a partition running much longer than its node
@@ -77,6 +78,9 @@ class DispatchOptions:
     retries: int = 2
     gpu: bool = False
     max_load: float = 0.8
+    # A withdrawn node comes back only below max_load - readmit_margin: a load that hovers at the
+    # threshold must not withdraw and re-admit the node every sample (each costs a moved partition).
+    readmit_margin: float = 0.1
     admission: bool = True
     speculation: bool = True
     speculation_factor: float = 2.5
@@ -110,6 +114,21 @@ class Stats:
     per_node: dict = field(default_factory=dict)
     partitions: list = field(default_factory=list)
     error: str | None = None
+
+
+def admission(foreign: dict[str, float | None], admitted: dict[str, bool], max_load: float,
+              margin: float) -> dict[str, bool]:
+    """Which nodes take new partitions, from each node's foreign load (None: not known yet).
+
+    An admitted node stays while its foreign load is at most `max_load`; a withdrawn one returns
+    once it is at most `max_load - margin` (hysteresis). When every node would be out, the least
+    busy one keeps working, so a job on a busy cluster is slowed, never stopped."""
+    want = {n: f is None or f <= (max_load if admitted.get(n, True) else max_load - margin)
+            for n, f in foreign.items()}
+    if want and not any(want.values()):
+        known = {n: f for n, f in foreign.items() if f is not None}
+        want[min(known, key=known.get)] = True
+    return want
 
 
 class Dispatcher:
@@ -227,10 +246,7 @@ class Dispatcher:
 
     def _admit(self) -> None:
         foreign = {n: (self.load.get(n) or {}).get("foreign") for n in self.admitted}
-        want = {n: f is None or f <= self.opts.max_load for n, f in foreign.items()}
-        if not any(want.values()):  # everyone is busy: the least busy keeps working
-            known = {n: f for n, f in foreign.items() if f is not None}
-            want[min(known, key=known.get)] = True
+        want = admission(foreign, self.admitted, self.opts.max_load, self.opts.readmit_margin)
         for node, ok in want.items():
             if ok != self.admitted[node]:
                 self.admitted[node] = ok
