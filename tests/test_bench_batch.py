@@ -1,5 +1,5 @@
-"""The batch benchmark's arithmetic and work function (the benchmark itself runs on a sandbox
-with CPU hogs: `vpscluster bench batch`, not a test)."""
+"""The batch benchmark's arithmetic, work function and capacity measurement (the benchmark itself
+runs on a sandbox with CPU hogs: `vpscluster bench batch`, not a test)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,31 @@ def test_burn_is_deterministic_work_per_row():
 
 
 def test_markdown_table_has_a_row_per_mode():
-    rows = [{"mode": "static", "makespan_s": 30.0, "vs_ideal": 3.0, "rows_per_s": 10.0, "duplicated_rows_share": 0.0,
+    rows = [{"mode": "static", "makespan_s": 30.0, "vs_ideal": 3.0, "vs_measured": 2.5, "rows_per_s": 10.0,
+             "duplicated_rows_share": 0.0,
              "idle_share": {"node-1": 0.5}, "partitions_per_node": {"node-1": 1}}]
     table = markdown_table(rows)
-    assert table.splitlines()[2].startswith("| static | 30.0 | 3.00 | 10.0 | 0.0% | node-1:50% | node-1:1 |")
+    assert table.splitlines()[2].startswith("| static | 30.0 | 3.00 | 2.50 | 10.0 | 0.0% | node-1:50% | node-1:1 |")
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_measured_capacity_follows_the_quotas(make_sandbox):
+    from vpscluster.bench.batch import measure_capacity
+
+    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.5,0.125")
+    rates = measure_capacity(info.nodes, work=20_000, seconds=3.0)
+    assert len(rates) == 2 and min(rates) > 0
+    # 4x the quota, about 4x the rows (CFS enforces quotas per 100 ms period: a few % either way)
+    assert 2.8 < rates[0] / rates[1] < 5.2, rates
+    alone = 1 / burn_seconds(20_000)  # rows/s of one unthrottled process
+    assert rates[0] < 0.75 * alone, (rates, alone)  # the half-core quota is felt
+
+
+def burn_seconds(work: int) -> float:
+    import time
+
+    start = time.process_time()
+    burn([{"id": i, "work": work} for i in range(20)])
+    return (time.process_time() - start) / 20

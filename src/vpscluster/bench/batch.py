@@ -17,7 +17,9 @@ processes) started inside the first node's cgroup `hog_after_s` seconds into the
 
 For each: makespan and its ratio to the ideal — total work over the CPU actually available to
 the job (each node's quota; on the hogged node, after the hog starts, the fair share 1/(hogs+1)
-of it) — rows/s, each node's idle share (1 - busy seconds / makespan / workers), and the rows
+of it) — and to the measured capacity (the same, from the rows/s each node delivers to one busy
+`burn` process in its cgroup with all nodes busy at once: CFS throttling and the shared cores
+included, Dask's overhead not), rows/s, each node's idle share (1 - busy seconds / makespan / workers), and the rows
 computed twice (speculation). The work per row is calibrated here first (CPU seconds per row
 in one process). Results: `out` (default bench/results/batch-<time>/): results.json, table.md.
 """
@@ -83,6 +85,38 @@ def ideal_makespan(total_cpu_s: float, cores: list[float], hog_after_s: float, h
     return hog_after_s + (total_cpu_s - full * hog_after_s) / after
 
 
+_CAPACITY_PROBE = """
+import sys, time
+from vpscluster.bench.batch import burn
+work, seconds = int(sys.argv[1]), float(sys.argv[2])
+rows, start = 0, time.monotonic()
+while time.monotonic() - start < seconds:
+    burn([{"id": rows, "work": work}])
+    rows += 1
+print(rows / (time.monotonic() - start))
+"""
+
+
+def measure_capacity(nodes, work: int, seconds: float = 5.0) -> list[float]:
+    """Rows per second that each sandbox node delivers to one busy process running `burn` inside
+    its namespace and CPU cgroup, all nodes at once (as in the job: they share this machine's
+    cores). What the quotas promise, less what CFS throttling and the shared cores take."""
+    procs = []
+    try:
+        for node in nodes:
+            cgroup_procs = os.path.join(node.cgroup, "cgroup.procs")
+            procs.append(subprocess.Popen(
+                ["sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup_procs, "ip", "netns", "exec", node.namespace,
+                 sys.executable, "-c", _CAPACITY_PROBE, str(work), str(seconds)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True))
+        return [float(p.communicate(timeout=seconds + 60)[0].strip()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
 def run_batch_bench(settings: BatchBenchSettings, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     from vpscluster.cluster import sandbox
     from vpscluster.cluster.inventory import load_cluster
@@ -105,20 +139,27 @@ def run_batch_bench(settings: BatchBenchSettings, say: Callable[[str], None] = l
         cluster = load_cluster(info.cluster_file)
         cores = [n.cpu for n in info.nodes]
         ideal = ideal_makespan(settings.rows * cpu_s_per_row, cores, settings.hog_after_s, settings.hogs)
+        rates = measure_capacity(info.nodes, settings.work)
+        measured = ideal_makespan(float(settings.rows), rates, settings.hog_after_s, settings.hogs)
+        say(f"ideal {ideal:.1f} s from the quotas; {measured:.1f} s from the rates the nodes deliver "
+            f"({', '.join(f'{r:.1f}' for r in rates)} rows/s)")
         for mode in modes:
             say(f"{mode}: running")
-            results.append(_one(mode, settings, cluster, info, data, out / mode, ideal))
-            say(f"{mode}: {results[-1]['makespan_s']:.1f} s ({results[-1]['vs_ideal']:.2f}x ideal)")
+            results.append(_one(mode, settings, cluster, info, data, out / mode, ideal, measured))
+            say(f"{mode}: {results[-1]['makespan_s']:.1f} s ({results[-1]['vs_ideal']:.2f}x ideal, "
+                f"{results[-1]['vs_measured']:.2f}x measured capacity)")
     finally:
         sandbox.down(settings.name)
     doc = {"settings": asdict(settings), "cpu_s_per_row": cpu_s_per_row, "ideal_makespan_s": round(ideal, 2),
+           "node_rows_per_s": [round(r, 2) for r in rates], "measured_makespan_s": round(measured, 2),
            "rows": results, "results_dir": str(out), "command": " ".join(sys.argv)}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     (out / "table.md").write_text(markdown_table(results))
     return doc
 
 
-def _one(mode: str, s: BatchBenchSettings, cluster, info, data: Path, out: Path, ideal: float) -> dict[str, Any]:
+def _one(mode: str, s: BatchBenchSettings, cluster, info, data: Path, out: Path, ideal: float,
+         measured: float) -> dict[str, Any]:
     from vpscluster.jobs.run import BatchSpec, run_batch
 
     n = len(info.nodes)
@@ -149,7 +190,7 @@ def _one(mode: str, s: BatchBenchSettings, cluster, info, data: Path, out: Path,
     workers = {node: v["workers"] for node, v in result.nodes.items()}
     return {
         "mode": mode, "ok": result.ok, "error": result.error, "makespan_s": round(makespan, 2),
-        "vs_ideal": round(makespan / ideal, 3), "rows_per_s": round(s.rows / makespan, 1),
+        "vs_ideal": round(makespan / ideal, 3), "vs_measured": round(makespan / measured, 3), "rows_per_s": round(s.rows / makespan, 1),
         "idle_share": {node: round(max(0.0, 1 - busy.get(node, 0) / makespan / max(1, workers.get(node, 1))), 3)
                        for node in workers},
         "duplicated_rows_share": round(result.duplicated_rows / s.rows, 4),
@@ -177,6 +218,7 @@ class _Hog:
 
 
 COLUMNS = [("mode", "mode", "{}"), ("makespan_s", "makespan s", "{:.1f}"), ("vs_ideal", "x ideal", "{:.2f}"),
+           ("vs_measured", "x measured capacity", "{:.2f}"),
            ("rows_per_s", "rows/s", "{:.1f}"), ("duplicated_rows_share", "duplicated", "{:.1%}"),
            ("idle_share", "idle share per node", "{}"), ("partitions_per_node", "partitions per node", "{}")]
 
