@@ -1,6 +1,7 @@
 """`vpscluster train --cluster` end to end on a real 2-node sandbox, one per option that changes
 what runs on the nodes: DiLoCo, bf16 gradient compression, `--strategy auto`, `--resume`,
-`--time-budget`, and pre-flight refusing a node whose PyTorch differs.
+`--time-budget`, `--detach` then `stop` (a checkpoint on the nodes, nothing left running, a
+resume from it), and pre-flight refusing a node whose PyTorch differs.
 
 One sandbox serves the whole module (start-up is the expensive part); the smallest preset, few
 steps, small batches and one thread per rank keep each run short. After every run the ranks'
@@ -115,6 +116,76 @@ def test_time_budget_stops_every_rank_with_a_checkpoint(sandbox2, workspace, cli
     written = [n.name for n in sandbox2.nodes
                if Path(n.workdir, "runs", "budget", "checkpoints", step_dir, "manifest.json").exists()]
     assert written, [str(Path(n.workdir, "runs", "budget")) for n in sandbox2.nodes]
+
+
+def _node_processes_of(marker: str) -> list[str]:
+    """Command lines of live processes (any sandbox node: they share this PID space) naming marker."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker in cmd and state != "Z":
+                found.append(cmd)
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resumes(sandbox2, workspace, cli):
+    import time
+
+    root, config = workspace
+    run = root / "detached"
+    r = cli("train", "--cluster", sandbox2.cluster_file, "--config", str(config), "--detach", "--json",
+            "--max-steps", "100000", "--checkpoint-every", "100000", "--eval-every", "100000",
+            "--run-dir", str(run), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pid = json.loads(r.stdout)["pid"]
+    log = run / "logs" / "detached.log"
+
+    def steps_done() -> int:  # rank 0 writes a metrics line per step on its node
+        return max((Path(n.workdir, "runs", "detached", "metrics.jsonl").read_text().count('"loss"')
+                    for n in sandbox2.nodes if Path(n.workdir, "runs", "detached", "metrics.jsonl").exists()), default=0)
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and steps_done() < 3:
+        assert _pid_alive(pid), log.read_text()[-3000:] if log.exists() else "no launcher log"
+        time.sleep(0.5)
+    assert steps_done() >= 3, log.read_text()[-3000:]
+
+    s = cli("stop", "--json", str(run), timeout=200)
+    assert s.returncode == 0, s.stderr[-3000:]
+    stopped = json.loads(s.stdout)
+    assert stopped["forced"] is False and stopped["exit_status"] == 130, stopped
+    report = json.loads((run / "report.json").read_text())  # fetched from rank 0's node
+    k = report["steps"]
+    assert report["stopped_by"] == "stop_requested" and k >= 3
+    assert_replicas_identical(report)  # both nodes stopped after the same step
+    step_dir = f"step-{k:08d}"
+    written = [n.name for n in sandbox2.nodes
+               if Path(n.workdir, "runs", "detached", "checkpoints", step_dir, "manifest.json").exists()]
+    assert written, "no node holds the stop's checkpoint"
+    time.sleep(1.0)
+    assert not _pid_alive(pid)
+    left = _node_processes_of(f"runs/detached") + _node_processes_of(str(run))
+    assert left == [], left  # no launcher, agent, worker or guard left on any node
+
+    r = cli("train", "--resume", str(run), "--max-steps", str(k + 2), "--json", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = json.loads(r.stdout)
+    assert resumed["resumed_from_step"] == k and resumed["steps"] == k + 2
+    assert_replicas_identical(resumed)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_preflight_refuses_a_node_whose_torch_differs(sandbox2, workspace, cli, tmp_path):

@@ -48,6 +48,9 @@ class Job:
     join_timeout_s: float = 600.0
     store_timeout_s: float = 300.0
     fetch: list[str] = field(default_factory=list)  # files of the node run dir, from rank 0's node
+    # Fetch them after an interrupt too, when this says the program finished them (e.g. a stop
+    # that saved a checkpoint wrote its report); otherwise an interrupted run fetches nothing.
+    fetch_when_interrupted: Callable[[], bool] | None = None
     # The program once the nodes are known (e.g. the backend follows their accelerators).
     program_for: Callable[[dict[str, NodeState]], Program] | None = None
     # Extra environment for a node, from its state and where its synced items are.
@@ -306,6 +309,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     rank0 = router.rank0_node or job.cluster.head
     if job.fetch and not was_interrupted and failed is None and silent_s is None:
         fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, timeout_s)
+    elif job.fetch and was_interrupted and job.fetch_when_interrupted is not None and job.fetch_when_interrupted():
+        fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, min(timeout_s, 30.0))
 
     if was_interrupted:
         error, status = "interrupted", 130

@@ -361,6 +361,8 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     job = training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force,
                        say=say, on_event=with_monitor, prediction=run.prediction)
     job.create_run = create_run
+    # A stop that saved its checkpoint also wrote the report (stopped_by): bring it here too.
+    job.fetch_when_interrupted = lambda: bool(stop_checkpoint) and stop_checkpoint[0] >= 0
     result = launch(job)
     _clear_targets(run, say)
     if result.interrupted:  # every process on every node has been stopped
