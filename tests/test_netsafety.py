@@ -70,3 +70,17 @@ def test_cluster_file_key_and_cli_refusal(tmp_path, cli):
     r = cli("run", "--cluster", str(tmp_path / "c.yaml"), "--dry-run", "--sync", str(tmp_path), "--", "python", "s.py",
             timeout=60, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
+
+
+def test_batch_is_refused_on_public_addresses_too(tmp_path, cli):
+    key = tmp_path / "k"
+    key.write_text("x")
+    (tmp_path / "c.yaml").write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    (tmp_path / "in.jsonl").write_text('{"x": 1}\n')
+    r = cli("batch", "--cluster", str(tmp_path / "c.yaml"), "--fn", "json:dumps", "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out"), timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to launch over public addresses: a (192.0.2.50)" in lines[0], lines
+    assert "Dask's scheduler" in lines[0] and "--insecure-network" in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing was created

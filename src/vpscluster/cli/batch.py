@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-load", type=float, default=0.8, metavar="FRACTION",
                    help="a node whose CPU is this busy with other work gets no new partitions (default 0.8)")
     p.add_argument("--no-admission", action="store_true", help="ignore node load (plain Dask placement)")
+    p.add_argument("--insecure-network", action="store_true",
+                   help="allow nodes on public addresses without the provisioned overlay (Dask's traffic is "
+                        "unauthenticated, unencrypted TCP)")
     p.add_argument("--no-speculation", action="store_true", help="no backup copies of straggling partitions")
     p.add_argument("--workers-per-node", type=int, metavar="N",
                    help="Dask worker processes per node (default: its usable cores, at least 1)")
@@ -76,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if input_path is None:
         raise UserError("--input PATH is required with --fn")
     cluster = _cluster(args.cluster)
+    if args.insecure_network:
+        import dataclasses
+
+        cluster = dataclasses.replace(cluster, insecure_network=True)
     spec = BatchSpec(fn=fn, input=input_path, output=args.output, partition_rows=args.partition_rows,
                      retries=args.retries, on_error=args.on_error, gpu=args.gpu, output_format=args.format,
                      code_dir=args.code, max_load=args.max_load, admission=not args.no_admission,

@@ -80,8 +80,13 @@ def public_nodes(cluster) -> list[tuple[str, str]]:
     return out
 
 
-def require_safe_network(cluster) -> None:
-    """Refuse (UserError) a launch over public addresses without an overlay or an explicit opt-in."""
+TORCH = "torch.distributed's rendezvous store and gloo accept"
+DASK = "Dask's scheduler and workers (plain TCP) accept"
+
+
+def require_safe_network(cluster, who: str = TORCH) -> None:
+    """Refuse (UserError) a launch over public addresses without an overlay or an explicit opt-in.
+    `who`: what listens unauthenticated (TORCH for train/run, DASK for batch)."""
     if getattr(cluster, "insecure_network", False):
         return
     from vpscluster.cluster import overlay
@@ -94,7 +99,7 @@ def require_safe_network(cluster) -> None:
     shown = ", ".join(f"{name} ({addr})" for name, addr in exposed[:3]) + (" ..." if len(exposed) > 3 else "")
     where = f" --cluster {cluster.source}" if getattr(cluster, "source", None) else ""
     raise UserError(
-        f"refusing to launch over public addresses: {shown}; torch.distributed's rendezvous store and gloo accept "
+        f"refusing to launch over public addresses: {shown}; {who} "
         f"anyone who connects (no authentication, no encryption). Fix: `vpscluster provision{where}` (a WireGuard "
         "overlay that launches then use by themselves, and a firewall to the cluster's peers), or pass --insecure-network "
         "(cluster file: insecure_network: true) to accept the risk")

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from vpscluster.cluster import netsafety
 from vpscluster.errors import Interrupted, UserError, unless_interrupted
 
 ON_ERROR = ("fail", "skip")
@@ -127,6 +128,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
     from vpscluster.jobs.task import load_function
 
     # check: everything a user can get wrong, before anything starts.
+    netsafety.require_safe_network(cluster, netsafety.DASK)  # public addresses without an overlay: refused
     code_dir = engine.check_code_dir(spec.code_dir or os.getcwd())
     fn = load_function(spec.fn, code_dir)
     gpu = spec.gpu or bool(getattr(fn, "__vpsc_gpu__", False))
