@@ -149,6 +149,34 @@ def test_batch_workers_join_the_scheduler_over_the_overlay(meshed, cli):
     assert not any(f"Start worker at:       tcp://{a}" in logs for a in underlay)
 
 
+def test_monitoring_scrapes_the_nodes_over_the_overlay(meshed, cli):
+    """Exporters listen on the overlay's addresses (Prometheus on the head scrapes them over the
+    mesh); Prometheus itself on the head's own address, where this machine reaches it."""
+    import time
+
+    from vpscluster.monitor import query
+
+    info, _, _, _ = meshed
+    r = cli("monitor", "up", "--cluster", info.cluster_file, "--scrape-interval", "1", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads(r.stdout)
+    try:
+        assert {n: e["address"] for n, e in rec["node_exporters"].items()} == {"node-1": "10.77.0.1", "node-2": "10.77.0.2"}
+        assert rec["url"].startswith(f"http://{info.nodes[0].address}:"), rec["url"]
+        prom = query.Prometheus(rec["url"])
+        deadline = time.monotonic() + 60
+        up: list = []
+        while time.monotonic() < deadline:
+            up = sorted(t["labels"]["node"] for t in prom.targets() if t["health"] == "up")
+            if up == ["node-1", "node-2"]:
+                break
+            time.sleep(1)
+        assert up == ["node-1", "node-2"], prom.targets()
+    finally:
+        down = cli("monitor", "down", "--cluster", info.cluster_file, timeout=120)
+    assert down.returncode == 0, down.stderr
+
+
 def test_a_node_whose_overlay_is_down_is_refused_with_the_fix(meshed, cli):
     info, _, root, config = meshed
     assert ssh_run(info, "node-2", "ip link del vpsc0").returncode == 0

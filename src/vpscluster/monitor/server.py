@@ -202,7 +202,7 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
     import vpscluster
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.pipeline import SyncItem, local_side
-    from vpscluster.launch.preflight import resolve_address, resolve_workdirs
+    from vpscluster.launch.preflight import node_endpoints, resolve_workdirs
     from vpscluster.launch.sync import sync_dir
     from vpscluster.probe.store import load_probe
 
@@ -212,6 +212,9 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
     probe = load_probe(cluster)
     facts = {n["name"]: n for n in (probe or {}).get("nodes", [])}
     capacity = link_capacity(probe)
+    # Exporters listen where training traffic goes: the overlay's addresses once `provision` made
+    # one (Prometheus on the head scrapes them over the mesh), else the cluster file's hosts.
+    endpoints = node_endpoints(cluster)
     async with open_executors(cluster) as executors:
         workdirs = await resolve_workdirs(executors, timeout_s)
         code = SyncItem("code", os.path.dirname(os.path.abspath(vpscluster.__file__)), "code/src/vpscluster")
@@ -229,7 +232,7 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
 
         async def start_exporter(ex) -> tuple[str, dict[str, Any]]:
             node, workdir = ex.node, workdirs[ex.node.name]
-            address = "127.0.0.1" if node.local else resolve_address(node.host)
+            address = "127.0.0.1" if node.local else endpoints[node.name].address
             if node.name in debian:
                 r = await ex.run(debian_exporter_cmd(debian[node.name], address, debian_port,
                                                      posixpath.join(workdir, MONITOR_DIR)), timeout_s=timeout_s)
@@ -281,8 +284,13 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
 
 async def _start_prometheus(cluster, head, workdirs, exporters, port, scrape_interval_s, prometheus, executors,
                             timeout_s, say) -> MonitorRecord:
+    from vpscluster.launch.preflight import resolve_address
+
     mdir = posixpath.join(workdirs[cluster.head], MONITOR_DIR)
-    address = exporters[cluster.head]["address"]
+    # Prometheus itself listens on the head's own address, overlay or not: this machine (`top`,
+    # `report`, batch's load figures) queries it and is not on the mesh.
+    node = next(n for n in cluster.nodes if n.name == cluster.head)
+    address = "127.0.0.1" if node.local else resolve_address(node.host)
     with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
         Path(tmp, "prometheus.yml").write_text(prometheus_config(mdir, scrape_interval_s))
         Path(tmp, "nodes.json").write_text(json.dumps(node_targets(exporters), indent=2))
