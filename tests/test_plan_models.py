@@ -177,3 +177,22 @@ def test_alltoall_is_paced_by_the_busiest_node():
     # Node 0 sends 1 MB to each of two peers at 100 Mbit/s, one after the other on its link.
     assert t == pytest.approx(comm.SOFTWARE_ALPHA_S + 2 * 1e6 / (100e6 / 8))
     assert not math.isnan(t)
+
+
+def test_diloco_overlap_hides_the_sync_behind_tau_steps_of_compute():
+    from vpscluster.plan.predict import diloco_exposed_seconds
+
+    # blocking: a 10 s sync every 50 steps is 0.2 s per step, all of it exposed
+    assert diloco_exposed_seconds(10.0, 0.0, 4, 50, 1, 0, 1.0) == pytest.approx((0.2, 0.2))
+    # τ = 1 with 1 s steps: 9 s of it outlasts the step it hides behind
+    assert diloco_exposed_seconds(10.0, 0.0, 4, 50, 1, 1, 1.0) == pytest.approx((9.0 / 50, 0.2))
+    # τ = 2 with 6 s steps: hidden entirely
+    assert diloco_exposed_seconds(10.0, 0.0, 4, 50, 1, 2, 6.0) == pytest.approx((0.0, 0.2))
+    # 4 fragments of 2.5 s behind τ = 1 of 1 s: 1.5 s late each, 4 per 50 steps
+    assert diloco_exposed_seconds(10.0, 0.0, 4, 50, 4, 1, 1.0)[0] == pytest.approx(4 * 1.5 / 50)
+    # a sync far longer than the window: the landing step waits for the rest of it (95 s per 10 steps)
+    assert diloco_exposed_seconds(100.0, 0.0, 4, 10, 1, 5, 1.0)[0] == pytest.approx(9.5)
+    # 5 fragments in flight at once behind τ = 9: the one thread serialises them (10 s per step)
+    assert diloco_exposed_seconds(100.0, 0.0, 4, 10, 5, 9, 1.0)[0] == pytest.approx(9.0)
+    # fragments add latency rounds: F-1 more, 3 collectives each over n-1 hops
+    assert diloco_exposed_seconds(10.0, 0.01, 4, 50, 3, 0, 1.0)[1] == pytest.approx((10.0 + 2 * 3 * 3 * 0.01) / 50)

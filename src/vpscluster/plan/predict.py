@@ -57,7 +57,8 @@ class Settings(StrategyConfig):
             if self.compress == "powersgd":
                 d["powersgd_rank"] = self.powersgd_rank
         else:
-            d.update(sync_every=self.sync_every, wire_dtype=self.wire_dtype, fragments=self.fragments)
+            d.update(sync_every=self.sync_every, wire_dtype=self.wire_dtype, fragments=self.fragments,
+                     overlap_steps=self.overlap_steps)
         return d
 
 
@@ -197,11 +198,9 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
             exposed, busy = comm.ddp_exposed_seconds(ring, n, model, per_param, settings.bucket_mb,
                                                      slowest.forward_s, slowest.backward_s)
     else:
-        busy = sync_seconds(traffic, ring, res.links, n) / settings.sync_every
-        if settings.fragments > 1:
-            # Same bytes, F syncs per round: F-1 more rounds of latency (3 collectives each).
-            busy += (settings.fragments - 1) * 3 * (n - 1) * ring.alpha_s / settings.sync_every
-        exposed = busy
+        exposed, busy = diloco_exposed_seconds(sync_seconds(traffic, ring, res.links, n), ring.alpha_s, n,
+                                               settings.sync_every, settings.fragments,
+                                               settings.overlap_steps, slowest.seconds)
         sent /= settings.sync_every
     step = slowest.seconds + exposed
     tokens_per_step = compute.tokens_per_rank_step(model) * n
@@ -233,6 +232,27 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
         quality_risk=settings.quality_risk(steps), nodes=node_preds,
         memory_components={k: int(v) for k, v in est0.components.items()},
     )
+
+
+def diloco_exposed_seconds(round_s: float, alpha_s: float, n: int, sync_every: int, fragments: int,
+                           overlap_steps: int, compute_s: float) -> tuple[float, float]:
+    """(exposed, busy) seconds per inner step of DiLoCo's outer syncs.
+
+    `round_s`: one whole-model sync. F fragments send the same bytes in F syncs per H steps, with
+    F-1 more rounds of latency (3 collectives each). Blocking (τ = 0), every second is exposed.
+    Overlapped (τ steps, `train/strategies/diloco.py`), a fragment's sync runs on one background
+    thread behind τ steps of compute (τ at most H - 1, as the strategy clamps it): what outlasts
+    them is exposed (the step that applies it waits); and with several fragments in flight the one
+    thread serialises them, so no step is shorter than the thread's share of the network time."""
+    total = round_s + (fragments - 1) * 3 * (n - 1) * alpha_s
+    busy = total / sync_every
+    if overlap_steps <= 0:
+        return busy, busy
+    tau = min(overlap_steps, sync_every - 1)
+    if tau <= 0:
+        return busy, busy
+    late = fragments * max(0.0, total / fragments - tau * compute_s) / sync_every
+    return max(late, busy - compute_s), busy
 
 
 def _egress(node: NodePrediction, step_s: float, run_s: float) -> None:
