@@ -58,10 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"ddp: gradient compression (default {s.compress})")
     parser.add_argument("--powersgd-rank", type=_positive_int, default=s.powersgd_rank,
                         help=f"ddp+powersgd: rank of the factors (default {s.powersgd_rank})")
-    parser.add_argument("--sync-every", type=_positive_int, default=s.sync_every, metavar="H",
-                        help=f"diloco: inner steps per sync (default {s.sync_every})")
-    parser.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), default=s.wire_dtype,
-                        help=f"diloco: pseudo-gradient encoding (default {s.wire_dtype})")
+    parser.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                        help="diloco: inner steps per sync (default: the sync rule's choice, as train makes it)")
+    parser.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), default=None,
+                        help="diloco: pseudo-gradient encoding (default: the sync rule's choice, as train makes it)")
     parser.add_argument("--fragments", type=_positive_int, default=s.fragments,
                         help=f"diloco: streaming fragments (default {s.fragments})")
     parser.add_argument("--bandwidth", metavar="RATE", help="assume this rate on every link (e.g. 100mbit) instead of the probe's")

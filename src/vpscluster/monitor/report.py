@@ -53,7 +53,10 @@ def _prediction(cfg, report: dict) -> dict | None:
     try:
         from vpscluster.plan.api import PlanRequest, make_plan
 
+        details = report.get("strategy_details") or {}
         return make_plan(PlanRequest(model=cfg.preset, cluster=cfg.cluster, strategy=report["strategy"],
+                                     sync_every=details.get("sync_every") or cfg.strategy.sync_every,
+                                     wire_dtype=details.get("wire_dtype") or cfg.strategy.wire_dtype,
                                      nodes=None if cfg.cluster else report["world_size"],
                                      batch_size=cfg.batch_size or None, tokens=float(report["tokens"])))
     except Exception:  # no prediction for this run (e.g. a preset the planner does not know)

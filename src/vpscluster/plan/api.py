@@ -48,8 +48,9 @@ class PlanRequest:
     compress: str = _STRATEGY.compress
     powersgd_rank: int = _STRATEGY.powersgd_rank
     bucket_mb: float = _STRATEGY.bucket_mb
-    sync_every: int = _STRATEGY.sync_every
-    wire_dtype: str = _STRATEGY.wire_dtype
+    # None: DiLoCo's H and wire come from the sync rule (plan/sync_rule.py), as `train` picks them
+    sync_every: int | None = None
+    wire_dtype: str | None = None
     fragments: int = _STRATEGY.fragments
     calibrate: bool = False
     threads_per_rank: int | None = None  # torch threads per rank in training (default: the probe's)
@@ -124,15 +125,25 @@ def make_plan(req: PlanRequest) -> dict:
         tokens = CHINCHILLA_TOKENS_PER_PARAM * model.num_params()
         assumptions.append(f"tokens: {tokens:.3g} ({CHINCHILLA_TOKENS_PER_PARAM} per parameter, compute-optimal); set --tokens")
 
+    rule = _sync_rule(req, model, res, eff.value)
     base = Settings(compress=req.compress, powersgd_rank=req.powersgd_rank, bucket_mb=req.bucket_mb,
-                    sync_every=req.sync_every, wire_dtype=req.wire_dtype, fragments=req.fragments)
-    auto_pred, auto_reason, preds = auto.choose(model, res, tokens, eff.value, auto.candidates(res.world_size, base=base))
+                    sync_every=req.sync_every or (rule.sync_every if rule else _STRATEGY.sync_every),
+                    wire_dtype=req.wire_dtype or (rule.wire_dtype if rule else _STRATEGY.wire_dtype),
+                    fragments=req.fragments)
+    _, _, preds = auto.choose(model, res, tokens, eff.value, auto.candidates(res.world_size, base=base))
+    # What `train --strategy auto` weighs: DDP's variants against DiLoCo as the sync rule sets it up.
+    options = auto.candidates(res.world_size, strategies=("ddp",), base=base)
+    if rule is not None:
+        options.append(dataclasses.replace(base, name="diloco", compress="none"))
+    auto_pred, auto_reason, _ = auto.choose(model, res, tokens, eff.value, options)
     if req.strategy == AUTO:
         chosen, reason = auto_pred, auto_reason
     else:
         settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if req.strategy == "ddp" else "none")
         chosen = predict(model, res, settings, tokens, eff.value)
         reason = f"as asked (--strategy {req.strategy}); auto would choose {auto_pred.settings.label()}"
+        if req.strategy == "diloco" and rule is not None and not (req.sync_every and req.wire_dtype):
+            reason = f"as asked (--strategy diloco), {rule.reason}; auto would choose {auto_pred.settings.label()}"
         if chosen.time_to_train_seconds > auto_pred.time_to_train_seconds * 1.1:
             reason += f", {chosen.time_to_train_seconds / auto_pred.time_to_train_seconds:.1f}x faster to the token target"
 
@@ -163,6 +174,25 @@ def make_plan(req: PlanRequest) -> dict:
     if res.collective_fit and res.world_size > 1:
         doc["collective_fit_check"] = _fit_check(model, res, ring)
     return doc
+
+
+def _sync_rule(req: PlanRequest, model, res, efficiency: float):
+    """The sync rule's DiLoCo H and wire for this plan (what `train --strategy diloco` would run);
+    a value the request sets is kept. None with one rank or without a usable link figure."""
+    from vpscluster.plan import sync_rule
+    from vpscluster.plan.compute import node_compute
+
+    if res.world_size <= 1:
+        return None
+    ring = ring_for(res)
+    step_s = max(node_compute(model, node, efficiency).seconds for node in res.nodes)
+    choices = [req.sync_every] if req.sync_every else [h for h in sync_rule.SYNC_EVERY_CHOICES if h >= req.fragments]
+    try:
+        return sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
+                                     latency_s=ring.alpha_s, choices=choices or [req.fragments],
+                                     wires=(req.wire_dtype,) if req.wire_dtype else sync_rule.WIRES)
+    except ValueError:  # no bandwidth figure (an unmeasured, unadvertised link)
+        return None
 
 
 def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
