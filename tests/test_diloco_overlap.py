@@ -202,6 +202,30 @@ def _resume_in_flight(rank, world, stop_at, total, use_finalize, hold=False):
     return digest(flat(model)), [digest(g) for g in strategy.global_flat], in_flight, redo
 
 
+def test_a_checkpoint_saves_every_sync_in_flight_as_sent_even_one_already_done():
+    """Ranks finish a collective at slightly different moments: a state that kept the result
+    where the reduction happened to be done (and the delta where it was not) made one rank resume
+    waiting on a reduction its peer never ran again (CI: gloo send time-outs). Every in-flight
+    sync is saved as sent, done or not."""
+    from concurrent.futures import Future
+
+    import torch
+
+    from vpscluster.train.strategies.diloco import _InFlight
+
+    strategy = make_strategy(0, 1, sync_every=H, overlap_steps=2)
+    strategy.setup(make_model())
+    done = Future()
+    done.set_result(torch.ones(3))
+    running = Future()
+    strategy.in_flight = [_InFlight(0, 6, torch.zeros(3), 4, 64.0, done, None, torch.full((3,), 2.0)),
+                          _InFlight(0, 7, torch.zeros(3), 4, 64.0, running, None, torch.full((3,), 3.0))]
+    saved = strategy.state_dict()["in_flight"]
+    assert [e["result"] for e in saved] == [None, None]
+    assert [float(e["sent"][0]) for e in saved] == [2.0, 3.0]
+    assert strategy.in_flight[0].future is done  # nothing was collected behind the loop's back
+
+
 def _resumes(rank, world):
     return {
         "straight": _resume_in_flight(rank, world, 13, 13, False),

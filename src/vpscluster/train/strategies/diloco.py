@@ -479,11 +479,13 @@ class DiLoCoStrategy(Strategy):
         return state
 
     def state_dict(self) -> dict[str, Any]:
+        """The state to checkpoint. A reduction still in flight is saved as sent (its delta), not
+        waited for, and is run again on resume (same inputs, same sum) — also when it happens to
+        be done here already: ranks finish a collective at slightly different moments, and a rank
+        that saved the result while its peer saved the delta would resume waiting on a reduction
+        the peer never runs again. Every rank saves the same thing at the same step."""
         if self._pre_finalize_state is not None:
             return self._pre_finalize_state
-        for entry in self.in_flight:  # collect what is done; a reduction still running is not waited for
-            if entry.future is not None and entry.future.done():
-                self._wait(entry)
         return self._state(include_local=False)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
