@@ -292,7 +292,9 @@ def test_cli_choices_and_planner_read_the_registry_and_the_typed_config():
     assert Settings() == Settings.of(StrategyConfig()) and isinstance(Settings(), StrategyConfig)
     request = PlanRequest(model="tiny")
     assert all(getattr(request, k) == getattr(StrategyConfig(), k)
-               for k in ("compress", "powersgd_rank", "bucket_mb", "sync_every", "wire_dtype", "fragments"))
+               for k in ("compress", "powersgd_rank", "bucket_mb", "fragments"))
+    # DiLoCo's H and wire are open in a plan request: the sync rule picks them, as train does.
+    assert (request.sync_every, request.wire_dtype) == (None, None)
     seen = {(s.name, s.compress, s.wire_dtype) for s in candidates(4, sync_every_choices=(10,))}
     assert {c for n, c, _ in seen if n == "ddp"} == set(strategy_choices("compress"))
     assert {w for n, _, w in seen if n == "diloco"} == set(strategy_choices("wire_dtype"))
