@@ -39,6 +39,21 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] != "Z"
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes (not this one, not zombies) whose command line contains `text`; sandbox
+    nodes share this PID space, so theirs are found too."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmd and pid_alive(int(pid)):
+                found.append(int(pid))
+    return found
+
+
 @pytest.fixture
 def cli():
     return run_cli

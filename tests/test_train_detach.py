@@ -9,24 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive, run_cli
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmd and pid_alive(int(pid)):
-                found.append(int(pid))
-    return found
+from conftest import pid_alive, processes_mentioning, run_cli
 
 
 @pytest.mark.slow
@@ -67,7 +53,7 @@ def test_detach_attach_stop(tmp_path):
         assert f"checkpoint saved at step {k}" in stopped["message"]
         assert not pid_alive(pid)
         time.sleep(0.5)
-        assert _processes_mentioning(str(run)) == []
+        assert processes_mentioning(str(run)) == []
     finally:
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import pid_alive, processes_mentioning
 from sandbox_fixtures import SandboxFactory
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -118,21 +118,6 @@ def test_time_budget_stops_every_rank_with_a_checkpoint(sandbox2, workspace, cli
     assert written, [str(Path(n.workdir, "runs", "budget")) for n in sandbox2.nodes]
 
 
-def _node_processes_of(marker: str) -> list[str]:
-    """Command lines of live processes (any sandbox node: they share this PID space) naming marker."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker in cmd and state != "Z":
-                found.append(cmd)
-    return found
-
-
 @pytest.mark.timeout(600)
 def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resumes(sandbox2, workspace, cli):
     import time
@@ -152,7 +137,7 @@ def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resume
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and steps_done() < 3:
-        assert _pid_alive(pid), log.read_text()[-3000:] if log.exists() else "no launcher log"
+        assert pid_alive(pid), log.read_text()[-3000:] if log.exists() else "no launcher log"
         time.sleep(0.5)
     assert steps_done() >= 3, log.read_text()[-3000:]
 
@@ -169,8 +154,8 @@ def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resume
                if Path(n.workdir, "runs", "detached", "checkpoints", step_dir, "manifest.json").exists()]
     assert written, "no node holds the stop's checkpoint"
     time.sleep(1.0)
-    assert not _pid_alive(pid)
-    left = _node_processes_of(f"runs/detached") + _node_processes_of(str(run))
+    assert not pid_alive(pid)
+    left = processes_mentioning("runs/detached") + processes_mentioning(str(run))
     assert left == [], left  # no launcher, agent, worker or guard left on any node
 
     r = cli("train", "--resume", str(run), "--max-steps", str(k + 2), "--json", timeout=400)
@@ -178,14 +163,6 @@ def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resume
     resumed = json.loads(r.stdout)
     assert resumed["resumed_from_step"] == k and resumed["steps"] == k + 2
     assert_replicas_identical(resumed)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_preflight_refuses_a_node_whose_torch_differs(sandbox2, workspace, cli, tmp_path):
