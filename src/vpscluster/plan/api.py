@@ -180,17 +180,13 @@ def _sync_rule(req: PlanRequest, model, res, efficiency: float):
     """The sync rule's DiLoCo H and wire for this plan (what `train --strategy diloco` would run);
     a value the request sets is kept. None with one rank or without a usable link figure."""
     from vpscluster.plan import sync_rule
-    from vpscluster.plan.compute import node_compute
 
     if res.world_size <= 1:
         return None
-    ring = ring_for(res)
-    step_s = max(node_compute(model, node, efficiency).seconds for node in res.nodes)
     choices = [req.sync_every] if req.sync_every else [h for h in sync_rule.SYNC_EVERY_CHOICES if h >= req.fragments]
     try:
-        return sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
-                                     latency_s=ring.alpha_s, choices=choices or [req.fragments],
-                                     wires=(req.wire_dtype,) if req.wire_dtype else sync_rule.WIRES)
+        return auto.sync_choice(model, res, efficiency, choices or [req.fragments],
+                                (req.wire_dtype,) if req.wire_dtype else sync_rule.WIRES)
     except ValueError:  # no bandwidth figure (an unmeasured, unadvertised link)
         return None
 

@@ -112,6 +112,18 @@ def given_keys(s: "StrategyConfig") -> set[str]:
     return {k for k in sync_rule.KEYS if getattr(s, k) != getattr(d, k)}
 
 
+def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires) -> "sync_rule.SyncChoice":
+    """The sync rule (`plan/sync_rule.py`) on this plan: the slowest node's step, the ring's
+    bandwidth and latency, the model's size; `choices`/`wires`: the H values and formats allowed."""
+    from vpscluster.plan.compute import node_compute
+    from vpscluster.plan.predict import ring_for
+
+    step_s = max(node_compute(model, node, efficiency).seconds for node in res.nodes)
+    ring = ring_for(res)
+    return sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
+                                 latency_s=ring.alpha_s, choices=choices, wires=wires)
+
+
 def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency: float,
                 given: set[str] | frozenset[str] = frozenset(), strategy: "StrategyConfig | None" = None,
                 ) -> "StrategyConfig":
@@ -123,15 +135,10 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps),
     leave at least 4 outer steps in `max_steps` and are at least `fragments` (a run too short for
     the rule's values gets the largest such divisor)."""
-    from vpscluster.plan.compute import node_compute
-    from vpscluster.plan.predict import ring_for
-
     s = strategy or cfg.strategy
     todo = [k for k in sync_rule.KEYS if k not in given]
     if res.world_size <= 1 or not todo:
         return dataclasses.replace(s, name="diloco", planned=[], planned_reason=None)
-    step_s = max(node_compute(model, node, efficiency).seconds for node in res.nodes)
-    ring = ring_for(res)
     if "sync_every" in given:
         hs = [s.sync_every]
     else:
@@ -144,8 +151,7 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
         hs = ([h for h in sync_rule.SYNC_EVERY_CHOICES if fits(h)] or [h for h in range(1, limit + 1) if fits(h)]
               or [s.sync_every])
     wires = (s.wire_dtype,) if "wire_dtype" in given else sync_rule.WIRES
-    c = sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
-                              latency_s=ring.alpha_s, choices=hs, wires=wires)
+    c = sync_choice(model, res, efficiency, hs, wires)
     chosen = {k: v for k, v in c.settings().items() if k in todo}
     kept = sorted(set(sync_rule.KEYS) & set(given))
     reason = c.reason + (f"; as set: {', '.join(kept)}" if kept else "")
