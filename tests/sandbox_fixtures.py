@@ -102,7 +102,7 @@ def ssh_run(info, node: str, command: str, timeout_s: float = 30.0) -> subproces
 
 def ns_popen(info, node: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
     """Start `argv` inside node `node`'s network namespace and CPU cgroup (no ssh in between)."""
+    from vpscluster.cluster.sandbox.cgroup import enter_argv
+
     n = info.node(node)
-    procs = os.path.join(n.cgroup, "cgroup.procs")
-    return subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, "ip", "netns", "exec", n.namespace, *argv],
-                            **kwargs)
+    return subprocess.Popen(enter_argv(n.cgroup, n.namespace, argv), **kwargs)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vpscluster.bench import table
+from vpscluster.cluster.sandbox.cgroup import enter_argv
 
 MODES = ("static", "dask", "vpscluster", "vpscluster-depth1")
 DEFAULT_MODES = ("static", "dask", "vpscluster")
@@ -104,10 +104,8 @@ def measure_capacity(nodes, work: int, seconds: float = 5.0) -> list[float]:
     procs = []
     try:
         for node in nodes:
-            cgroup_procs = os.path.join(node.cgroup, "cgroup.procs")
             procs.append(subprocess.Popen(
-                ["sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup_procs, "ip", "netns", "exec", node.namespace,
-                 sys.executable, "-c", _CAPACITY_PROBE, str(work), str(seconds)],
+                enter_argv(node.cgroup, node.namespace, [sys.executable, "-c", _CAPACITY_PROBE, str(work), str(seconds)]),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True))
         return [float(p.communicate(timeout=seconds + 60)[0].strip()) for p in procs]
     finally:
@@ -205,11 +203,10 @@ class _Hog:
         self.node, self.count, self.procs = node, count, []
 
     def start(self) -> None:
-        procs = os.path.join(self.node.cgroup, "cgroup.procs")
         for _ in range(self.count):
             self.procs.append(subprocess.Popen(
-                ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, "ip", "netns", "exec", self.node.namespace,
-                 sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL))
+                enter_argv(self.node.cgroup, self.node.namespace, [sys.executable, "-c", "while True: pass"]),
+                stdin=subprocess.DEVNULL))
 
     def stop(self) -> None:
         for p in self.procs:

@@ -246,8 +246,6 @@ def diloco_exposed_seconds(round_s: float, alpha_s: float, n: int, sync_every: i
     thread serialises them, so no step is shorter than the thread's share of the network time."""
     total = round_s + (fragments - 1) * 3 * (n - 1) * alpha_s
     busy = total / sync_every
-    if overlap_steps <= 0:
-        return busy, busy
     tau = min(overlap_steps, sync_every - 1)
     if tau <= 0:
         return busy, busy

@@ -206,6 +206,13 @@ def node_cgroup(sandbox: str, node: str) -> Path:
     return require().parent / sandbox / node
 
 
+def enter_argv(cgroup: str | os.PathLike, namespace: str, argv) -> list[str]:
+    """`argv` run as a sandbox node's process: moved into its CPU cgroup first (a shell writes its
+    own pid, then execs), inside its network namespace."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cgroup, "cgroup.procs"),
+            "ip", "netns", "exec", namespace, *argv]
+
+
 def create(sandbox: str, node: str, cpu: float | None, sandbox_nodes: int = 1) -> Path:
     return require().create(sandbox, node, cpu, sandbox_nodes)
 

@@ -34,6 +34,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from vpscluster.cluster.sandbox import cgroup as cgroup_mod
 from vpscluster.cluster.sandbox import sshd
 from vpscluster.cluster.sandbox.system import SSHD, run_tool
 from vpscluster.errors import UserError
@@ -101,9 +102,9 @@ def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path, 
     root = prepare(node_dir)
     own_view = os.path.exists("/proc/self/ns/cgroup")
     script = _ENTER.replace("CGVIEW", _CGVIEW if own_view else "")
-    argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
-            "ip", "netns", "exec", namespace, "unshare", "--uts", *(["--cgroup"] if own_view else []), "--",
-            "sh", "-c", script, "enter-root", hostname, str(root), str(node_dir), str(config), str(log), SSHD]
+    argv = cgroup_mod.enter_argv(cgroup, namespace, [
+        "unshare", "--uts", *(["--cgroup"] if own_view else []), "--",
+        "sh", "-c", script, "enter-root", hostname, str(root), str(node_dir), str(config), str(log), SSHD])
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
     try:

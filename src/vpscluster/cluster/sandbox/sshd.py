@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from vpscluster.cluster.executor import last_words
+from vpscluster.cluster.sandbox import cgroup as cgroup_mod
 from vpscluster.cluster.sandbox.system import SSHD, run_tool
 from vpscluster.errors import UserError
 
@@ -95,9 +96,9 @@ def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path) 
         view = ('{ mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu '
                 '&& mount -t cgroup -o cpu cpu /sys/fs/cgroup/cpu; } >/dev/null 2>&1; ')
     view = view if own_view else ""
-    argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
-            "ip", "netns", "exec", namespace, "unshare", "--uts", *(["--cgroup"] if own_view else []), "--", "sh", "-c",
-            'hostname "$0" && ' + view + 'exec "$1" -f "$2" -E "$3"', hostname, SSHD, str(config), str(log)]
+    argv = cgroup_mod.enter_argv(cgroup, namespace, [
+        "unshare", "--uts", *(["--cgroup"] if own_view else []), "--", "sh", "-c",
+        'hostname "$0" && ' + view + 'exec "$1" -f "$2" -E "$3"', hostname, SSHD, str(config), str(log)])
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
     try:
