@@ -124,9 +124,13 @@ def test_reference_cluster_probe_through_the_cli(make_sandbox, cli):
     (sweep,) = doc["collectives"]
     assert sweep["world_size"] == 4 and all(r["correct"] for r in sweep["results"])
     assert len(sweep["results"]) >= 5
-    # The ring all-reduce's bus bandwidth cannot beat the links; on 100 Mbit/s it gets most of it.
+    # The ring all-reduce's bus bandwidth cannot beat the links; on 100 Mbit/s it gets most of it,
+    # and the fit's rate is the one the largest message ran at (its latency is a few ms of ~1 s).
     bus_mbit = sweep["bus_beta_bytes_per_s"] * 8 / 1e6
-    assert 50 < bus_mbit < 110, bus_mbit
+    largest = sweep["results"][-1]
+    assert 50 < bus_mbit < 105, (bus_mbit, sweep["results"])
+    if largest["time_s"] > 0.5:
+        assert bus_mbit == pytest.approx(largest["busbw_mbit"], rel=0.08), (bus_mbit, sweep["results"])
     assert {p["severity"] for p in doc["problems"]} <= {"info"}
     saved = json.loads(open(doc["saved_to"]).read())
     assert saved["probed_at"] == doc["probed_at"]
