@@ -425,3 +425,21 @@ def scenarios():
     """{scenario: [rank 0's result, rank 1's result]} from one run of 2 gloo ranks."""
     rank0, rank1 = run_ranks(_all_scenarios, 2)
     return {key: [rank0[key], rank1[key]] for key in rank0}
+
+
+def test_reshard_state_counts_a_sync_in_flight_as_skipped():
+    # A checkpoint of another world: its in-flight reduction cannot finish without the old
+    # ranks, so its steps and tokens ride on the fragment's next sync; the rest is kept as is.
+    import torch
+
+    strategy = make_strategy(0, 1)
+    g = [torch.ones(3), torch.zeros(2)]
+    state = {"format": 1, "fragment_numels": [3, 2], "global": g, "momentum": [torch.zeros(3), torch.zeros(2)],
+             "steps_since_sync": [1, 3], "tokens_since_sync": [10.0, 30.0], "outer_steps": 4,
+             "fragment_syncs": [2, 2],
+             "in_flight": [{"fragment": 0, "apply_at": 9, "at_send": torch.ones(3), "steps": 4, "tokens": 40.0,
+                            "result": None, "sent": torch.ones(3)}]}
+    out = strategy.reshard_state(state)
+    assert out["in_flight"] == [] and out["steps_since_sync"] == [5, 3] and out["tokens_since_sync"] == [50.0, 30.0]
+    assert out["global"] is g and out["outer_steps"] == 4 and out["fragment_syncs"] == [2, 2]
+    assert len(state["in_flight"]) == 1 and state["steps_since_sync"] == [1, 3]  # the loaded shard is not changed

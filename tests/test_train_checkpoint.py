@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 
 import pytest
@@ -81,7 +83,7 @@ def test_newest_step_valid_on_all_ranks_is_chosen(tmp_path):
     def gather(obj):
         if isinstance(obj, dict):
             other = dict(obj)
-            other[20] = "rank 1 shard checksum mismatch"
+            other[20] = ("rank 1 shard checksum mismatch", 2)
             return [obj, other]
         return [obj, obj]
 
@@ -99,3 +101,64 @@ def test_state_hash_sensitive_to_values_and_structure():
     assert checkpoint.state_hash(a) != checkpoint.state_hash(b)
     c = dict(a, groups=[{"lr": 0.2}])
     assert checkpoint.state_hash(a) != checkpoint.state_hash(c)
+
+
+def _save_world(root, step, world):
+    """A checkpoint of `world` ranks on one disk, laid out as `checkpoint.save` on each rank would."""
+    payloads = [dict(_payload(step), rank_local=torch.full((4,), float(r))) for r in range(world)]
+    checkpoint.step_dir(root, step).mkdir(parents=True)
+    shas = {}
+    for r, p in enumerate(payloads):
+        buf = io.BytesIO()
+        torch.save({"format": checkpoint.FORMAT, "step": step, "rank": r, "world_size": world, **p}, buf)
+        checkpoint.shard_path(root, step, r).write_bytes(buf.getvalue())
+        shas[str(r)] = hashlib.sha256(buf.getvalue()).hexdigest()
+    manifest = {"step": step, "world_size": world, "sha256": shas}
+    (checkpoint.step_dir(root, step) / "manifest.json").write_text(json.dumps(manifest))
+    return payloads
+
+
+def test_a_checkpoint_of_three_ranks_resumes_on_two_and_on_four(tmp_path):
+    payloads = _save_world(tmp_path, 20, 3)
+    for r in range(3):
+        assert checkpoint.verify_shard(tmp_path, 20, r, 3) is None
+    # Two ranks (a node gone): each loads its own old shard, the step is not thrown away.
+    for rank in (0, 1):
+        point = checkpoint.find_and_load(tmp_path, Collectives(rank, 2, rank, lambda o: [o, o]), warn=pytest.fail)
+        assert (point.step, point.world_size, point.shard) == (20, 3, rank)
+        assert torch.equal(point.payload["rank_local"], payloads[rank]["rank_local"])
+    # A fourth rank has no shard of its own: it takes an intact one held here.
+    point = checkpoint.find_and_load(tmp_path, Collectives(3, 4, 3, lambda o: [o] * 4), warn=pytest.fail)
+    assert (point.step, point.world_size, point.shard) == (20, 3, 0)
+    # Its own shard corrupt: the next intact one instead.
+    checkpoint.shard_path(tmp_path, 20, 1).write_bytes(b"garbage")
+    point = checkpoint.find_and_load(tmp_path, Collectives(1, 2, 1, lambda o: [o, o]), warn=pytest.fail)
+    assert (point.step, point.shard) == (20, 2)
+
+
+def test_a_step_absent_on_another_node_is_left_in_place(tmp_path):
+    _save_steps(tmp_path, [10, 20])
+
+    def gather(obj):  # the peer's disk has step 10 only (say a node that came back from older state)
+        if isinstance(obj, dict):
+            return [obj, {k: v for k, v in obj.items() if k != 20}]
+        return [obj, obj]
+
+    warnings = []
+    point = checkpoint.find_and_load(tmp_path, Collectives(0, 1, 0, gather), warn=warnings.append)
+    assert point.step == 10
+    assert "missing on a node" in warnings[0] and "left in place" in warnings[0]
+    assert checkpoint.step_dir(tmp_path, 20).exists()  # intact here: copy it over and resume again
+
+
+def test_nodes_disagreeing_on_the_world_size_skip_the_step(tmp_path):
+    _save_steps(tmp_path, [10, 20])
+
+    def gather(obj):
+        if isinstance(obj, dict):
+            return [obj, {**obj, 20: (None, 5)}]
+        return [obj, obj]
+
+    warnings = []
+    point = checkpoint.find_and_load(tmp_path, Collectives(0, 1, 0, gather), warn=warnings.append)
+    assert point.step == 10 and "disagree on its world size" in warnings[0]

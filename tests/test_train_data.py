@@ -65,11 +65,32 @@ def test_sampler_stream_covers_epoch_and_resumes_exactly():
     assert a.epoch >= 2
 
 
-def test_sampler_refuses_state_from_other_world_size():
+def test_sampler_refuses_another_ranks_shard_in_the_same_world():
     ds = load_dataset(None, seq_len=64, val_fraction=0.05)
-    state = ShardSampler(ds, 0, 2, seed=1, batch_size=2).state_dict()
-    with pytest.raises(UserError, match="same number of ranks"):
-        ShardSampler(ds, 0, 4, seed=1, batch_size=2).load_state_dict(state)
+    state = ShardSampler(ds, 1, 2, seed=1, batch_size=2).state_dict()
+    with pytest.raises(UserError, match="its own shard"):
+        ShardSampler(ds, 0, 2, seed=1, batch_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("old, new", [(3, 2), (2, 3), (4, 1)])
+def test_sampler_reshards_at_the_global_position(old, new):
+    # A run of `old` ranks read 5 batches each; resumed on `new` ranks, the epoch goes on over
+    # the samples nobody read yet: none twice, and none skipped beyond the last partial row.
+    ds = load_dataset(None, seq_len=32, val_fraction=0.05)
+    n, bs, steps = ds.num_train_samples, 2, 5
+    perm = list(np.random.Generator(np.random.PCG64([1, 0])).permutation(n))
+    readers = [ShardSampler(ds, r, old, seed=1, batch_size=bs) for r in range(old)]
+    for r in readers:
+        for _ in range(steps):
+            r.next_batch()
+    consumed = {int(i) for r in readers for i in r._order[: r.index]}
+    assert consumed == set(int(i) for i in perm[: steps * bs * old])
+    resumed = [ShardSampler(ds, r, new, seed=1, batch_size=bs) for r in range(new)]
+    for r in resumed:
+        r.load_state_dict(readers[r.shard % old].state_dict())
+    following = [int(i) for r in resumed for i in r._order[r.index : r.index + 4]]
+    assert not consumed & set(following)
+    assert set(following) == set(int(i) for i in perm[steps * bs * old : steps * bs * old + 4 * new])
 
 
 def test_val_batches_identical_and_from_val_split():

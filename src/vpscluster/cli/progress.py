@@ -99,7 +99,11 @@ class ProgressView:
         self.console.print(f"step {ev['step']}: asked to stop; saving a checkpoint first", style="yellow")
 
     def _on_resume(self, ev: dict[str, Any]) -> None:
-        if ev.get("step"):
+        taken, now = ev.get("checkpoint_world_size"), ev.get("world_size")
+        if ev.get("step") and taken is not None and now is not None and taken != now:
+            self.console.print(f"resuming from the checkpoint of step {ev['step']}, taken on {taken} ranks, "
+                               f"on {now}: its data is re-cut at the same place in the epoch", style="yellow")
+        elif ev.get("step"):
             self.console.print(f"resuming from the checkpoint of step {ev['step']}")
         else:
             self.console.print("no usable checkpoint: starting from step 0", style="yellow")

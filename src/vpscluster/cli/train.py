@@ -2,9 +2,10 @@
 
 Configuration has one source of truth, built in this order: TrainConfig defaults <
 `--config FILE.yaml` < the flags the user actually gave (every flag defaults to None, meaning
-"not given"). `--resume RUN_DIR` reloads RUN_DIR/config.yaml and accepts only --max-steps and
---time-budget on top. The resolved configuration is written to the run directory, which the
-workers read.
+"not given"). `--resume RUN_DIR` reloads RUN_DIR/config.yaml and accepts only --max-steps,
+--time-budget and where to run (--cluster, --nodes, --nproc-per-node: a run goes on without a
+dead node, its checkpoint re-cut for the ranks present) on top. The resolved configuration is
+written to the run directory, which the workers read.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ FLAG_KEYS: dict[str, str] = {
     "max_spread": "strategy.max_spread",
     "rebalance_every": "strategy.rebalance_every",
 }
-RESUME_FLAGS = ("max_steps", "time_budget")
+RESUME_FLAGS = ("max_steps", "time_budget", "cluster", "nodes", "nproc_per_node")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     run = parser.add_argument_group("run directory and configuration")
     run.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<UTC time>-<random>)")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid checkpoint (only --max-steps/--time-budget may change)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid checkpoint (only --max-steps, --time-budget and --cluster/--nodes/--nproc-per-node may change; on fewer or more ranks the checkpoint is re-cut)")
     run.add_argument("--config", metavar="FILE.yaml", help="TrainConfig keys in YAML; flags override them")
     run.add_argument("--force", action="store_true", default=None, help="cluster: start even when the pre-flight checks report problems")
     run.add_argument("--accept-new-host-keys", action="store_true", default=None, help="cluster: trust SSH host keys seen for the first time")
@@ -169,9 +170,13 @@ def resolve_resume(args: argparse.Namespace):
     extra = sorted(d for d in _given(args) if d not in RESUME_FLAGS) + (["config"] if args.config else [])
     if extra:
         flags = ", ".join("--" + d.replace("_", "-") for d in extra)
-        raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps and --time-budget may change)")
+        raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps, "
+                        "--time-budget and --cluster/--nodes/--nproc-per-node may change)")
     cfg = read_config(args.resume)
-    overrides = _nest({d: v for d, v in _given(args).items() if d in RESUME_FLAGS})
+    given = {d: v for d, v in _given(args).items() if d in RESUME_FLAGS}
+    if "nodes" in given:
+        given["cluster"] = None  # local processes now, whatever the run had
+    overrides = _nest(given)
     return build(TrainConfig, merge(to_dict(cfg), overrides), "flags")
 
 

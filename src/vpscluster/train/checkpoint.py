@@ -16,11 +16,18 @@ checkpoint fail the same way on every rank (CheckpointFailed): its directory goe
 is pruned, and the run goes on; the next checkpoint tries again.
 
 Resuming: every rank lists the step directories it can see, and checks for each one that the
-manifest exists and is readable, names the same world size, and that its own shard's sha256
-matches. The ranks gather their lists and take the newest step valid on ALL ranks. A torn or
+manifest exists and is readable and that its own shard's sha256 matches. The ranks gather their
+lists and take the newest step valid on ALL ranks (and taken with one world size). A torn or
 corrupt checkpoint costs one warning line and the previous good one is used; the unusable
 directories newer than the chosen step are renamed aside (`*.abandoned-<time>`), never deleted,
 so the resumed run does not overwrite evidence.
+
+Resuming on another number of ranks (a node died and the run goes on without it, or one was
+added): a checkpoint taken with W ranks serves a run of W' ranks. Each rank then loads a shard
+held on its own disk (the one of its old rank when a node keeps its place; any intact one, by
+local rank, on a shared disk) — replicated state (DDP's model and optimizer, DiLoCo's global
+weights and outer momentum) is the same in every shard; rank-local state is the caller's to
+adapt (`ResumePoint.world_size` says which world the shard came from).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from vpscluster.fsutil import write_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+ABSENT = "missing on a node"  # a step some rank cannot see at all (not torn, not corrupt)
+NOT_HERE = " and no shard of it is on this node"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -119,24 +128,51 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def verify_shard(root: Path, step: int, rank: int, world_size: int) -> str | None:
-    """None if this rank's shard of `step` is complete and intact, else why not."""
+    """None if this rank's shard of `step` is complete and intact (in a run of `world_size`
+    ranks), else why not."""
+    return check_step(root, step, rank, rank, world_size).problem
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    problem: str | None  # None: this rank can resume from the step
+    shard: int | None = None  # the rank whose shard this rank loads
+    world_size: int | None = None  # the ranks the step was taken with
+
+
+def check_step(root: Path, step: int, rank: int, local_rank: int, world_size: int) -> StepCheck:
+    """Can this rank resume from `step`, and from which shard? Its own when the step was taken
+    with `world_size` ranks; else an intact shard on this disk (see the module's note)."""
     d = step_dir(root, step)
     try:
         manifest = json.loads((d / MANIFEST).read_text())
     except FileNotFoundError:
-        return "incomplete (no manifest)"
+        return StepCheck("incomplete (no manifest)")
     except (OSError, ValueError):
-        return "manifest unreadable"
-    if manifest.get("world_size") != world_size:
-        return f"taken with {manifest.get('world_size')} ranks, this run has {world_size}"
-    want = manifest.get("sha256", {}).get(str(rank))
-    try:
-        got = hashlib.sha256(shard_path(root, step, rank).read_bytes()).hexdigest()
-    except OSError:
-        return f"rank {rank} shard missing"
-    if got != want:
-        return f"rank {rank} shard checksum mismatch"
-    return None
+        return StepCheck("manifest unreadable")
+    taken = manifest.get("world_size")
+    shas = manifest.get("sha256", {})
+    if not isinstance(taken, int) or not isinstance(shas, dict):
+        return StepCheck("manifest unreadable")
+    if taken == world_size:
+        wanted = [rank]
+    else:  # its own old shard first where this node kept its place, then the others held here
+        held = sorted(int(r) for r in shas if str(r).isdigit() and shard_path(root, step, int(r)).exists())
+        if not held:
+            return StepCheck(f"taken with {taken} ranks{NOT_HERE}", None, taken)
+        start = held.index(rank) if rank in held else local_rank % len(held)
+        wanted = held[start:] + held[:start]
+    problem = None
+    for r in wanted:
+        try:
+            got = hashlib.sha256(shard_path(root, step, r).read_bytes()).hexdigest()
+        except OSError:
+            problem = problem or f"rank {r} shard missing"
+            continue
+        if got == shas.get(str(r)):
+            return StepCheck(None, r, taken)
+        problem = problem or f"rank {r} shard checksum mismatch"
+    return StepCheck(problem, None, taken)
 
 
 @dataclass
@@ -144,6 +180,8 @@ class ResumePoint:
     step: int | None  # None: nothing usable, start from scratch
     payload: dict[str, Any] | None
     skipped: list[dict[str, Any]]  # [{"step", "reason"}] newer checkpoints that were unusable
+    world_size: int | None = None  # the ranks the checkpoint was taken with
+    shard: int | None = None  # whose shard this rank loaded (its own unless the world changed)
 
 
 def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | None = None) -> ResumePoint:
@@ -151,24 +189,33 @@ def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | N
     import torch
 
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    mine: dict[int, str | None] = {s: verify_shard(root, s, coll.rank, coll.world_size) for s in _list_steps(root)}
-    everyone = coll.all_gather_object(mine)
+    checks = {s: check_step(root, s, coll.rank, coll.local_rank, coll.world_size) for s in _list_steps(root)}
+    everyone = coll.all_gather_object({s: (c.problem, c.world_size) for s, c in checks.items()})
     candidates = set().union(*(set(m) for m in everyone))
-    valid = [s for s in candidates if all(m.get(s, "missing on a node") is None for m in everyone)]
+
+    def problems(s: int) -> set[str]:  # why some rank cannot resume from step s (empty: all can)
+        found = {m[s][0] if s in m else ABSENT for m in everyone} - {None}
+        if not found and len({m[s][1] for m in everyone}) > 1:
+            found = {"the nodes' manifests disagree on its world size"}
+        return found
+
+    valid = [s for s in candidates if not problems(s)]
     chosen = max(valid) if valid else None
     skipped = []
     for s in sorted(candidates, reverse=True):
         if chosen is not None and s <= chosen:
             break
-        reasons = sorted({f"{m.get(s, 'missing on a node')}" for m in everyone if m.get(s, "x") is not None})
-        skipped.append({"step": s, "reason": "; ".join(reasons)})
+        why = problems(s)
+        skipped.append({"step": s, "reason": "; ".join(sorted(why)),
+                        "absent": all(w == ABSENT or w.endswith(NOT_HERE) for w in why)})
     if coll.rank == 0:
         for item in skipped:
             target = f"resuming from step {chosen}" if chosen is not None else "starting from step 0"
-            warn(f"warning: checkpoint step {item['step']} is unusable ({item['reason']}); {target}; kept aside, not deleted")
+            kept = "left in place" if item["absent"] else "kept aside, not deleted"
+            warn(f"warning: checkpoint step {item['step']} is unusable ({item['reason']}); {target}; {kept}")
     if coll.local_rank == 0:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        for item in skipped:
+        for item in (i for i in skipped if not i["absent"]):  # intact where it is: copy it, resume again
             try:
                 step_dir(root, item["step"]).rename(Path(str(step_dir(root, item["step"])) + f".abandoned-{stamp}"))
             except OSError:
@@ -176,9 +223,10 @@ def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | N
     coll.all_gather_object(None)  # nobody writes a new step-N before the old one is moved aside
     if chosen is None:
         return ResumePoint(None, None, skipped)
-    data = shard_path(root, chosen, coll.rank).read_bytes()
+    check = checks[chosen]
+    data = shard_path(root, chosen, check.shard).read_bytes()
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    return ResumePoint(chosen, payload, skipped)
+    return ResumePoint(chosen, payload, skipped, check.world_size, check.shard)
 
 
 def state_hash(obj: Any) -> str:

@@ -154,13 +154,22 @@ class ShardSampler:
         return {"epoch": self.epoch, "index": self.index, "shard": self.shard, "num_shards": self.num_shards}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["shard"], state["num_shards"]) != (self.shard, self.num_shards):
+        """Continue where the checkpoint stood. From a checkpoint of another number of ranks
+        (`train --resume` on fewer or more nodes) the shards are re-cut: every rank of the old
+        run had read `index` samples of the epoch, i.e. the permutation's first index × W, so
+        this rank skips its share of that prefix and reads on — nothing twice, nothing skipped."""
+        old_shards = int(state["num_shards"])
+        if old_shards == self.num_shards and int(state["shard"]) != self.shard:
             raise UserError(
                 f"checkpoint was taken with data shard {state['shard']}/{state['num_shards']}, this rank "
-                f"reads {self.shard}/{self.num_shards}; resume with the same number of ranks"
+                f"reads {self.shard}/{self.num_shards}; resume each rank from its own shard"
             )
         self._set_epoch(int(state["epoch"]))
-        self.index = int(state["index"])
+        index = int(state["index"])
+        if old_shards != self.num_shards:
+            consumed = index * old_shards
+            index = max(0, -(-(consumed - self.shard) // self.num_shards))
+        self.index = index
 
 
 def _to_xy(torch, windows: np.ndarray):

@@ -119,6 +119,7 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.backend = backend
         self.stop_requested = False  # set by SIGTERM/SIGINT; acted on at the next sync point
+        self.resumed_world_size: int | None = None  # the ranks of the checkpoint resumed from
 
     def _request_stop(self, signum, _frame) -> None:
         self.stop_requested = True
@@ -238,22 +239,25 @@ class Trainer:
             self.events.emit("resume", step=0, skipped=point.skipped)
             return
         p = point.payload
+        resharded = point.world_size not in (None, self.ctx.world_size)
         self.strategy.unwrap().load_state_dict(p["model"])
         self.optimizer.load_state_dict(p["optimizer"])
-        self.strategy.load_state_dict(p["strategy"])
+        self.strategy.load_state_dict(self.strategy.reshard_state(p["strategy"]) if resharded else p["strategy"])
         self.sampler.load_state_dict(p["sampler"])
         self._torch.set_rng_state(p["rng"]["torch"])
         if "cuda" in p["rng"]:
             self._torch.cuda.set_rng_state(p["rng"]["cuda"], self.ctx.device)
         self.totals = metrics.Totals.from_dict(p["totals"])
         self.recent_losses.extend(p["recent_losses"])
-        if self.shares is not None and p.get("shares") is not None:
-            self.shares.load_state_dict(p["shares"])
+        if self.shares is not None and p.get("shares") is not None and not resharded:
+            self.shares.load_state_dict(p["shares"])  # another world starts from its own shares
             self._window = list(p.get("share_window", [0.0, 0]))
         self.step = point.step
+        self.resumed_world_size = point.world_size
         if self.ctx.rank == 0:
             metrics.truncate_after(self.run_dir / rundir.METRICS, self.step)
-        self.events.emit("resume", step=self.step, skipped=point.skipped)
+        self.events.emit("resume", step=self.step, skipped=point.skipped, world_size=self.ctx.world_size,
+                         checkpoint_world_size=point.world_size, shard=point.shard)
 
     # ---- evaluation -----------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -506,6 +510,9 @@ class Trainer:
             # Beyond the contract: what the run was and how it ended.
             "initial_val_loss": t.initial_val_loss,
             "resumed_from_step": start_step or None,
+            # The ranks that checkpoint was taken with, where it was another number (a node lost or added).
+            "resumed_from_world_size": (self.resumed_world_size
+                                        if self.resumed_world_size not in (None, self.ctx.world_size) else None),
             "stopped_by": stopped_by,
             "preset": self.cfg.preset,
             "num_params": self.num_params,

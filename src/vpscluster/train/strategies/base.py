@@ -162,6 +162,11 @@ class Strategy(ABC):
         if state:
             raise ValueError(f"strategy {self.name!r} has no state to load, got keys {sorted(state)}")
 
+    def reshard_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's state (this rank's shard, taken with another number of ranks) made
+        loadable in this world. Rank-local state that stays valid is kept as it is."""
+        return state
+
     def describe(self) -> dict[str, Any]:
         """Settings that matter for the report (e.g. compression, H)."""
         return {"name": self.name}

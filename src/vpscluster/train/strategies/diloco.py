@@ -488,6 +488,20 @@ class DiLoCoStrategy(Strategy):
             return self._pre_finalize_state
         return self._state(include_local=False)
 
+    def reshard_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of another world: the global weights and outer momentum are everyone's;
+        this rank's local weights and its steps since the last sync stay, and the next sync
+        reduces over the ranks present (weighted by tokens, as always). A reduction that was in
+        flight cannot be finished without the old ranks: it counts as skipped, so its steps and
+        tokens ride on the next sync (as when a sync fails)."""
+        state = dict(state)
+        steps, tokens = list(state["steps_since_sync"]), list(state["tokens_since_sync"])
+        for e in state.get("in_flight", []):
+            steps[int(e["fragment"])] += int(e["steps"])
+            tokens[int(e["fragment"])] += float(e["tokens"])
+        state.update(steps_since_sync=steps, tokens_since_sync=tokens, in_flight=[])
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after `setup`. When the state carries local weights (saved by `finalize`),
         they replace the model's, so call this after the model's own weights are loaded."""
