@@ -57,4 +57,4 @@ def test_three_rank_checkpoint_resumes_on_two(cli, tmp_path, strategy):
     log = (run / "logs" / "rank-0.log").read_text().splitlines()
     resume = [json.loads(l.split("VPSC_EVENT ", 1)[1]) for l in log if 'VPSC_EVENT {"event":"resume"' in l]
     assert resume == [{"event": "resume", "step": K, "skipped": [], "world_size": 2, "checkpoint_world_size": 3,
-                       "shard": 0}]  # rank 0 loaded its own old shard
+                       "shard": 0, "received": False}]  # rank 0 loaded its own old shard

@@ -162,3 +162,28 @@ def test_nodes_disagreeing_on_the_world_size_skip_the_step(tmp_path):
     warnings = []
     point = checkpoint.find_and_load(tmp_path, Collectives(0, 1, 0, gather), warn=warnings.append)
     assert point.step == 10 and "disagree on its world size" in warnings[0]
+
+
+def test_a_rank_without_the_step_receives_it_from_a_holder(tmp_path):
+    # Rank 1's disk (a node back from an outage) holds step 10 only; rank 0 holds 10 and 20. With
+    # a broadcast, both resume from 20: rank 1 receives rank 0's shard. Without, both take 10.
+    holder, back = tmp_path / "holder", tmp_path / "back"
+    _save_steps(holder, [10, 20])
+    _save_steps(back, [10])
+    holder_view = {10: (None, 1), 20: (None, 1)}  # what rank 0 reports: both intact, taken with 1 rank
+    sent = []
+
+    def gather(obj):
+        return [holder_view, obj] if isinstance(obj, dict) else [obj, obj]
+
+    def broadcast(obj, src):
+        assert src == 0 and obj == (None, None)  # the receiver sends nothing
+        sent.append(src)
+        return checkpoint.shard_path(holder, 20, 0).read_bytes(), 0
+
+    point = checkpoint.find_and_load(back, Collectives(1, 2, 0, gather, broadcast), warn=pytest.fail)
+    assert (point.step, point.shard, point.world_size, point.received, point.recut) == (20, 0, 1, True, True)
+    assert torch.equal(point.payload["model"]["w"], _payload(20)["model"]["w"]) and sent == [0]
+    assert checkpoint.step_dir(back, 10).exists()  # nothing moved aside: the step is fine, just not here
+    point = checkpoint.find_and_load(back, Collectives(1, 2, 0, gather))  # rank 1: rank 0 warns
+    assert (point.step, point.received) == (10, False)

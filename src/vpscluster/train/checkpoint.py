@@ -27,7 +27,11 @@ added): a checkpoint taken with W ranks serves a run of W' ranks. Each rank then
 held on its own disk (the one of its old rank when a node keeps its place; any intact one, by
 local rank, on a shared disk) — replicated state (DDP's model and optimizer, DiLoCo's global
 weights and outer momentum) is the same in every shard; rank-local state is the caller's to
-adapt (`ResumePoint.world_size` says which world the shard came from).
+adapt (`ResumePoint.recut` says that some rank's shard is not its own of this world). A rank
+whose disk lacks the step altogether (a node back from a long outage, a replacement) receives
+a shard from the lowest rank that holds it, over the process group — where the caller gives
+`Collectives.broadcast_object` — so the run goes on from the newest checkpoint, not an older
+one every node happens to hold.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class Collectives:
     world_size: int = 1
     local_rank: int = 0
     all_gather_object: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])
+    # (obj, src) -> src's obj on every rank; None: no rank can receive a checkpoint it lacks.
+    broadcast_object: Callable[[Any, int], Any] | None = None
 
 
 class CheckpointFailed(Exception):
@@ -182,6 +188,10 @@ class ResumePoint:
     skipped: list[dict[str, Any]]  # [{"step", "reason"}] newer checkpoints that were unusable
     world_size: int | None = None  # the ranks the checkpoint was taken with
     shard: int | None = None  # whose shard this rank loaded (its own unless the world changed)
+    # Some rank's shard is not its own in this world (the world changed, or a rank received
+    # one): rank-local state must be adapted, the same way on every rank.
+    recut: bool = False
+    received: bool = False  # this rank's disk lacked the step: its shard came over the network
 
 
 def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | None = None) -> ResumePoint:
@@ -193,9 +203,14 @@ def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | N
     everyone = coll.all_gather_object({s: (c.problem, c.world_size) for s, c in checks.items()})
     candidates = set().union(*(set(m) for m in everyone))
 
+    def holders(s: int) -> list[int]:
+        return [r for r, m in enumerate(everyone) if s in m and m[s][0] is None]
+
     def problems(s: int) -> set[str]:  # why some rank cannot resume from step s (empty: all can)
         found = {m[s][0] if s in m else ABSENT for m in everyone} - {None}
-        if not found and len({m[s][1] for m in everyone}) > 1:
+        if found == {ABSENT} and holders(s) and coll.broadcast_object is not None:
+            found = set()  # the ranks without it receive it
+        if not found and len({everyone[r][s][1] for r in holders(s)}) > 1:
             found = {"the nodes' manifests disagree on its world size"}
         return found
 
@@ -223,10 +238,22 @@ def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | N
     coll.all_gather_object(None)  # nobody writes a new step-N before the old one is moved aside
     if chosen is None:
         return ResumePoint(None, None, skipped)
-    check = checks[chosen]
+    have = holders(chosen)
+    src = have[0]
+    taken = everyone[src][chosen][1]
+    lacking = len(have) < coll.world_size
+    check = checks.get(chosen) if coll.rank in have else None
+    if lacking:  # one broadcast of the lowest holder's shard, which those without the step keep
+        assert coll.broadcast_object is not None
+        sent = shard_path(root, chosen, check.shard).read_bytes() if coll.rank == src else None
+        got = coll.broadcast_object((sent, check.shard if coll.rank == src else None), src)
+        if check is None:
+            data, shard = got
+            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            return ResumePoint(chosen, payload, skipped, taken, shard, recut=True, received=True)
     data = shard_path(root, chosen, check.shard).read_bytes()
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    return ResumePoint(chosen, payload, skipped, check.world_size, check.shard)
+    return ResumePoint(chosen, payload, skipped, taken, check.shard, recut=lacking or taken != coll.world_size)
 
 
 def state_hash(obj: Any) -> str:

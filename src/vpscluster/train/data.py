@@ -153,20 +153,20 @@ class ShardSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "shard": self.shard, "num_shards": self.num_shards}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where the checkpoint stood. From a checkpoint of another number of ranks
-        (`train --resume` on fewer or more nodes) the shards are re-cut: every rank of the old
-        run had read `index` samples of the epoch, i.e. the permutation's first index × W, so
-        this rank skips its share of that prefix and reads on — nothing twice, nothing skipped."""
+    def load_state_dict(self, state: dict[str, Any], recut: bool = False) -> None:
+        """Continue where the checkpoint stood. With `recut` (a checkpoint of another number of
+        ranks, or another rank's shard) the shards are re-cut: every rank of the old run had
+        read `index` samples of the epoch, i.e. the permutation's first index × W, so this rank
+        skips its share of that prefix and reads on — nothing twice, nothing skipped."""
         old_shards = int(state["num_shards"])
-        if old_shards == self.num_shards and int(state["shard"]) != self.shard:
+        if not recut and (old_shards, int(state["shard"])) != (self.num_shards, self.shard):
             raise UserError(
                 f"checkpoint was taken with data shard {state['shard']}/{state['num_shards']}, this rank "
                 f"reads {self.shard}/{self.num_shards}; resume each rank from its own shard"
             )
         self._set_epoch(int(state["epoch"]))
         index = int(state["index"])
-        if old_shards != self.num_shards:
+        if recut:
             consumed = index * old_shards
             index = max(0, -(-(consumed - self.shard) // self.num_shards))
         self.index = index
@@ -228,7 +228,8 @@ class GlobalBatchSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "shard": 0, "num_shards": 1, "global": True}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], recut: bool = False) -> None:
+        """The stream is global (the same on every rank), so another world continues it as is."""
         if not state.get("global"):
             raise UserError(
                 "checkpoint was taken with per-rank data shards, this run uses shared micro-batches "

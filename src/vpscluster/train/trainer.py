@@ -146,7 +146,8 @@ class Trainer:
         cfg = self.cfg
         self.threads = _set_threads(cfg)
         self.ctx = ctx = init_distributed(cfg, self.backend)
-        self.coll = checkpoint.Collectives(ctx.rank, ctx.world_size, ctx.local_rank, self._all_gather_object)
+        self.coll = checkpoint.Collectives(ctx.rank, ctx.world_size, ctx.local_rank, self._all_gather_object,
+                                           self._broadcast_object if ctx.group is not None else None)
         self.events = events.event_writer(ctx.rank)
         self.metrics = metrics.metrics_log(ctx.rank, self.run_dir / rundir.METRICS)
         self.exporter = exporter.rank_exporter(cfg.exporters, ctx.rank, ctx.local_rank, os.getcwd())
@@ -202,6 +203,11 @@ class Trainer:
         self._dist.all_gather_object(out, obj, group=self.ctx.group)
         return out
 
+    def _broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=src, group=self.ctx.group)
+        return box[0]
+
     # ---- checkpoints ----------------------------------------------------------------------
     def _payload(self) -> dict[str, Any]:
         torch = self._torch
@@ -239,11 +245,11 @@ class Trainer:
             self.events.emit("resume", step=0, skipped=point.skipped)
             return
         p = point.payload
-        resharded = point.world_size not in (None, self.ctx.world_size)
+        resharded = point.recut  # the same on every rank: rank-local state is adapted alike
         self.strategy.unwrap().load_state_dict(p["model"])
         self.optimizer.load_state_dict(p["optimizer"])
         self.strategy.load_state_dict(self.strategy.reshard_state(p["strategy"]) if resharded else p["strategy"])
-        self.sampler.load_state_dict(p["sampler"])
+        self.sampler.load_state_dict(p["sampler"], recut=resharded)
         self._torch.set_rng_state(p["rng"]["torch"])
         if "cuda" in p["rng"]:
             self._torch.cuda.set_rng_state(p["rng"]["cuda"], self.ctx.device)
@@ -257,7 +263,7 @@ class Trainer:
         if self.ctx.rank == 0:
             metrics.truncate_after(self.run_dir / rundir.METRICS, self.step)
         self.events.emit("resume", step=self.step, skipped=point.skipped, world_size=self.ctx.world_size,
-                         checkpoint_world_size=point.world_size, shard=point.shard)
+                         checkpoint_world_size=point.world_size, shard=point.shard, received=point.received)
 
     # ---- evaluation -----------------------------------------------------------------------
     def evaluate(self) -> float:
