@@ -35,9 +35,12 @@ def worker_of_rank(run_dir: Path, rank: int) -> int | None:
     return None
 
 
-def test_frozen_rank_costs_a_retry_not_the_run(tmp_path):
+@pytest.mark.parametrize("retries", [2, 0])
+def test_frozen_rank_costs_a_retry_not_the_run(tmp_path, retries):
+    # With retries the late rank is waited for; without, the round is skipped, and the next sync
+    # runs on a fresh group (gloo closed the pairs of the one that timed out) and succeeds.
     config = tmp_path / "train.yaml"
-    config.write_text(f"strategy:\n  sync_timeout_s: {SYNC_TIMEOUT_S}\n  sync_retries: 2\n")
+    config.write_text(f"strategy:\n  sync_timeout_s: {SYNC_TIMEOUT_S}\n  sync_retries: {retries}\n")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "train", "--nodes", "2", "--preset", "tiny", "--strategy", "diloco",
@@ -66,6 +69,10 @@ def test_frozen_rank_costs_a_retry_not_the_run(tmp_path):
     report = json.loads(out)
     d = report["strategy_details"]
     assert report["steps"] == 40
-    assert d["syncs_attempted"] >= 8 and d["syncs_retried"] >= 1 and d["syncs_failed"] == 0, d
-    assert report["sync_failure_rate"] == 0.0
+    if retries:
+        assert d["syncs_attempted"] >= 8 and d["syncs_retried"] >= 1 and d["syncs_failed"] == 0, d
+        assert report["sync_failure_rate"] == 0.0
+    else:
+        assert d["syncs_attempted"] >= 8 and d["syncs_retried"] == 0 and 1 <= d["syncs_failed"] <= 2, d
+        assert 0 < report["sync_failure_rate"] < 0.3
     assert "outer sync" in (run_dir / "logs").joinpath(next(p.name for p in (run_dir / "logs").iterdir())).read_text()

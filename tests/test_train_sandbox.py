@@ -72,7 +72,11 @@ def test_diloco_then_resume_equals_a_straight_run(sandbox2, workspace, cli):
     assert all(b > 0 for b in straight["bytes_sent"])
     assert_replicas_identical(straight)  # the last outer sync leaves every node the same model
 
-    first, _ = train(cli, sandbox2, config, *diloco, "--max-steps", "2", "--run-dir", str(root / "resumed"))
+    # The planner picks the wire from the measured step time, which a loaded machine changes
+    # between two runs: the stopped run takes the straight run's choice, so the two compare.
+    wire = straight["strategy_details"]["wire_dtype"]
+    first, _ = train(cli, sandbox2, config, *diloco, "--wire-dtype", wire, "--max-steps", "2",
+                     "--run-dir", str(root / "resumed"))
     assert first["steps"] == 2 and first["model_sha256"] != straight["model_sha256"]
     r = cli("train", "--resume", str(root / "resumed"), "--max-steps", "4", "--json", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]

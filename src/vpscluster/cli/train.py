@@ -48,8 +48,10 @@ FLAG_KEYS: dict[str, str] = {
     "min_share": "strategy.min_share",
     "max_spread": "strategy.max_spread",
     "rebalance_every": "strategy.rebalance_every",
+    "max_restarts": "recovery.max_restarts",
+    "min_nodes": "recovery.min_nodes",
 }
-RESUME_FLAGS = ("max_steps", "time_budget", "cluster", "nodes", "nproc_per_node")
+RESUME_FLAGS = ("max_steps", "time_budget", "cluster", "nodes", "nproc_per_node", "max_restarts", "min_nodes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", metavar="FILE", help="cluster.yaml: train across its nodes over SSH (default: this machine)")
     g.add_argument("--nodes", type=int, metavar="N", help=f"number of local worker processes when there is no cluster file (default {d.nodes})")
     where.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per cluster node (default: one per GPU, else one)")
+    where.add_argument("--max-restarts", type=int, metavar="N",
+                       help=f"after a node fails, relaunch from the last checkpoint up to N times (default {d.recovery.max_restarts}: the first failure ends the run)")
+    where.add_argument("--min-nodes", type=int, metavar="N",
+                       help="go on with at least N nodes when some stop answering; a node that answers again takes part again (default: every node)")
     where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the CPUs the node really grants, cgroup quota included, divided among its ranks)")
 
     what = parser.add_argument_group("what to train")
@@ -170,8 +176,8 @@ def resolve_resume(args: argparse.Namespace):
     extra = sorted(d for d in _given(args) if d not in RESUME_FLAGS) + (["config"] if args.config else [])
     if extra:
         flags = ", ".join("--" + d.replace("_", "-") for d in extra)
-        raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps, "
-                        "--time-budget and --cluster/--nodes/--nproc-per-node may change)")
+        raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps, --time-budget, "
+                        "--cluster/--nodes/--nproc-per-node and --max-restarts/--min-nodes may change)")
     cfg = read_config(args.resume)
     given = {d: v for d, v in _given(args).items() if d in RESUME_FLAGS}
     if "nodes" in given:

@@ -81,6 +81,9 @@ class Job:
     # Stopping (teardown, the node-side guard): SIGTERM, this long to finish (training saves a
     # checkpoint in it), then SIGKILL. None: 5 s in the guard, 6 s at teardown.
     stop_grace_s: float | None = None
+    # Started with the run: when it returns, the run is stopped as by Ctrl-C (SIGTERM to the
+    # workers, which checkpoint) and the result says `stopped_by_job` (e.g. a node is back).
+    stop_when: Callable[[], Awaitable[Any]] | None = None
 
     def node_run_dir(self, workdir: str) -> str:
         return posixpath.join(workdir, self.run_dir_on_node or posixpath.join("runs", self.run_id))
@@ -106,6 +109,8 @@ class LaunchResult:
     nodes: list[NodeOutcome]
     error: str | None = None
     interrupted: bool = False
+    stopped_by_job: bool = False  # the interrupt came from Job.stop_when, not from a person
+    ended_at: float | None = None  # time.monotonic() when the end was seen (a failure: its detection)
     failed_node: str | None = None  # the node blamed for a failure (its outcome has the first error)
     rank0_node: str | None = None
     wall_seconds: float = 0.0
@@ -278,7 +283,16 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     failed = None
     was_interrupted = False
     silent_s = None
+    seen_at = None
+    stopper = None
+    by_job: list[bool] = []
     try:
+        if job.stop_when is not None:
+            async def stop_when():
+                await job.stop_when()
+                by_job.append(True)
+                interrupted.set()
+            stopper = asyncio.ensure_future(stop_when())
         for c in commands:
             router.note(c.node, "$ " + c.shell())
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
@@ -286,10 +300,13 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             line = guarded(c.argv[0], rdzv_id, c.shell(), grace_s=job.stop_grace_s or 5.0)
             handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
+        seen_at = time.monotonic()
         if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see
             hung = await find_hung(executors, rdzv_id)
     finally:
-        if was_interrupted:
+        if stopper is not None:
+            stopper.cancel()
+        if was_interrupted and not by_job:
             job.say("interrupted: stopping every process on every node")
         reaped = await asyncio.shield(teardown(executors, handles, rdzv_id, grace_s=job.stop_grace_s or 6.0))
         router.close()
@@ -333,6 +350,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         status = status or 1
     return LaunchResult(ok=status == 0, exit_status=status, run_dir=str(job.run_dir), rdzv_id=rdzv_id,
                         nodes=list(outcomes.values()), error=error, interrupted=was_interrupted,
+                        stopped_by_job=was_interrupted and bool(by_job), ended_at=seen_at,
                         failed_node=failed, rank0_node=router.rank0_node, fetched=fetched)
 
 

@@ -332,13 +332,24 @@ def dry_run_training(run: TrainingRun) -> dict[str, Any]:
 
 
 def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | None = None) -> dict[str, Any]:
-    """Run it to the end and return its report; `TrainingFailed` or `Interrupted` otherwise."""
+    """Run it to the end and return its report; `TrainingFailed` or `Interrupted` otherwise.
+
+    With `recovery.max_restarts`, a failed launch is relaunched from the last checkpoint on the
+    nodes that still answer (at least `recovery.min_nodes`), and a node that answers again is
+    taken back (launch/recovery.py); the report lists each in `recoveries`."""
+    import asyncio
+    import time
+
+    from vpscluster.launch import recovery
     from vpscluster.launch.pipeline import launch
     from vpscluster.train import rundir
 
+    created: list[bool] = []
+
     def create_run() -> None:
-        if not run.resume:
+        if not run.resume and not created:
             rundir.create(run.run_dir)
+        created.append(True)
         rundir.write_config(run.cfg, run.run_dir)
         if run.prediction is not None:
             from vpscluster import fsutil
@@ -347,43 +358,110 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             fsutil.write_json(run.run_dir / PREDICTION, run.prediction)
 
     stop_checkpoint: list[int] = []  # the step of the checkpoint saved by a stop, once rank 0 says so
+    recoveries: list[dict[str, Any]] = []  # the launcher's record of each relaunch
+    last_step = [0]
 
     def with_monitor(event: dict) -> None:
-        if event.get("event") == "start" and event.get("exporters"):
+        kind = event.get("event")
+        if kind == "start" and event.get("exporters"):
             _publish_targets(run, event["exporters"], say)
-        if event.get("event") == "stopping":
+        if kind == "stopping":
             stop_checkpoint[:] = [-1]
-        elif event.get("event") == "checkpoint" and stop_checkpoint:
+        elif kind == "checkpoint" and stop_checkpoint:
             stop_checkpoint[:] = [int(event.get("step", -1))]
+        elif kind == "resume" and recoveries and "resumed_from_step" not in recoveries[-1]:
+            recoveries[-1]["resumed_from_step"] = event.get("step")
+        elif kind == "step":
+            last_step[0] = int(event.get("step", last_step[0]))
+            if recoveries and "training_again_after_s" not in recoveries[-1]:
+                recoveries[-1]["training_again_after_s"] = round(time.monotonic() - recoveries[-1].pop("_at"), 1)
         if on_event is not None:
             on_event(event)
 
-    job = training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force,
-                       say=say, on_event=with_monitor, prediction=run.prediction)
-    job.create_run = create_run
-    # A stop that saved its checkpoint also wrote the report (stopped_by): bring it here too.
-    job.fetch_when_interrupted = lambda: bool(stop_checkpoint) and stop_checkpoint[0] >= 0
-    result = launch(job)
-    _clear_targets(run, say)
-    if result.interrupted:  # every process on every node has been stopped
-        if stop_checkpoint and stop_checkpoint[0] >= 0:
-            raise Interrupted(f"interrupted; checkpoint saved at step {stop_checkpoint[0]}, "
-                              f"continue with: vpscluster train --resume {run.run_dir}")
-        raise Interrupted()
-    logs = run.run_dir / rundir.LOGS
-    if not result.ok:
-        outcome = next((o for o in result.nodes if o.name == result.failed_node), None)
-        if run.local and outcome is not None and outcome.first_error:
-            raise TrainingFailed(f"training failed: {outcome.first_error}; logs in {logs}")
-        where = f" on {run.cfg.cluster}" if run.cfg.cluster else ""
-        raise TrainingFailed(f"training{where} failed: {result.error}; logs in {logs}")
+    everyone = [n.name for n in run.cluster.nodes]
+    need = run.cfg.recovery.min_nodes or len(everyone)
+    if need > len(everyone):
+        raise UserError(f"--min-nodes {need} is more than the cluster's {len(everyone)} nodes; give at most {len(everyone)}")
+    current, resume, restarts, launch_ids = list(everyone), run.resume, 0, []
+    while True:
+        cluster = run.cluster if current == everyone else recovery.subset(run.cluster, current)
+        out = [n for n in everyone if n not in current]
+        job = training_job(run.cfg, run.run_dir, cluster, resume=resume, force=run.force,
+                           say=say, on_event=with_monitor, prediction=run.prediction)
+        job.create_run = create_run
+        # A stop that saved its checkpoint also wrote the report (stopped_by): bring it here too.
+        job.fetch_when_interrupted = lambda: bool(stop_checkpoint) and stop_checkpoint[0] >= 0
+        if out:  # while a node is out: look whether it answers again
+            job.stop_when = lambda out=out: recovery.wait_for_any(run.cluster, out, run.cfg.recovery.rejoin_poll_s)
+        stop_checkpoint.clear()
+        result = launch(job)
+        launch_ids.append(result.rdzv_id)
+        _clear_targets(run, say)
+        if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
+            back = asyncio.run(recovery.answering(run.cluster, out))
+            left = asyncio.run(recovery.reap_left(run.cluster, back, launch_ids[:-1], run.cfg.timeouts.stop_grace_s))
+            if left:
+                say(f"could not clear what earlier launches left on a returning node ({'; '.join(left)}); it stays out")
+                back = [n for n in back if not any(line.startswith(f"{n}: ") for line in left)]
+            current = [n for n in everyone if n in current or n in back]
+            say(f"{', '.join(back) or 'no node'} answer{'s' if len(back) == 1 else ''} again: relaunching on "
+                f"{len(current)} nodes from the checkpoint of step {stop_checkpoint[0] if stop_checkpoint else '?'}")
+            recoveries.append({"kind": "rejoin", "after_step": last_step[0], "nodes": list(current), "back": back,
+                               "_at": result.ended_at or time.monotonic()})  # from the stop for the rejoin
+            resume = True
+            continue
+        if result.interrupted:  # every process on every node has been stopped
+            if stop_checkpoint and stop_checkpoint[0] >= 0:
+                raise Interrupted(f"interrupted; checkpoint saved at step {stop_checkpoint[0]}, "
+                                  f"continue with: vpscluster train --resume {run.run_dir}")
+            raise Interrupted()
+        if result.ok:
+            break
+        if restarts >= run.cfg.recovery.max_restarts:
+            _raise_failed(run, result)
+        # A node that teardown could not reach is out (the watcher takes it back when it answers).
+        live = [o.name for o in result.nodes if o.name in current and not o.teardown_error]
+        if len(live) < need:
+            say(f"{result.error}")
+            raise TrainingFailed(
+                f"training failed and only {len(live)} of {len(everyone)} nodes answer ({', '.join(live) or 'none'}), "
+                f"fewer than the {need} the run needs (--min-nodes); the checkpoints stay on the nodes: "
+                f"continue with vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>")
+        restarts += 1
+        gone = [n for n in everyone if n not in live]
+        say(f"{result.error}; relaunching on {len(live)} node{'s' if len(live) != 1 else ''} from the last checkpoint"
+            + (f" without {', '.join(gone)}" if gone else "") + f" (restart {restarts} of {run.cfg.recovery.max_restarts})")
+        # Timed from the moment the launcher saw the failure (a worker's time-out fired), so
+        # teardown and the relaunch count, as a person waiting for training would count them.
+        recoveries.append({"kind": "restart", "after_step": last_step[0], "error": result.error,
+                           "failed_node": result.failed_node, "nodes": live, "out": gone,
+                           "_at": result.ended_at or time.monotonic()})
+        current, resume = live, True
     report = rundir.read_report(run.run_dir)
     if not run.local:
         # The worker wrote its node's path; here the run lives in the local run directory.
         report["node_run_dir"] = report.get("run_dir")
         report["run_dir"] = str(run.run_dir)
         report["rank0_node"] = result.rank0_node
+    if recoveries or run.cfg.recovery.max_restarts:
+        for r in recoveries:
+            r.pop("_at", None)
+        report["recoveries"] = recoveries
+        from vpscluster import fsutil
+
+        fsutil.write_json(run.run_dir / rundir.REPORT, report)
     return report
+
+
+def _raise_failed(run: TrainingRun, result) -> None:
+    from vpscluster.train import rundir
+
+    logs = run.run_dir / rundir.LOGS
+    outcome = next((o for o in result.nodes if o.name == result.failed_node), None)
+    if run.local and outcome is not None and outcome.first_error:
+        raise TrainingFailed(f"training failed: {outcome.first_error}; logs in {logs}")
+    where = f" on {run.cfg.cluster}" if run.cfg.cluster else ""
+    raise TrainingFailed(f"training{where} failed: {result.error}; logs in {logs}")
 
 
 def _publish_targets(run: TrainingRun, exporters: list[dict], say: Say) -> None:

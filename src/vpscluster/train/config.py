@@ -153,6 +153,31 @@ class TimeoutConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """Going on after a failure without a person (launch/recovery.py)."""
+
+    __pydantic_config__ = PYDANTIC_CONFIG
+
+    # Relaunches from the last checkpoint after a node fails (0: the first failure ends the run).
+    max_restarts: Int = 0
+    # The fewest nodes the run goes on with when some stop answering (0: every node is needed).
+    min_nodes: Int = 0
+    # While a node is out, how often the launcher looks whether it answers again (it then takes
+    # part again: the run stops at a checkpoint and relaunches with it).
+    rejoin_poll_s: Float = 10.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.max_restarts < 0 or self.min_nodes < 0:
+            raise UserError(f"recovery.max_restarts and min_nodes must not be negative, got "
+                            f"{self.max_restarts} and {self.min_nodes}")
+        if self.rejoin_poll_s <= 0:
+            raise UserError("recovery.rejoin_poll_s must be positive")
+
+
+@dataclass
 class TrainConfig:
     __pydantic_config__ = PYDANTIC_CONFIG
 
@@ -185,6 +210,7 @@ class TrainConfig:
     # `strategy: diloco` is what users write; it means `strategy: {name: diloco}`.
     strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def __post_init__(self) -> None:
         self.validate(outer_steps=False)  # DiLoCo's H may still be planned (launch/train.py checks after)
@@ -276,8 +302,9 @@ def strategy_choices(key: str) -> tuple[str, ...]:
 
 def config_keys() -> str:
     """The keys a config file takes, for help texts (read from the classes, never copied)."""
-    top = [f.name for f in fields(TrainConfig) if f.name not in ("strategy", "timeouts")]
-    nested = {n: [f.name for f in fields(c)] for n, c in (("strategy", StrategyConfig), ("timeouts", TimeoutConfig))}
+    groups = (("strategy", StrategyConfig), ("timeouts", TimeoutConfig), ("recovery", RecoveryConfig))
+    top = [f.name for f in fields(TrainConfig) if f.name not in dict(groups)]
+    nested = {n: [f.name for f in fields(c)] for n, c in groups}
     return ", ".join(top) + "; " + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
 
 

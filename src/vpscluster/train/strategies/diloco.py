@@ -323,15 +323,19 @@ class DiLoCoStrategy(Strategy):
 
         self.syncs_attempted += 1
         group = self.sync_group if self.sync_group is not None else self.ctx.group
+        # gloo closes the pairs of a collective that timed out: after a skipped round the group
+        # that failed is spent, and this sync starts on a fresh one (as a retry does).
+        fresh = self._failed_in_a_row > 0
         for attempt in range(self.config.sync_retries + 1):
-            if attempt and self._closed:  # closed meanwhile: the peers will not join a new group
+            if (attempt or fresh) and self._closed:  # closed meanwhile: the peers will not join a new group
                 break
             try:
                 if attempt:
                     self.syncs_retried += 1
+                if attempt or fresh:
                     group = self._new_sync_group(short=False)  # waits for a late rank (default time-out)
                 reduced = self._reduce(my_tokens, delta, group, comm or self.comm)
-                if attempt:  # every rank is here together now: back to a group with the short time-out
+                if attempt or fresh:  # every rank is here together now: back to a group with the short time-out
                     self.sync_group = self._new_sync_group() if self.config.sync_timeout_s > 0 else group
                 self._failed_in_a_row = 0
                 return reduced

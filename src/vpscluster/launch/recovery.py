@@ -1,0 +1,77 @@
+"""Going on after a failure: relaunch on the nodes that answer, take returning nodes back.
+
+`train --max-restarts N --min-nodes M` (TrainConfig.recovery). The engines stay what they are —
+torchrun on every node, the pipeline's teardown, the trainer's checkpoints — and recovery is the
+launcher's loop around them, as a managed job's controller does it (SkyPilot's managed jobs,
+torchrun's own `--max-restarts` for the workers of one node):
+
+1. A launch fails (a node died, hangs, or its link is down: the survivors' collectives time
+   out, the pipeline names the node and stops every process it can reach).
+2. The nodes the pipeline's teardown could not reach over SSH are out; at least `min_nodes`
+   must remain (default: all). The run relaunches on those with `--resume`, and
+   each rank resumes from the newest checkpoint, re-cut for the ranks present
+   (train/checkpoint.py) — for DiLoCo the outer syncs go on over the nodes present, weighted by
+   tokens. The rendezvous moves to the first node that answers when the head is gone.
+3. While some node is out, the launcher looks every `rejoin_poll_s` whether it answers again
+   (`wait_for_any`). When it does, the run is stopped at a checkpoint (as by Ctrl-C), whatever
+   that node still runs of earlier launches is reaped (`reap_left`), and the run relaunches
+   with it: the returning node receives the newest checkpoint from a holder over the process
+   group and trains again.
+
+At most `max_restarts` relaunches after failures (a rejoin is not a failure and is not
+counted); every one is recorded in the report's `recoveries`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Sequence
+
+
+def subset(cluster, names: Sequence[str]):
+    """The cluster with only `names` (in the file's order); the head stays where it was when it is
+    among them, else the first of them hosts the rendezvous."""
+    keep = tuple(n for n in cluster.nodes if n.name in set(names))
+    if not keep:
+        raise ValueError("no node left")
+    head = cluster.head if any(n.name == cluster.head for n in keep) else keep[0].name
+    return dataclasses.replace(cluster, nodes=keep, head=head)
+
+
+async def answering(cluster, names: Sequence[str], timeout_s: float | None = None) -> list[str]:
+    """The nodes among `names` that run a command over SSH now (in the file's order)."""
+    from vpscluster.cluster.inventory import open_executors
+
+    if not names:
+        return []
+    part = subset(cluster, names)
+    timeout_s = timeout_s or cluster.connect_timeout_s + 5.0
+    async with open_executors(part) as executors:
+        results = await asyncio.gather(*(ex.run(["true"], timeout_s=timeout_s) for ex in executors))
+    return [ex.node.name for ex, r in zip(executors, results) if r.ok]
+
+
+async def wait_for_any(cluster, names: Sequence[str], poll_s: float) -> list[str]:
+    """Return (the ones that answer) once any of `names` answers again; polls every `poll_s`."""
+    while True:
+        back = await answering(cluster, names)
+        if back:
+            return back
+        await asyncio.sleep(poll_s)
+
+
+async def reap_left(cluster, names: Sequence[str], launch_ids: Sequence[str], grace_s: float) -> list[str]:
+    """Stop what earlier launches left on these nodes (a node cut off could not be torn down);
+    the problems, as lines (empty: nothing left)."""
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.teardown import reap_node
+
+    if not names or not launch_ids:
+        return []
+    problems = []
+    async with open_executors(subset(cluster, names)) as executors:
+        for launch_id in launch_ids:
+            results = await asyncio.gather(*(reap_node(ex, launch_id, grace_s=grace_s) for ex in executors))
+            problems += [f"{r.node}: {r.error or f'pids {r.left} still running'}" for r in results if not r.clean]
+    return problems

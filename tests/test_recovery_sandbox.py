@@ -1,0 +1,126 @@
+"""Training goes on without a node that stopped answering, and takes it back when it answers.
+
+Three sandbox nodes train DiLoCo with `--max-restarts 2 --min-nodes 2`. Mid-run node-3's link
+goes down (a cable pulled: its processes keep running, nothing reaches them). The survivors'
+outer syncs time out, the launch fails, and the launcher relaunches on node-1 and node-2 from
+the last checkpoint (re-cut for two ranks). Then the link comes back: the launcher sees node-3
+answer, stops the run at a checkpoint, clears what node-3 still ran of the first launch, and
+relaunches on all three — node-3 receives the newest checkpoint over the process group. The run
+reaches its last step with three identical replicas, and the report lists both recoveries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from fault_helpers import sandbox_name
+from sandbox_fixtures import SandboxFactory
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+CONFIG = """\
+checkpoint_every: 5
+eval_every: 1000
+eval_batches: 2
+strategy: {name: diloco, sync_every: 5, overlap_steps: 0, sync_timeout_s: 5, sync_retries: 1}
+timeouts: {train_collective_s: 15, startup_collective_s: 60, rendezvous_s: 120, stop_grace_s: 10}
+recovery: {max_restarts: 2, min_nodes: 2, rejoin_poll_s: 2}
+"""
+
+
+def _wait_for(lines: list[str], text: str, proc, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(text in l for l in lines):
+            return time.monotonic()
+        assert proc.poll() is None, "\n".join(lines[-30:])
+        time.sleep(0.5)
+    raise AssertionError(f"no {text!r} within {timeout_s:.0f} s:\n" + "\n".join(lines[-30:]))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _two_rank_checkpoints(run_dir) -> int:
+    """Checkpoints rank 0 reported after the launch on two nodes started."""
+    text = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("node-*.log"))
+    i = text.find('"event":"start","world_size":2')
+    return text.count('"event":"checkpoint"', i) if i >= 0 else 0
+
+
+def test_diloco_goes_on_without_a_cut_off_node_and_takes_it_back(tmp_path):
+    from vpscluster.cluster.sandbox import faults
+
+    factory = SandboxFactory()
+    try:
+        info = factory(nodes=3, bandwidth="1gbit", name=sandbox_name())
+        config = tmp_path / "train.yaml"
+        config.write_text(CONFIG)
+        run_dir = tmp_path / "run"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--config", str(config),
+             "--preset", "tiny", "--max-steps", "80", "--run-dir", str(run_dir), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + 240
+            while not any('"event":"checkpoint"' in p.read_text(errors="replace")
+                          for p in (run_dir / "logs").glob("node-*.log")):
+                assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-30:])
+                time.sleep(0.5)
+            faults.inject(info.name, "node-3", "link-down", seconds=600)
+            cut = time.monotonic()
+            relaunched = _wait_for(lines, "relaunching on 2 nodes", proc, 240)
+            print(f"relaunched on 2 nodes {relaunched - cut:.0f} s after the link went down")
+            # The two train on (a checkpoint of their own), then the link comes back.
+            deadline = time.monotonic() + 120
+            while not _two_rank_checkpoints(run_dir):
+                assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-30:])
+                time.sleep(0.5)
+            faults.clear(info.name, "node-3")
+            back = time.monotonic()
+            rejoined = _wait_for(lines, "relaunching on 3 nodes", proc, 120)
+            print(f"relaunched on 3 nodes {rejoined - back:.0f} s after the link came back")
+            proc.wait(timeout=400)
+            out = proc.stdout.read()
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+            faults.clear(info.name)
+        assert proc.returncode == 0, "\n".join(lines[-40:])
+        report = json.loads(out)
+        assert report["steps"] == 80 and report["world_size"] == 3
+        assert len({r["model_sha256"] for r in report["per_rank"]}) == 1, report["per_rank"]
+        kinds = [(r["kind"], r.get("out") or r.get("back")) for r in report["recoveries"]]
+        assert kinds == [("restart", ["node-3"]), ("rejoin", ["node-3"])], report["recoveries"]
+        assert all("training_again_after_s" in r for r in report["recoveries"]), report["recoveries"]
+        lost, rejoin = report["recoveries"]
+        assert lost["nodes"] == ["node-1", "node-2"] and rejoin["nodes"] == ["node-1", "node-2", "node-3"]
+        # Each relaunch resumed from a checkpoint of the run, not from scratch, and the two's
+        # progress was kept when node-3 came back.
+        assert lost["resumed_from_step"] >= 5 and rejoin["resumed_from_step"] > lost["resumed_from_step"]
+        print("recoveries:", json.dumps(report["recoveries"]))
+        # Nothing of any launch is left on any node (node-3's first-launch workers included).
+        for node in ("node-1", "node-2", "node-3"):
+            left = [p for p in faults.node_pids(info, info.node(node))
+                    if any(w in _cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "reap"))]
+            assert not left, (node, [_cmdline(p) for p in left])
+    finally:
+        factory.close()
