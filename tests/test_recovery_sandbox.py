@@ -30,8 +30,8 @@ CONFIG = """\
 checkpoint_every: 5
 eval_every: 1000
 eval_batches: 2
-strategy: {name: diloco, sync_every: 5, overlap_steps: 0, sync_timeout_s: 5, sync_retries: 1}
-timeouts: {train_collective_s: 15, startup_collective_s: 60, rendezvous_s: 120, stop_grace_s: 10}
+strategy: {name: diloco, sync_every: 5, overlap_steps: 0, sync_timeout_s: 3, sync_retries: 1}
+timeouts: {train_collective_s: 10, startup_collective_s: 60, rendezvous_s: 120, stop_grace_s: 10}
 recovery: {max_restarts: 2, min_nodes: 2, rejoin_poll_s: 2}
 """
 
@@ -72,7 +72,7 @@ def test_diloco_goes_on_without_a_cut_off_node_and_takes_it_back(tmp_path):
         run_dir = tmp_path / "run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--config", str(config),
-             "--preset", "tiny", "--max-steps", "80", "--run-dir", str(run_dir), "--json"],
+             "--preset", "tiny", "--max-steps", "50", "--run-dir", str(run_dir), "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         lines: list[str] = []
@@ -106,7 +106,7 @@ def test_diloco_goes_on_without_a_cut_off_node_and_takes_it_back(tmp_path):
             faults.clear(info.name)
         assert proc.returncode == 0, "\n".join(lines[-40:])
         report = json.loads(out)
-        assert report["steps"] == 80 and report["world_size"] == 3
+        assert report["steps"] == 50 and report["world_size"] == 3
         assert len({r["model_sha256"] for r in report["per_rank"]}) == 1, report["per_rank"]
         kinds = [(r["kind"], r.get("out") or r.get("back")) for r in report["recoveries"]]
         assert kinds == [("restart", ["node-3"]), ("rejoin", ["node-3"])], report["recoveries"]

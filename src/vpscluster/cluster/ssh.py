@@ -205,7 +205,7 @@ class SSHProcess(ProcessHandle):
         if self.pgid is not None:
             await self._executor.kill_group(self.pgid, grace_s)
         self._proc.close()  # the wrapper's watchdog ends the group if the kill above could not
-        await self.wait(grace_s + 10.0)
+        await self.wait(1.0 if self._executor.dark() else grace_s + 10.0)  # a dark node sends no status
 
 
 class SSHExecutor(Executor):
@@ -217,6 +217,7 @@ class SSHExecutor(Executor):
         self._conn = None
         self._sftp = None
         self._lost: str | None = None
+        self._dark: str | None = None  # set when the node stopped answering (see _gone_dark)
         self._lock = asyncio.Lock()
         self._attempts = 0  # connection attempts made, to share one failure among waiters
         self._last_error: str | None = None
@@ -230,8 +231,13 @@ class SSHExecutor(Executor):
     def lost_reason(self) -> str | None:
         return self._lost
 
+    def dark(self) -> bool:
+        return self._dark is not None
+
     async def connect(self):
         """The open connection, made on first use; raises RemoteError with a one-line reason."""
+        if self._dark:
+            raise RemoteError(self._dark)
         attempt = self._attempts
         async with self._lock:
             if self._conn is not None and not self._conn.is_closed():
@@ -368,13 +374,25 @@ class SSHExecutor(Executor):
                 return await asyncio.wait_for(conn.create_process(command_line, encoding=None),
                                               max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise RemoteError(f"{self.node.name}: {self.address} did not open a session within {timeout_s:g} s; "
-                                  "the node or its link may be down") from None
+                why = (f"{self.node.name}: {self.address} did not open a session within {timeout_s:g} s; "
+                       "the node or its link may be down")
+                self._gone_dark(conn, why)
+                raise RemoteError(why) from None
             except asyncssh.ChannelOpenError:
                 if time.monotonic() + pause_s > deadline:
                     raise
                 await asyncio.sleep(pause_s)
                 pause_s = min(1.0, pause_s * 2)
+
+    def _gone_dark(self, conn, why: str) -> None:
+        """The connection is up but the node answers nothing (a link down, a frozen host): every
+        later call of this executor fails at once with `why` instead of waiting out its own
+        time-out, and the connection is dropped without a goodbye (closing would wait on it)."""
+        self._dark = why
+        self._lost = self._lost or why
+        if self._conn is conn:
+            self._conn, self._sftp = None, None
+        conn.abort()
 
     async def kill_group(self, pgid: int, grace_s: float) -> None:
         """TERM, then KILL, process group `pgid` on the node, through a channel of its own."""
