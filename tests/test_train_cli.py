@@ -46,6 +46,8 @@ def _bad(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", str(wrong_type)], "strategy.compress: 'zip' is not one of"),
         (["--config", str(tmp_path / "nope.yaml")], "cannot read it"),
         (["--resume", str(tmp_path / "empty")], "not a run directory"),
+        (["--max-restarts", "-1"], "recovery.max_restarts and min_nodes must not be negative"),
+        (["--min-nodes", "3"], "--min-nodes 3 is more than the 1 node of this machine"),
     ]
 
 

@@ -113,6 +113,10 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         from vpscluster.cluster.inventory import local_cluster
 
         cluster = local_cluster()
+    n = len(cluster.nodes)
+    if cfg.recovery.min_nodes > n:
+        raise UserError(f"--min-nodes {cfg.recovery.min_nodes} is more than the {n} node{'s' if n != 1 else ''} "
+                        f"of {'the cluster' if cfg.cluster else 'this machine (one local node)'}; give at most {n}")
     reason = None
     auto = cfg.strategy.name == AUTO
     if auto:
@@ -379,9 +383,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             on_event(event)
 
     everyone = [n.name for n in run.cluster.nodes]
-    need = run.cfg.recovery.min_nodes or len(everyone)
-    if need > len(everyone):
-        raise UserError(f"--min-nodes {need} is more than the cluster's {len(everyone)} nodes; give at most {len(everyone)}")
+    need = run.cfg.recovery.min_nodes or len(everyone)  # prepare_training checked it against the cluster
     current, resume, restarts, launch_ids = list(everyone), run.resume, 0, []
     while True:
         cluster = run.cluster if current == everyone else recovery.subset(run.cluster, current)
