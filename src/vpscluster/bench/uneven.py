@@ -217,6 +217,12 @@ def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, bac
                "shares": ":".join(str(v) for v in r["shares"]) if r.get("shares") else None,
                "rebalances": r.get("rebalances"), "final_val_loss": r["final_val_loss"],
                "val_at_even_tokens": loss_at_tokens(r["evals"], even["tokens"]) if even and name != "ddp-change" else None}
+        if even and r["evals"] and even["evals"] and name != f"{strategy}-even":
+            # Same mathematics: validation loss against the even run's at the tokens both reached.
+            tokens = min(r["evals"][-1]["tokens"], even["evals"][-1]["tokens"])
+            mine, theirs = loss_at_tokens(r["evals"], tokens), loss_at_tokens(even["evals"], tokens)
+            if mine is not None and theirs:
+                row["val_vs_even_pct"] = 100 * (mine - theirs) / theirs
         if name == "ddp-change" and even:
             total = sum(quotas)
             low = (total - quotas[1] * 2 / 3) / total
@@ -230,6 +236,7 @@ COLUMNS = [("run", "run", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok
            ("pct_of_even", "% of even", "{:.0f}%"), ("steady_tokens_per_s", "tok/s 2nd half", "{:.0f}"),
            ("steady_pct_of_even", "% of even (2nd half)", "{:.0f}%"), ("utilization", "util per rank", "{}"), ("shares", "shares", "{}"),
            ("rebalances", "rebal.", "{}"), ("val_at_even_tokens", "val @even tok", "{:.3f}"),
+           ("val_vs_even_pct", "val vs even @equal tok", "{:+.2f}%"),
            ("steps_to_90pct_after_drop", "steps to 90% (drop)", "{}"),
            ("steps_to_90pct_after_recovery", "steps to 90% (back)", "{}")]
 

@@ -13,6 +13,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "batch": ("vpscluster.cli.bench_batch", "static split vs plain Dask vs vpscluster batch on uneven nodes with a CPU hog"),
     "plan": ("vpscluster.cli.bench_plan", "plan's predictions against measured step and communication time"),
     "uneven": ("vpscluster.cli.bench_uneven", "balanced shares vs an even split on uneven (and changing) sandbox CPUs"),
+    "exporters": ("vpscluster.cli.bench_exporters", "tokens/s with and without the Prometheus exporters, side by side"),
+    "faults": ("vpscluster.cli.bench_faults", "a scripted schedule of faults during a DiLoCo and a DDP run vs fault-free runs"),
 }
 
 

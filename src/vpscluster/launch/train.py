@@ -379,6 +379,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             last_step[0] = int(event.get("step", last_step[0]))
             if recoveries and "training_again_after_s" not in recoveries[-1]:
                 recoveries[-1]["training_again_after_s"] = round(time.monotonic() - recoveries[-1].pop("_at"), 1)
+                recoveries[-1]["training_again_at"] = round(time.time(), 2)
         if on_event is not None:
             on_event(event)
 
@@ -406,10 +407,12 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
                 say(f"could not clear what earlier launches left on a returning node ({'; '.join(left)}); it stays out")
                 back = [n for n in back if not any(line.startswith(f"{n}: ") for line in left)]
             current = [n for n in everyone if n in current or n in back]
+            saved = (f"the checkpoint of step {stop_checkpoint[0]}" if stop_checkpoint and stop_checkpoint[0] >= 0
+                     else "the last checkpoint")  # stopped before it trained: nothing new to save
             say(f"{', '.join(back) or 'no node'} answer{'s' if len(back) == 1 else ''} again: relaunching on "
-                f"{len(current)} nodes from the checkpoint of step {stop_checkpoint[0] if stop_checkpoint else '?'}")
+                f"{len(current)} nodes from {saved}")
             recoveries.append({"kind": "rejoin", "after_step": last_step[0], "nodes": list(current), "back": back,
-                               "_at": result.ended_at or time.monotonic()})  # from the stop for the rejoin
+                               **_seen(result.ended_at)})  # timed from the stop for the rejoin
             resume = True
             continue
         if result.interrupted:  # every process on every node has been stopped
@@ -437,7 +440,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
         # teardown and the relaunch count, as a person waiting for training would count them.
         recoveries.append({"kind": "restart", "after_step": last_step[0], "error": result.error,
                            "failed_node": result.failed_node, "nodes": live, "out": gone,
-                           "_at": result.ended_at or time.monotonic()})
+                           **_seen(result.ended_at)})
         current, resume = live, True
     report = rundir.read_report(run.run_dir)
     if not run.local:
@@ -453,6 +456,15 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 
         fsutil.write_json(run.run_dir / rundir.REPORT, report)
     return report
+
+
+def _seen(ended_at: float | None) -> dict[str, float]:
+    """When the launcher saw a launch end: `_at` (monotonic, for durations) and `detected_at`
+    (Unix time, to line a recovery up with a fault injected at a known moment)."""
+    import time
+
+    at = ended_at if ended_at is not None else time.monotonic()
+    return {"_at": at, "detected_at": round(time.time() - (time.monotonic() - at), 2)}
 
 
 def _raise_failed(run: TrainingRun, result) -> None:

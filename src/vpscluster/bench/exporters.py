@@ -1,0 +1,113 @@
+"""The exporters' cost: tokens/s of the same training run with and without them, side by side.
+
+    run_exporters(ExporterSettings(...), say=print) -> results document   (CLI: `vpscluster bench exporters`)
+
+The reference scenario of `bench wan` (4 sandbox nodes, 100 Mbit/s links, 0.45 CPU each,
+`small`), one fixed strategy (DiLoCo, H = --sync-every: mostly compute, so the exporters' CPU
+shows), and a real Prometheus scraping every exporter (`monitor up`, every `scrape_interval_s`)
+for the runs with exporters; `--no-exporters` for the others. Runs alternate in ABBA order
+(`pairs` times on/off/off/on) so a drift of the machine's speed falls on both sides alike; the
+spread within each side is the noise floor a difference must clear. Results: `out` (default
+bench/results/exporters-<time>/): results.json, table.md, every run's files.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from vpscluster.bench import table
+from vpscluster.bench.wan import BIG_STEPS, _cli, _machine
+
+
+@dataclass
+class ExporterSettings:
+    nodes: int = 4
+    bandwidth: str = "100mbit"
+    cpu: str = "0.45"
+    preset: str = "small"
+    sync_every: int = 20
+    budget_s: float = 120.0
+    pairs: int = 2  # ABBA blocks: each runs with exporters twice and without twice
+    scrape_interval_s: float = 5.0
+    name: str = "exporters-bench"
+    out: str | None = None
+
+
+def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    from vpscluster.cluster import sandbox
+    from vpscluster.errors import RemoteError, UserError
+
+    s = settings
+    if s.pairs < 1 or s.budget_s <= 0:
+        raise UserError("--pairs must be >= 1 and --budget-s > 0")
+    out = Path(s.out or Path("bench") / "results" / time.strftime("exporters-%Y%m%d-%H%M%S", time.gmtime())).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    order = ["on", "off", "off", "on"] * s.pairs
+    say(f"sandbox {s.name}: {s.nodes} nodes x {s.bandwidth}, CPU {s.cpu}; {len(order)} runs of {s.budget_s:g} s ({' '.join(order)})")
+    info = sandbox.up(s.name, nodes=s.nodes, bandwidth=s.bandwidth, cpu=s.cpu, progress=lambda m: say(f"  {m}"))
+    rows: list[dict[str, Any]] = []
+    try:
+        _cli(["monitor", "up", "--cluster", info.cluster_file, "--scrape-interval", str(s.scrape_interval_s), "--json"],
+             out / "monitor-up.log", 300)
+        for i, mode in enumerate(order, 1):
+            run_dir = out / f"{i:02d}-{mode}"
+            argv = ["train", "--cluster", info.cluster_file, "--preset", s.preset, "--strategy", "diloco",
+                    "--sync-every", str(s.sync_every), "--time-budget", str(s.budget_s), "--max-steps", str(BIG_STEPS),
+                    "--eval-every", str(BIG_STEPS), "--checkpoint-every", str(BIG_STEPS), "--run-dir", str(run_dir), "--json"]
+            if mode == "off":
+                argv.append("--no-exporters")
+            try:
+                report = json.loads(_cli(argv, run_dir.with_suffix(".log"), s.budget_s + 900).stdout)
+            except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError) as e:
+                rows.append({"run": f"{i:02d}", "exporters": mode, "failed": str(e).splitlines()[0][:300]})
+                say(f"  run {i} ({mode}) failed: {rows[-1]['failed']}")
+                continue
+            rows.append({"run": f"{i:02d}", "exporters": mode, "steps": report["steps"],
+                         "tokens_per_s": report["tokens_per_s"], "wall_seconds": report["wall_seconds"]})
+            say(f"  run {i} (exporters {mode}): {report['tokens_per_s']:.0f} tokens/s")
+    finally:
+        try:
+            _cli(["monitor", "down", "--cluster", info.cluster_file], out / "monitor-down.log", 120)
+        except (RemoteError, subprocess.TimeoutExpired, OSError) as e:
+            say(f"warning: monitor down: {e}")
+        sandbox.down(s.name)
+    doc = {"command": "vpscluster bench exporters " + " ".join(
+        f"--{k.replace('_', '-')} {getattr(s, k)}" for k in ("nodes", "bandwidth", "cpu", "preset", "sync_every", "budget_s",
+                                                              "pairs", "scrape_interval_s")),
+           "machine": _machine(), "rows": rows, "summary": summarize(rows), "results_dir": str(out)}
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    (out / "table.md").write_text(markdown(rows, doc["summary"]) + "\n")
+    return doc
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean tokens/s with and without exporters, the cost in %, and each side's spread."""
+    side = {m: [r["tokens_per_s"] for r in rows if r.get("exporters") == m and "tokens_per_s" in r] for m in ("on", "off")}
+    if not side["on"] or not side["off"]:
+        return {"runs_on": len(side["on"]), "runs_off": len(side["off"])}
+    on, off = statistics.mean(side["on"]), statistics.mean(side["off"])
+
+    def spread(v: list[float]) -> float:
+        return 100 * (max(v) - min(v)) / statistics.mean(v)
+
+    return {"runs_on": len(side["on"]), "runs_off": len(side["off"]), "tokens_per_s_on": on, "tokens_per_s_off": off,
+            "cost_pct": 100 * (off - on) / off, "spread_on_pct": spread(side["on"]), "spread_off_pct": spread(side["off"])}
+
+
+COLUMNS = [("run", "run", "{}"), ("exporters", "exporters", "{}"), ("steps", "steps", "{}"),
+           ("tokens_per_s", "tokens/s", "{:.1f}"), ("wall_seconds", "training s", "{:.1f}")]
+
+
+def markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    text = table.markdown(rows, COLUMNS, lambda r, k, f: table.cell(r, k, f, name_key="run"))
+    if "cost_pct" in summary:
+        text += (f"\n\nwith exporters {summary['tokens_per_s_on']:.1f} tokens/s, without {summary['tokens_per_s_off']:.1f}: "
+                 f"cost {summary['cost_pct']:+.2f}% (spread within each side: {summary['spread_on_pct']:.1f}% with, "
+                 f"{summary['spread_off_pct']:.1f}% without)")
+    return text

@@ -1,0 +1,65 @@
+"""`vpscluster bench faults`: a scripted schedule of faults during a DiLoCo and a DDP run, against
+fault-free runs of the same length.
+
+    vpscluster bench faults [--strategies diloco,ddp] [--faults worker-kill,link-5s,...] [--out DIR] [--json]
+
+The benchmark itself is `vpscluster.bench.faults.run_faults`; this module parses and renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vpscluster.cli.output import add_json_flag
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from vpscluster.bench.faults import FaultSettings
+
+    helps = {
+        "strategies": "comma list of diloco, ddp", "faults": "the schedule, in order",
+        "bandwidth": "link rate of every node", "preset": "model preset",
+        "gap_steps": "steps of undisturbed training between two faults",
+        "checkpoint_every": "steps between checkpoints (DiLoCo: also its H)",
+        "timeout_s": "sync time-out (DiLoCo; the training collectives get twice this)",
+        "stop_s": "seconds node-3 stays SIGSTOPped", "link_long_s": "seconds of the long link outage",
+        "disk_full_s": "seconds node-2's disk stays full", "throttle_s": "seconds node-3's link runs at 1 Mbit/s",
+        "hang_s": "no step this long after a fault ended counts as a hang", "name": "sandbox name",
+        "out": "results folder (default bench/results/faults-<UTC time>)",
+    }
+    for f in dataclasses.fields(FaultSettings):
+        kind = {int: int, float: float}.get(type(f.default), str) if f.default is not None else str
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                       help=f"{helps[f.name]} (default {f.default})")
+    add_json_flag(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from rich.table import Table
+    from rich.text import Text
+
+    from vpscluster.bench.faults import FAULT_COLUMNS, RUN_COLUMNS, FaultSettings, cell, run_faults
+    from vpscluster.cli.output import console, emit_json
+
+    con = console(args.json)
+    settings = FaultSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FaultSettings)})
+    doc = run_faults(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
+    bad = [r["run"] for r in doc["rows"] if r.get("failed") or r.get("hang") or r.get("hangs")]
+    if args.json:
+        emit_json(doc)
+    else:
+        for title, columns, rows in (("bench faults: each fault", FAULT_COLUMNS, [r for r in doc["rows"] if "fault" in r]),
+                                     ("bench faults: each run against its fault-free twin", RUN_COLUMNS,
+                                      [r for r in doc["rows"] if "fault" not in r])):
+            t = Table(title=title)
+            for _, header, _ in columns:
+                t.add_column(header, justify="left" if header in ("run", "fault", "node") else "right")
+            for r in rows:
+                t.add_row(*(cell(r, k, f) for k, _, f in columns))
+            con.print(t)
+        con.print(f"results: {doc['results_dir']}")
+    return 1 if bad else 0
