@@ -19,7 +19,16 @@ def test_cost_and_spread_from_abba_runs():
     assert sm["cost_pct"] == pytest.approx(100 * 10 / 1005)
     assert sm["spread_on_pct"] == pytest.approx(100 * 10 / 995)
     text = markdown(rows, sm)
-    assert "| 05 (failed) | off |" in text and "cost +1.00%" in text
+    assert "| 05 (failed) | off |" in text and "tokens/s: with exporters 995.0, without 1005.0: cost +1.00%" in text
+
+
+def test_the_steady_figure_is_summarised_the_same_way():
+    rows = [{"exporters": "on", "tokens_per_s": 900.0, "steady_tokens_per_s": 1000.0},
+            {"exporters": "off", "tokens_per_s": 1000.0, "steady_tokens_per_s": 1002.0},
+            {"exporters": "off", "tokens_per_s": 1000.0, "steady_tokens_per_s": None}]
+    sm = summarize(rows, "steady_tokens_per_s")
+    assert sm["runs_off"] == 1 and sm["cost_pct"] == pytest.approx(100 * 2 / 1002)
+    assert "2nd half: with exporters 1000.0, without 1002.0" in markdown(rows, summarize(rows), sm)
 
 
 def test_one_side_missing_gives_no_cost():

@@ -4,8 +4,9 @@
 
 The reference scenario of `bench wan` (4 sandbox nodes, 100 Mbit/s links, 0.45 CPU each,
 `small`), one fixed strategy (DiLoCo, H = --sync-every: mostly compute, so the exporters' CPU
-shows), and a real Prometheus scraping every exporter (`monitor up`, every `scrape_interval_s`)
-for the runs with exporters; `--no-exporters` for the others. Runs alternate in ABBA order
+shows). Runs "with": `monitor up` (a real Prometheus on the head and the node exporters, scraping
+every `scrape_interval_s`) and the ranks' exporters; runs "without": `monitor down` and
+`train --no-exporters`, so nothing of the monitoring runs. Runs alternate in ABBA order
 (`pairs` times on/off/off/on) so a drift of the machine's speed falls on both sides alike; the
 spread within each side is the noise floor a difference must clear. Results: `out` (default
 bench/results/exporters-<time>/): results.json, table.md, every run's files.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vpscluster.bench import table
+from vpscluster.bench.uneven import steady_tokens_per_s
 from vpscluster.bench.wan import BIG_STEPS, _cli, _machine
 
 
@@ -52,13 +54,21 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
     say(f"sandbox {s.name}: {s.nodes} nodes x {s.bandwidth}, CPU {s.cpu}; {len(order)} runs of {s.budget_s:g} s ({' '.join(order)})")
     info = sandbox.up(s.name, nodes=s.nodes, bandwidth=s.bandwidth, cpu=s.cpu, progress=lambda m: say(f"  {m}"))
     rows: list[dict[str, Any]] = []
+    monitoring = [False]
+
+    def monitor(want: bool, i: int) -> None:  # on: Prometheus and the node exporters run; off: nothing does
+        if want != monitoring[0]:
+            verb = "up" if want else "down"
+            extra = ["--scrape-interval", str(s.scrape_interval_s), "--json"] if want else []
+            _cli(["monitor", verb, "--cluster", info.cluster_file, *extra], out / f"monitor-{verb}-{i:02d}.log", 300)
+            monitoring[0] = want
+
     try:
-        _cli(["monitor", "up", "--cluster", info.cluster_file, "--scrape-interval", str(s.scrape_interval_s), "--json"],
-             out / "monitor-up.log", 300)
         for i, mode in enumerate(order, 1):
+            monitor(mode == "on", i)
             run_dir = out / f"{i:02d}-{mode}"
             argv = ["train", "--cluster", info.cluster_file, "--preset", s.preset, "--strategy", "diloco",
-                    "--sync-every", str(s.sync_every), "--time-budget", str(s.budget_s), "--max-steps", str(BIG_STEPS),
+                    "--sync-every", str(s.sync_every), "--wire-dtype", "fp32", "--time-budget", str(s.budget_s), "--max-steps", str(BIG_STEPS),
                     "--eval-every", str(BIG_STEPS), "--checkpoint-every", str(BIG_STEPS), "--run-dir", str(run_dir), "--json"]
             if mode == "off":
                 argv.append("--no-exporters")
@@ -68,27 +78,31 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
                 rows.append({"run": f"{i:02d}", "exporters": mode, "failed": str(e).splitlines()[0][:300]})
                 say(f"  run {i} ({mode}) failed: {rows[-1]['failed']}")
                 continue
+            metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             rows.append({"run": f"{i:02d}", "exporters": mode, "steps": report["steps"],
-                         "tokens_per_s": report["tokens_per_s"], "wall_seconds": report["wall_seconds"]})
+                         "tokens_per_s": report["tokens_per_s"], "steady_tokens_per_s": steady_tokens_per_s(metrics),
+                         "wall_seconds": report["wall_seconds"]})
             say(f"  run {i} (exporters {mode}): {report['tokens_per_s']:.0f} tokens/s")
     finally:
         try:
-            _cli(["monitor", "down", "--cluster", info.cluster_file], out / "monitor-down.log", 120)
+            monitor(False, 0)
         except (RemoteError, subprocess.TimeoutExpired, OSError) as e:
             say(f"warning: monitor down: {e}")
         sandbox.down(s.name)
     doc = {"command": "vpscluster bench exporters " + " ".join(
         f"--{k.replace('_', '-')} {getattr(s, k)}" for k in ("nodes", "bandwidth", "cpu", "preset", "sync_every", "budget_s",
                                                               "pairs", "scrape_interval_s")),
-           "machine": _machine(), "rows": rows, "summary": summarize(rows), "results_dir": str(out)}
+           "machine": _machine(), "rows": rows, "summary": summarize(rows),
+           "summary_steady": summarize(rows, "steady_tokens_per_s"), "results_dir": str(out)}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    (out / "table.md").write_text(markdown(rows, doc["summary"]) + "\n")
+    (out / "table.md").write_text(markdown(rows, doc["summary"], doc["summary_steady"]) + "\n")
     return doc
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean tokens/s with and without exporters, the cost in %, and each side's spread."""
-    side = {m: [r["tokens_per_s"] for r in rows if r.get("exporters") == m and "tokens_per_s" in r] for m in ("on", "off")}
+def summarize(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> dict[str, Any]:
+    """Mean tokens/s with and without exporters, the cost in %, and each side's spread (from the
+    runs' `key`: the report's tokens/s, or `steady_tokens_per_s` over the second half of steps)."""
+    side = {m: [r[key] for r in rows if r.get("exporters") == m and r.get(key)] for m in ("on", "off")}
     if not side["on"] or not side["off"]:
         return {"runs_on": len(side["on"]), "runs_off": len(side["off"])}
     on, off = statistics.mean(side["on"]), statistics.mean(side["off"])
@@ -101,13 +115,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 COLUMNS = [("run", "run", "{}"), ("exporters", "exporters", "{}"), ("steps", "steps", "{}"),
-           ("tokens_per_s", "tokens/s", "{:.1f}"), ("wall_seconds", "training s", "{:.1f}")]
+           ("tokens_per_s", "tokens/s", "{:.1f}"), ("steady_tokens_per_s", "tokens/s 2nd half", "{:.1f}"),
+           ("wall_seconds", "training s", "{:.1f}")]
 
 
-def markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], steady: dict[str, Any] | None = None) -> str:
     text = table.markdown(rows, COLUMNS, lambda r, k, f: table.cell(r, k, f, name_key="run"))
-    if "cost_pct" in summary:
-        text += (f"\n\nwith exporters {summary['tokens_per_s_on']:.1f} tokens/s, without {summary['tokens_per_s_off']:.1f}: "
-                 f"cost {summary['cost_pct']:+.2f}% (spread within each side: {summary['spread_on_pct']:.1f}% with, "
-                 f"{summary['spread_off_pct']:.1f}% without)")
+    for what, sm in (("tokens/s", summary), ("tokens/s over the 2nd half", steady or {})):
+        if "cost_pct" in sm:
+            text += (f"\n\n{what}: with exporters {sm['tokens_per_s_on']:.1f}, without {sm['tokens_per_s_off']:.1f}: "
+                     f"cost {sm['cost_pct']:+.2f}% (spread within each side: {sm['spread_on_pct']:.1f}% with, "
+                     f"{sm['spread_off_pct']:.1f}% without)")
     return text

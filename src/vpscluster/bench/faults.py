@@ -14,6 +14,8 @@ the other once training has settled from the previous one (`gap_steps` steps apa
     link-long     node-3's link down for `link_long_s` (longer than the time-out), then back
     disk-full     node-2's disk filled just before a checkpoint, for `disk_full_s`
     throttle      node-3's link at 1 Mbit/s for `throttle_s`
+    head-down     node-1 (the head: rank 0 and the rendezvous store) cut off for `head_down_s`
+                  (not in the default schedule: the run moves its head to node-2)
 
 and after the run ends: node-1's shard of the newest checkpoint is corrupted and the run resumed
 (`--resume`) for `gap_steps` more steps. The sandbox faults are `vpscluster sandbox fault`'s.
@@ -45,6 +47,7 @@ from vpscluster.bench import table
 from vpscluster.bench.wan import _cli, _machine, evals_from_metrics, loss_at_tokens
 
 SCHEDULE = ("worker-kill", "link-5s", "node-kill", "stop", "link-long", "disk-full", "throttle")
+KNOWN = (*SCHEDULE, "head-down")
 
 
 @dataclass
@@ -58,6 +61,7 @@ class FaultSettings:
     timeout_s: float = 10.0  # collective/sync time-out (the seed practice: 10 s, then retry)
     stop_s: float = 30.0
     link_long_s: float = 40.0
+    head_down_s: float = 90.0
     disk_full_s: float = 8.0
     throttle_s: float = 60.0
     hang_s: float = 240.0  # no step and no failure this long after a fault ended: a hang
@@ -74,8 +78,8 @@ def run_faults(settings: FaultSettings, say: Callable[[str], None] = lambda line
     if not strategies or any(v not in ("ddp", "diloco") for v in strategies):
         raise UserError(f"--strategies: choose from ddp, diloco (got {s.strategies!r})")
     faults = [v.strip() for v in s.faults.split(",") if v.strip()]
-    if any(f not in SCHEDULE for f in faults):
-        raise UserError(f"--faults: choose from {', '.join(SCHEDULE)} (got {s.faults!r})")
+    if any(f not in KNOWN for f in faults):
+        raise UserError(f"--faults: choose from {', '.join(KNOWN)} (got {s.faults!r})")
     if s.gap_steps < s.checkpoint_every or s.checkpoint_every < 1:
         raise UserError("--gap-steps must be at least --checkpoint-every (>= 1): each fault needs a checkpoint before it")
     max_steps = s.gap_steps * (len(faults) + 4)  # room for steps redone and trained while a fault settles
@@ -227,6 +231,7 @@ def _inject_when_due(s: FaultSettings, info, name: str, proc, events: Events, du
     node, seconds, rate = {
         "worker-kill": ("node-2", 0, None), "link-5s": ("node-2", 5, None), "node-kill": ("node-2", 0, None),
         "stop": ("node-3", s.stop_s, None), "link-long": ("node-3", s.link_long_s, None),
+        "head-down": ("node-1", s.head_down_s, None),
         "disk-full": ("node-2", s.disk_full_s, None), "throttle": ("node-3", s.throttle_s, "1mbit"),
     }[name]
     rec = {"fault": name, "node": node, "seconds": seconds, "step": events.step, "at": time.time()}
@@ -238,7 +243,7 @@ def _inject_when_due(s: FaultSettings, info, name: str, proc, events: Events, du
         if not workers:
             rec["error"] = f"no training process found on {node}"
     else:
-        kind = {"link-5s": "link-down", "node-kill": "kill", "link-long": "link-down"}.get(name, name)
+        kind = {"link-5s": "link-down", "node-kill": "kill", "link-long": "link-down", "head-down": "link-down"}.get(name, name)
         faults.inject(s.name, node, kind, seconds=seconds or None, rate=rate)
     rec["ends"] = rec["at"] + seconds
     return rec

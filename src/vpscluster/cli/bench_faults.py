@@ -19,12 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from vpscluster.bench.faults import FaultSettings
 
     helps = {
-        "strategies": "comma list of diloco, ddp", "faults": "the schedule, in order",
+        "strategies": "comma list of diloco, ddp", "faults": "the schedule, in order (also: head-down)",
         "bandwidth": "link rate of every node", "preset": "model preset",
         "gap_steps": "steps of undisturbed training between two faults",
         "checkpoint_every": "steps between checkpoints (DiLoCo: also its H)",
         "timeout_s": "sync time-out (DiLoCo; the training collectives get twice this)",
-        "stop_s": "seconds node-3 stays SIGSTOPped", "link_long_s": "seconds of the long link outage",
+        "stop_s": "seconds node-3 stays SIGSTOPped", "link_long_s": "seconds of the long link outage", "head_down_s": "seconds the head (node-1) is cut off (fault head-down)",
         "disk_full_s": "seconds node-2's disk stays full", "throttle_s": "seconds node-3's link runs at 1 Mbit/s",
         "hang_s": "no step this long after a fault ended counts as a hang", "name": "sandbox name",
         "out": "results folder (default bench/results/faults-<UTC time>)",
