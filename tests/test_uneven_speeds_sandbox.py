@@ -1,4 +1,4 @@
-"""`train --balance` on the sandbox starts from the probe's speeds: two nodes at 0.5 and 0.15
+"""`train --balance` on the sandbox starts from the probe's speeds: two nodes at 0.75 and 0.25
 core, probed for real, train two steps (no rebalancing look yet) and the starting shares are
 those the probe's FLOP/s give - about 3:1 of 8 micro-batches, not 4:4. Before the probe, a
 `--speeds` list of the wrong length is refused after pre-flight, before anything is created.
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 @pytest.mark.timeout(600)
 def test_starting_shares_follow_the_probe(make_sandbox, cli, tmp_path):
     name = f"{getattr(sandbox_fixtures, 'TEST_PREFIX', '')}us-{secrets.token_hex(3)}"
-    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.5,0.15", name=name)
+    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.75,0.25", name=name)
     train = ("train", "--cluster", info.cluster_file, "--max-steps", "2", "--batch-size", "1",
              "--micro-batches", "8", "--eval-every", "1000")
 
