@@ -7,6 +7,8 @@ over a plain library function in `vpscluster.bench.<name>`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any
 
 SCENARIOS: dict[str, tuple[str, str]] = {
     "wan": ("vpscluster.cli.bench_wan", "baseline DDP vs vpscluster strategies on a shaped sandbox, same wall-clock budget"),
@@ -26,3 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return int(args._scenario.run(args) or 0)
+
+
+def settings_arguments(p: argparse.ArgumentParser, settings_cls: type, helps: dict[str, str]) -> None:
+    """One `--flag` per field of a scenario's settings dataclass, typed and defaulted from it."""
+    for f in dataclasses.fields(settings_cls):
+        kind = {int: int, float: float}.get(type(f.default), str) if f.default is not None else str
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                       help=f"{helps[f.name]} (default {f.default})")
+
+
+def settings_from(args: argparse.Namespace, settings_cls: type) -> Any:
+    """The scenario's settings dataclass, filled from the parsed flags of the same names."""
+    return settings_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_cls)})

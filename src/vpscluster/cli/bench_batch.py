@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from vpscluster.cli.bench import settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -33,8 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from rich.table import Table
     from rich.text import Text
 
@@ -42,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
 
     con = console(args.json)
-    settings = BatchBenchSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BatchBenchSettings)})
+    settings = settings_from(args, BatchBenchSettings)
     doc = run_batch_bench(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
     if args.json:
         emit_json(doc)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+from vpscluster.cli.bench import settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    import dataclasses
-
     from vpscluster.bench.exporters import ExporterSettings
 
     helps = {
@@ -23,16 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "pairs": "ABBA blocks (each: with, without, without, with)", "scrape_interval_s": "Prometheus scrape interval",
         "name": "sandbox name", "out": "results folder (default bench/results/exporters-<UTC time>)",
     }
-    for f in dataclasses.fields(ExporterSettings):
-        kind = {int: int, float: float}.get(type(f.default), str) if f.default is not None else str
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                       help=f"{helps[f.name]} (default {f.default})")
+    settings_arguments(p, ExporterSettings, helps)
     add_json_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from rich.table import Table
     from rich.text import Text
 
@@ -41,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
 
     con = console(args.json)
-    settings = ExporterSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ExporterSettings)})
+    settings = settings_from(args, ExporterSettings)
     doc = run_exporters(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
     if args.json:
         emit_json(doc)

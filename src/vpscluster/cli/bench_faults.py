@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from vpscluster.cli.bench import settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    import dataclasses
-
     from vpscluster.bench.faults import FaultSettings
 
     helps = {
@@ -29,16 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "hang_s": "no step this long after a fault ended counts as a hang", "name": "sandbox name",
         "out": "results folder (default bench/results/faults-<UTC time>)",
     }
-    for f in dataclasses.fields(FaultSettings):
-        kind = {int: int, float: float}.get(type(f.default), str) if f.default is not None else str
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                       help=f"{helps[f.name]} (default {f.default})")
+    settings_arguments(p, FaultSettings, helps)
     add_json_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from rich.table import Table
     from rich.text import Text
 
@@ -46,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
 
     con = console(args.json)
-    settings = FaultSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FaultSettings)})
+    settings = settings_from(args, FaultSettings)
     doc = run_faults(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
     bad = [r["run"] for r in doc["rows"] if r.get("failed") or r.get("hang") or r.get("hangs")]
     if args.json:

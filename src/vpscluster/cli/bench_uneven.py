@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from vpscluster.cli.bench import settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    import dataclasses
-
     from vpscluster.bench.uneven import UnevenSettings
 
     helps = {
@@ -28,16 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "change_max_steps": "steps of the change run", "name": "sandbox name",
         "out": "results folder (default bench/results/uneven-<UTC time>)",
     }
-    for f in dataclasses.fields(UnevenSettings):
-        kind = {int: int, float: float}.get(type(f.default), str) if f.default is not None else str
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                       help=f"{helps[f.name]} (default {f.default})")
+    settings_arguments(p, UnevenSettings, helps)
     add_json_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from rich.table import Table
     from rich.text import Text
 
@@ -45,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
 
     con = console(args.json)
-    settings = UnevenSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(UnevenSettings)})
+    settings = settings_from(args, UnevenSettings)
     doc = run_uneven(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
     failed = [r["run"] for r in doc["rows"] if r.get("failed")]
     if args.json:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from vpscluster.cli.bench import settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -51,15 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from rich.text import Text
 
     from vpscluster.bench.wan import WanSettings, run_wan
     from vpscluster.cli.output import console, emit_json
 
     con = console(args.json)
-    settings = WanSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WanSettings)})
+    settings = settings_from(args, WanSettings)
     doc = run_wan(settings, say=lambda line: con.print(Text(line), soft_wrap=True))
     failed = [r["strategy"] for r in doc["rows"] if r.get("failed")]
     if failed:
