@@ -25,7 +25,7 @@ def test_recoveries_are_attributed_to_the_fault_before_them():
         {"kind": "restart", "after_step": 33, "resumed_from_step": 30, "out": [], "detected_at": 401.2,
          "training_again_after_s": 9.0, "training_again_at": 410.2},
     ]
-    rows = bf._attribute(injected, recoveries, None)
+    rows = bf._attribute(injected, recoveries)
     assert [r["fault"] for r in rows] == ["link-5s", "link-long", "worker-kill"]
     short, long_, kill = rows
     assert short["restarts"] == 0 and short["steps_lost"] == 0 and "detected_after_s" not in short

@@ -205,7 +205,7 @@ def _faulty_run(s: FaultSettings, info, config: Path, max_steps: int, faults: li
         return {"failed": f"the run with faults failed ({tail[0][:300]}); log: {log}", "faults": injected}
     report = json.loads(stdout)
     summary = _summary(report, run_dir)
-    summary["faults"] = _attribute(injected, report.get("recoveries", []), events)
+    summary["faults"] = _attribute(injected, report.get("recoveries", []))
     summary["checkpoints_intact"] = _newest_checkpoint_intact(report, info)
     summary["checkpoint_failures"] = len([e for _, e in events.seen if e["event"] == "checkpoint_failed"])
     if "corrupt" not in [f["fault"] for f in summary["faults"]]:
@@ -282,7 +282,7 @@ def _is_worker(pid: int) -> bool:
     return "vpscluster.train.worker" in argv and "torch.distributed.run" not in argv and "python" in Path(argv[0]).name
 
 
-def _attribute(injected: list[dict[str, Any]], recoveries: list[dict[str, Any]], events: Events) -> list[dict[str, Any]]:
+def _attribute(injected: list[dict[str, Any]], recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each fault with the recoveries the launcher recorded between it and the next fault."""
     rows = []
     for i, rec in enumerate(injected):
