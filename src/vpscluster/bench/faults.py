@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vpscluster.bench import table
+from vpscluster.bench.run_events import RunEvents
 from vpscluster.bench.wan import _cli, _machine, evals_from_metrics, loss_at_tokens
 
 SCHEDULE = ("worker-kill", "link-5s", "node-kill", "stop", "link-long", "disk-full", "throttle")
@@ -142,39 +143,9 @@ def _argv(s: FaultSettings, info, config: Path, max_steps: int, run_dir: Path) -
             "--max-steps", str(max_steps), "--run-dir", str(run_dir), "--json"]
 
 
-class Events:
-    """Rank 0's events as they reach the launcher's per-node logs, each with its arrival time."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.logs = run_dir / "logs"
-        self.offsets: dict[Path, int] = {}
-        self.seen: list[tuple[float, dict[str, Any]]] = []
-        self.step = 0
-
-    def poll(self) -> None:
-        from vpscluster.train.events import parse_event
-
-        now = time.time()
-        for p in sorted(self.logs.glob("*.log")) if self.logs.is_dir() else []:
-            with p.open("rb") as f:
-                f.seek(self.offsets.get(p, 0))
-                data = f.read()
-            end = data.rfind(b"\n") + 1  # whole lines only
-            self.offsets[p] = self.offsets.get(p, 0) + end
-            for line in data[:end].decode(errors="replace").splitlines():
-                ev = parse_event(line)
-                if ev is not None:
-                    self.seen.append((now, ev))
-                    if ev["event"] == "step":
-                        self.step = int(ev.get("step", self.step))
-
-    def since(self, t: float, kind: str) -> list[tuple[float, dict[str, Any]]]:
-        return [(at, ev) for at, ev in self.seen if at >= t and ev["event"] == kind]
-
-
 def _faulty_run(s: FaultSettings, info, config: Path, max_steps: int, faults: list[str], run_dir: Path, say) -> dict[str, Any]:
     log = run_dir.with_suffix(".log")
-    events = Events(run_dir)
+    events = RunEvents(run_dir)
     injected: list[dict[str, Any]] = []
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "vpscluster", *_argv(s, info, config, max_steps, run_dir)],
@@ -208,12 +179,11 @@ def _faulty_run(s: FaultSettings, info, config: Path, max_steps: int, faults: li
     summary["faults"] = _attribute(injected, report.get("recoveries", []))
     summary["checkpoints_intact"] = _newest_checkpoint_intact(report, info)
     summary["checkpoint_failures"] = len([e for _, e in events.seen if e["event"] == "checkpoint_failed"])
-    if "corrupt" not in [f["fault"] for f in summary["faults"]]:
-        summary["faults"].append(_corrupt_and_resume(s, info, report, run_dir, max_steps, say))
+    summary["faults"].append(_corrupt_and_resume(s, info, report, run_dir, max_steps, say))
     return summary
 
 
-def _inject_when_due(s: FaultSettings, info, name: str, proc, events: Events, due_step: int, since: float) -> dict | None:
+def _inject_when_due(s: FaultSettings, info, name: str, proc, events: RunEvents, due_step: int, since: float) -> dict | None:
     """Wait for step `due_step` (and a checkpoint since the last fault settled), then inject."""
     from vpscluster.cluster.sandbox import faults
 
@@ -239,7 +209,6 @@ def _inject_when_due(s: FaultSettings, info, name: str, proc, events: Events, du
         workers = [p for p in faults.node_pids(info, info.node(node)) if _is_worker(p)]
         if workers:
             os.kill(workers[0], signal.SIGKILL)
-        rec["killed"] = workers[:1]
         if not workers:
             rec["error"] = f"no training process found on {node}"
     else:
@@ -249,7 +218,7 @@ def _inject_when_due(s: FaultSettings, info, name: str, proc, events: Events, du
     return rec
 
 
-def _settle(s: FaultSettings, rec: dict[str, Any], proc, events: Events) -> None:
+def _settle(s: FaultSettings, rec: dict[str, Any], proc, events: RunEvents) -> None:
     """Wait until the fault is over and training runs again on every node: a step after its end,
     and (if it caused a relaunch) the latest launch on all three nodes."""
     deadline = rec["ends"] + s.hang_s
@@ -269,7 +238,6 @@ def _settle(s: FaultSettings, rec: dict[str, Any], proc, events: Events) -> None
     steps = [at for at, _ in events.since(rec["at"], "step")]
     gaps = [b - a for a, b in zip([rec["at"], *steps], steps)]
     rec["longest_pause_s"] = round(max(gaps), 1) if gaps else None
-    rec["settled"] = time.time()
 
 
 def _is_worker(pid: int) -> bool:

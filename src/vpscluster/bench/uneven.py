@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vpscluster.bench import table
+from vpscluster.bench.run_events import RunEvents
 from vpscluster.bench.wan import BIG_STEPS, _cli, _machine, evals_from_metrics, loss_at_tokens
 
 MODES = ("even", "uneven", "balanced")
@@ -155,12 +156,13 @@ def _run_change(s: UnevenSettings, info, quotas, drop: int, back: int, run_dir: 
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "vpscluster", *argv], stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            node = info.nodes[1].name
+            node, events = info.nodes[1].name, RunEvents(run_dir)
             for at, q in ((drop, quotas[1] / 3), (back, quotas[1])):
-                while proc.poll() is None and _latest_step(run_dir) < at:
+                while proc.poll() is None and events.step < at:
                     time.sleep(0.2)
+                    events.poll()
                 sandbox.set_cpu(s.name, node, max(0.05, q))
-                say(f"  step {_latest_step(run_dir)}: {node} CPU {max(0.05, q):.3g}")
+                say(f"  step {events.step}: {node} CPU {max(0.05, q):.3g}")
             stdout, _ = proc.communicate(timeout=3600)
         finally:
             if proc.poll() is None:
@@ -168,20 +170,6 @@ def _run_change(s: UnevenSettings, info, quotas, drop: int, back: int, run_dir: 
     if proc.returncode != 0:
         raise OSError(f"the change run failed; log: {log}")
     return _summary(json.loads(stdout), run_dir)
-
-
-def _latest_step(run_dir: Path) -> int:
-    step = 0
-    for p in (run_dir / "logs").glob("*.log") if (run_dir / "logs").exists() else []:
-        for line in p.read_text(errors="replace").splitlines():
-            if "VPSC_EVENT" in line and '"step"' in line:
-                try:
-                    ev = json.loads(line.split("VPSC_EVENT ", 1)[1])
-                except ValueError:
-                    continue
-                if ev.get("event") == "step":
-                    step = max(step, ev["step"])
-    return step
 
 
 def steps_to_recover(metrics: list[dict[str, Any]], start: int, end: int, ideal_tps: float, window: int = 3) -> int | None:
