@@ -116,3 +116,16 @@ def test_a_rank_that_aborts_after_its_own_error_is_named_by_that_error(tmp_path)
     r2.for_node("n")("stderr", "failed (exitcode: -6) local_rank: 0 (pid: 78) of binary: python3")
     r2.close()
     assert r2.first_error("n") == "local rank 0 was killed by SIGABRT"
+
+
+def test_a_stdout_line_landing_inside_a_stderr_traceback_is_not_the_error(tmp_path):
+    # stdout and stderr reach the launcher through separate pipes: the rank's last print, made
+    # before it raised, may arrive between the traceback's frames (seen in CI).
+    r = LogRouter(tmp_path, ["n"])
+    feed = r.for_node("n")
+    feed("stderr", "[rank2]:Traceback (most recent call last):")
+    feed("stderr", '[rank2]:  File "fail_on_rank.py", line 33, in <module>')
+    feed("stdout", "[rank2]:rank 2 joined a group of 3, sum 3")
+    feed("stderr", "[rank2]:    main()")
+    feed("stderr", "[rank2]:RuntimeError: deliberate failure on rank 2 (pid 77)")
+    assert r.first_error("n") == "RuntimeError: deliberate failure on rank 2 (pid 77)"

@@ -60,7 +60,9 @@ def split_rank(line: str) -> tuple[int | None, str]:
 class _Source:
     """Traceback state of one (node, rank) output."""
 
-    in_traceback: bool = False
+    # The streams inside a traceback: stdout and stderr arrive through separate pipes (torchrun's
+    # tee threads, the SSH channel), so a line printed before the traceback may land in its middle.
+    in_traceback: set[str] = field(default_factory=set)
     error: str | None = None
     last_stderr: str | None = None
 
@@ -139,10 +141,10 @@ class LogRouter:
         if stream == "stderr" and text.strip() and not _WARNING.match(text):
             src.last_stderr = text.strip()
         if text.startswith(_TRACEBACK):
-            src.in_traceback = True
-        elif src.in_traceback and text and not text[0].isspace():
+            src.in_traceback.add(stream)
+        elif stream in src.in_traceback and text and not text[0].isspace():
             # The first unindented line after the frames is "SomeError: message".
-            src.in_traceback = False
+            src.in_traceback.discard(stream)
             if src.error is None and not text.startswith(("During handling", "The above exception")):
                 src.error = text.strip()
 
