@@ -40,7 +40,8 @@ def two_nodes(**changes) -> dict:
 
 
 def test_valid_file_loads_with_defaults_and_resolved_paths(folder: Path) -> None:
-    cluster = load_cluster(write(folder, two_nodes(head="node-b", connect_timeout_s=3, command_timeout_s=30)))
+    cluster = load_cluster(write(folder, two_nodes(head="node-b", connect_timeout_s=3, command_timeout_s=30,
+                                                   dead_after_s=12)))
     a, b = cluster.nodes
     assert [n.name for n in cluster.nodes] == ["node-a", "node-b"]
     assert cluster.head == "node-b" and cluster.head_node is b
@@ -53,7 +54,7 @@ def test_valid_file_loads_with_defaults_and_resolved_paths(folder: Path) -> None
     assert a.advertised_bandwidth_mbit == 1000.0
     assert a.egress_quota_bytes == 20e12 and a.egress_quota_period_s == 30 * 86400
     assert b.advertised_bandwidth_mbit is None and b.egress_quota_bytes is None
-    assert (cluster.connect_timeout_s, cluster.command_timeout_s) == (3.0, 30.0)
+    assert (cluster.connect_timeout_s, cluster.command_timeout_s, cluster.dead_after_s) == (3.0, 30.0, 12.0)
     assert cluster.accept_new_host_keys is False and not cluster.is_local
 
 
@@ -108,6 +109,7 @@ BAD = {
     "missing host": (two_nodes(nodes=[{"name": "node-b"}]), ["nodes[0].host: None is not a host"]),
     "bad name": (two_nodes(nodes=[node_b(name="node b")]), ["nodes[0].name: 'node b' is not a node name"]),
     "bad timeout": (two_nodes(connect_timeout_s=0), ["connect_timeout_s: expected a positive number of seconds"]),
+    "dead too soon": (two_nodes(dead_after_s=1), ["dead_after_s: 1.0 s is too short", "use 4 or more"]),
     "bad accept flag": (two_nodes(accept_new_host_keys="maybe"), ["accept_new_host_keys: expected true or false"]),
     "not YAML": ("nodes: [name: a\n  host: {", ["cluster file", "not valid YAML", "fix the syntax"]),
     "not a mapping": ("- just\n- a list\n", ["expected a mapping at the top level"]),

@@ -90,3 +90,38 @@ def test_link_down_is_a_clear_error_within_the_timeout(sandbox3, cli, tmp_path):
     # Time-out plus start-up of the CLI (slow on a loaded 2-core machine), but no hang.
     assert elapsed < connect_timeout_s + 20, f"took {elapsed:.1f} s with connect_timeout_s={connect_timeout_s}"
     assert by_node["node-2"]["duration_s"] < connect_timeout_s + 2
+
+
+def test_a_node_cut_off_mid_command_is_lost_within_dead_after_s(sandbox3, tmp_path):
+    """A started command on a node whose link goes down (no FIN, no RST: nothing arrives) ends
+    as lost once the node has answered no SSH keepalive for `dead_after_s`, not at a TCP time-out."""
+    import asyncio
+
+    from vpscluster.cluster import sandbox
+    from vpscluster.cluster.inventory import executor_for, load_cluster
+
+    dead_after_s = 6.0
+    cluster = load_cluster(variant(sandbox3, tmp_path, dead_after_s=dead_after_s, command_timeout_s=300))
+    lines: list[str] = []
+
+    async def main() -> tuple[int | None, float, str | None]:
+        ex = executor_for(cluster.node("node-2"), cluster)
+        try:
+            handle = await ex.start("echo started; sleep 120", on_line=lambda stream, line: lines.append(line))
+            for _ in range(100):
+                if "started" in lines:
+                    break
+                await asyncio.sleep(0.1)
+            assert "started" in lines, lines
+            sandbox.set_link(sandbox3.name, "node-2", up=False)
+            t0 = time.monotonic()
+            status = await handle.wait(60)
+            return status, time.monotonic() - t0, handle.error
+        finally:
+            sandbox.set_link(sandbox3.name, "node-2", up=True)
+            await ex.close()
+
+    status, took, error = asyncio.run(main())
+    assert status == 255, (status, took)
+    assert "node-2" in (error or "") and "keepalive" in error, error
+    assert dead_after_s - 2 < took < dead_after_s + 3, f"lost after {took:.1f} s with dead_after_s={dead_after_s}"

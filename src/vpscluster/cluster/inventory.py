@@ -5,6 +5,7 @@
     accept_new_host_keys: false  # optional; trust on first use, recorded in known_hosts
     connect_timeout_s: 10        # optional
     command_timeout_s: 60        # optional
+    dead_after_s: 20             # optional; a node that answers nothing, not even SSH keepalives, this long is gone
     defaults: {user: root, port: 22, identity_file: id_ed25519, python: ..., workdir: ...}
     firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24]}   # optional; see `vpscluster provision`
     insecure_network: false      # optional; true: launch over public addresses anyway (cluster/netsafety.py)
@@ -86,6 +87,7 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         accept_new_host_keys=spec.accept_new_host_keys,
         connect_timeout_s=spec.connect_timeout_s,
         command_timeout_s=spec.command_timeout_s,
+        dead_after_s=spec.dead_after_s,
         firewall_allow=tuple(spec.firewall.allow),
         firewall_ssh_from=tuple(spec.firewall.ssh_from),
         insecure_network=spec.insecure_network,
@@ -176,6 +178,13 @@ def _seconds(value: Any) -> Any:
     return float(value)
 
 
+def _dead_after(value: Any) -> Any:
+    value = _seconds(value)
+    if value < 4:
+        raise ValueError(f"{show(value)} s is too short to tell a dead node from a busy link; use 4 or more")
+    return value
+
+
 def _known_hosts(value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ValueError(f"expected a file path, got {show(value)}")
@@ -260,6 +269,7 @@ class ClusterFile:
     accept_new_host_keys: Annotated[bool, Before(_flag)] = False  # trust on first use
     connect_timeout_s: Annotated[float, Before(_seconds)] = 10.0
     command_timeout_s: Annotated[float, Before(_seconds)] = 60.0
+    dead_after_s: Annotated[float, Before(_dead_after)] = 20.0
     defaults: Annotated[NodeSettings, Before(_mapping_or_empty)] = field(default_factory=NodeSettings)
     nodes: Annotated[list[NodeEntry], Before(_node_list)] = field(default_factory=list)
     firewall: Annotated[FirewallSettings, Before(_mapping_or_empty)] = field(default_factory=FirewallSettings)

@@ -46,6 +46,7 @@ class Cluster:
     accept_new_host_keys: bool = False  # trust on first use, recorded in known_hosts
     connect_timeout_s: float = 10.0
     command_timeout_s: float = 60.0
+    dead_after_s: float = 20.0  # no answer at all (SSH keepalives included) this long: the node is gone
     firewall_allow: tuple[int, ...] = ()  # extra TCP ports every node opens to anyone (cluster file `firewall: {allow}`)
     firewall_ssh_from: tuple[str, ...] = ()  # where SSH may come from; empty: anywhere
     insecure_network: bool = False  # launch over public addresses anyway (see cluster/netsafety.py)

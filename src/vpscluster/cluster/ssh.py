@@ -12,8 +12,10 @@ Every command runs on the node inside a small POSIX-sh wrapper (`_WRAPPER`) that
 - ends whatever the command left running in its group once it exits, as the local executor does.
 The command's own stdin is /dev/null, unless `run(input=...)` passes data.
 
-Connections: one per node, opened on first use, kept alive (keepalives every 15 s) and reused
-by every call; concurrent callers share one connect attempt and its failure. At most 8 short
+Connections: one per node, opened on first use, kept alive and reused by every call. A node
+that sends nothing for a quarter of the cluster's `dead_after_s` gets an SSH keepalive; after
+`dead_after_s` without any answer the connection is dropped as lost (so a cut link or a dead
+host ends a launch's wait on it within that time, not at a TCP time-out); concurrent callers share one connect attempt and its failure. At most 8 short
 commands hold a channel at once (OpenSSH allows 10 per connection by default).
 
 Errors never carry key material: messages name files, hosts and reasons only.
@@ -64,8 +66,7 @@ _READ_CHUNK = 65536
 # OpenSSH's MaxSessions defaults to 10 channels per connection; short commands queue for 8 of
 # them so that long-lived `start`ed processes and the kill channel always find room.
 _MAX_SHORT_SESSIONS = 8
-_KEEPALIVE_S = 15.0
-_KEEPALIVE_COUNT = 4
+_KEEPALIVE_COUNT = 3  # unanswered keepalives tolerated; the next miss drops the connection
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -278,7 +279,7 @@ class SSHExecutor(Executor):
                 self.node.host, port=self.node.port, username=self.node.user,
                 client_keys=[self.node.identity_file] if self.node.identity_file else (),
                 known_hosts=check.matcher, client_factory=_Client, config=None,
-                connect_timeout=timeout_s, keepalive_interval=_KEEPALIVE_S, keepalive_count_max=_KEEPALIVE_COUNT,
+                connect_timeout=timeout_s, keepalive_interval=self.cluster.dead_after_s / (_KEEPALIVE_COUNT + 1), keepalive_count_max=_KEEPALIVE_COUNT,
                 password_auth=False, kbdint_auth=False,
             ), timeout_s + 5.0)
         except asyncssh.HostKeyNotVerifiable:
