@@ -174,3 +174,22 @@ def test_default_interval_recovers_within_20_steps(total):
     by_step = {s: ratio for s, _, ratio in trace}
     assert max(by_step[s] for s in range(120, 201, every)) <= 1.1, trace
     assert max(by_step[s] for s in range(220, 301, every)) <= 1.1, trace
+
+
+def test_a_sudden_change_reaches_the_split_in_one_look():
+    """A node cut to a third (and later restored) is a new speed, not noise: the first look whose
+    window lies wholly after the change re-splits for it (the moving average alone took 3-4 looks)."""
+    c, trace = _simulate(lambda s: [4.0, 4.0, 4.0 / 3 if 100 < s <= 200 else 4.0], every=5, total=12)
+    by_step = {s: (shares, ratio) for s, shares, ratio in trace}
+    assert by_step[105][1] <= 1.1 and by_step[105][0][2] < 4 and by_step[100][0] == [4, 4, 4], trace
+    assert by_step[205][1] <= 1.1 and by_step[205][0] == [4, 4, 4], trace
+    assert c.rebalances == 2, c.history
+
+
+def test_noise_below_the_jump_factor_is_averaged_not_followed():
+    c = S.ShareController.start(2, 8, None, 1, 8.0, True)
+    c.observe([(1.0, 4), (1.0, 4)], 5)  # 4 micro-batches per second each
+    c.observe([(1.0, 4), (1.0 / 1.3, 4)], 10)  # rank 1 30% faster for one window: averaged
+    assert c.speeds[1] == pytest.approx(0.5 * 4 + 0.5 * 4 * 1.3)
+    c.observe([(1.0, 4), (3.0, 4)], 15)  # a third of its speed: taken as it is
+    assert c.speeds[1] == pytest.approx(4 / 3)

@@ -19,7 +19,9 @@ world/total per micro-batch, the averaged gradient - is exactly that of an even 
   measured since the last look; the controller turns them into speeds (micro-batches per
   compute second), smooths them with an exponential moving average (`DAMPING`: the weight of
   the new measurement; the starting speeds are first rescaled to the measured unit by the mean
-  ratio of the first measurements), and re-splits only when the new shares are predicted to be at least
+  ratio of the first measurements) - except that a measurement `JUMP` times above or below the
+  estimate replaces it outright (a node whose CPU was cut to a third is a new node, not noise:
+  averaging would take several looks to get there, each on a stale split) - and re-splits only when the new shares are predicted to be at least
   `THRESHOLD` faster than the current ones under the same estimates (hysteresis: noise that
   would move a micro-batch back and forth is ignored). Changes happen at step boundaries only.
   A rank with no micro-batches in the window has no measurement and keeps its estimate.
@@ -35,6 +37,7 @@ from vpscluster.errors import UserError
 
 DAMPING = 0.5  # weight of a new measurement in the speed estimate
 THRESHOLD = 0.05  # re-split only when predicted >= 5% faster than the current shares
+JUMP = 1.5  # a measured speed this many times off the estimate replaces it (a real change)
 
 
 def clamp_speeds(speeds: Sequence[float], max_spread: float) -> list[float]:
@@ -135,7 +138,9 @@ class ShareController:
             self.calibrated = True
         for r, (seconds, micro) in enumerate(measured):
             if micro > 0 and seconds > 0:
-                self.speeds[r] = (1 - DAMPING) * self.speeds[r] + DAMPING * (micro / seconds)
+                now = micro / seconds
+                jumped = not 1 / JUMP < now / self.speeds[r] < JUMP
+                self.speeds[r] = now if jumped else (1 - DAMPING) * self.speeds[r] + DAMPING * now
         proposal = split(self.speeds, self.total, self.min_share, self.max_spread)
         if proposal == self.shares:
             return False
