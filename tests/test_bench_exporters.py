@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vpscluster.bench.exporters import ExporterSettings, markdown, run_exporters, summarize
+from vpscluster.bench.exporters import (ExporterSettings, markdown, monitoring_cpu, process_cpu_s, quota_sum,
+                                        run_exporters, summarize)
 from vpscluster.errors import UserError
 
 
@@ -38,3 +39,31 @@ def test_one_side_missing_gives_no_cost():
 def test_bad_settings_are_refused_before_any_sandbox():
     with pytest.raises(UserError, match="--pairs"):
         run_exporters(ExporterSettings(pairs=0))
+
+
+def test_monitoring_cpu_is_counted_against_the_quotas():
+    assert quota_sum("0.45", 4) == pytest.approx(1.8) and quota_sum("0.6,0.3,0.15", 3) == pytest.approx(1.05)
+    report = {"wall_seconds": 100.0, "per_rank": [{"exporter_cpu_seconds": 0.2}, {"exporter_cpu_seconds": 0.1}]}
+    # Prometheus used 1.0 s, one exporter 0.5 s, one exporter vanished mid-run (not counted)
+    row = monitoring_cpu({1: 10.0, 2: 3.0, 3: 1.0}, {1: 11.0, 2: 3.5, 3: None}, report, quota_cores=1.8)
+    assert row["monitor_processes"] == "2/3"
+    assert row["servers_cpu_s"] == pytest.approx(1.5) and row["exporters_cpu_s"] == pytest.approx(0.3)
+    assert row["monitoring_cpu_pct"] == pytest.approx(100 * 1.8 / 180)
+    rows = [{"exporters": "on", "tokens_per_s": 10.0, **row}, {"exporters": "off", "tokens_per_s": 10.0},
+            {"exporters": "on", "tokens_per_s": 10.0, "monitoring_cpu_pct": 2.0}]
+    sm = summarize(rows)
+    assert sm["monitoring_cpu_pct"] == pytest.approx(1.5) and sm["monitoring_cpu_pct_max"] == pytest.approx(2.0)
+    assert "monitoring CPU, counted: 1.50% of the nodes' CPU quota on average (at most 2.00% in one run)" in markdown(rows, sm)
+
+
+def test_process_cpu_is_read_from_proc():
+    import os
+    import subprocess
+    import sys
+
+    busy = process_cpu_s(os.getpid())
+    sum(i * i for i in range(2_000_000))
+    assert process_cpu_s(os.getpid()) > busy >= 0
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert process_cpu_s(p.pid) is None  # gone

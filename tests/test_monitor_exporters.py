@@ -65,6 +65,9 @@ def test_local_run_exporters_match_metrics_jsonl(tmp_path):
 
     report = train(cfg, on_event=on_event)
     assert report["steps"] == 16
+    # What the exporters cost each rank is counted (updates + serving the scrapes above).
+    for r in report["per_rank"]:
+        assert 0 < r["exporter_cpu_seconds"] < 0.5 * r["wall_seconds"], report["per_rank"]
     exporters = json.loads((run_dir / "exporters.json").read_text())["exporters"]
     assert exporters == seen["exporters"]
     assert [e["rank"] for e in exporters] == [0, 1] and all(e["address"] == "127.0.0.1" for e in exporters)
@@ -218,3 +221,24 @@ def test_outer_syncs_are_their_own_latency_kind():
     assert value(samples, "vpscluster_sync_latency_seconds_sum", kind="outer") == pytest.approx(5.0)
     assert value(samples, "vpscluster_sync_latency_seconds_count", kind="step") == 2
     assert value(samples, "vpscluster_bytes_sent_total", rank=3, node="n") == 40
+
+
+def test_exporter_cpu_seconds_counts_the_scrapes_it_serves(tmp_path):
+    """The serving threads' CPU clocks: many scrapes cost measurably more than none."""
+    from vpscluster.train.exporter import RankExporter
+
+    ex = RankExporter(rank=0, local_rank=0, node="here", bind="127.0.0.1", workdir=str(tmp_path))
+    ex.start()
+    try:
+        ex.step(1, 2.5, 100, 100, 0.5, 0.1, 1000)
+        idle = ex.cpu_seconds()
+        time.sleep(0.5)
+        assert ex.cpu_seconds() - idle < 0.02  # nothing scraped: next to nothing spent
+        for _ in range(40):
+            scrape("127.0.0.1", ex.rank_port)
+            scrape("127.0.0.1", ex.node_port)
+        spent = ex.cpu_seconds() - idle
+        assert spent > 0.005, spent
+    finally:
+        ex.close()
+    assert ex.cpu_seconds() == pytest.approx(idle + spent, abs=0.05)  # kept once closed

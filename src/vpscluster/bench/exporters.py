@@ -8,13 +8,22 @@ shows). Runs "with": `monitor up` (a real Prometheus on the head and the node ex
 every `scrape_interval_s`) and the ranks' exporters; runs "without": `monitor down` and
 `train --no-exporters`, so nothing of the monitoring runs. Runs alternate in ABBA order
 (`pairs` times on/off/off/on) so a drift of the machine's speed falls on both sides alike; the
-spread within each side is the noise floor a difference must clear. Results: `out` (default
-bench/results/exporters-<time>/): results.json, table.md, every run's files.
+spread within each side is the noise floor a difference must clear.
+
+That noise (several % between identical runs on a shared machine) is far above the 1% a cost
+should stay under, so each "with" run also counts the monitoring's CPU directly: Prometheus's
+and the node exporters' CPU seconds during the run (their processes' utime + stime, read on this
+machine: sandbox nodes share its pid space) plus every rank's `exporter_cpu_seconds` (metric
+updates and scrapes served, from the report), against the CPU the nodes' quotas give the run
+(sum of quotas x training seconds). On CPU-bound nodes that share is what the monitoring takes
+from training. Results: `out` (default bench/results/exporters-<time>/): results.json, table.md,
+every run's files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -55,6 +64,7 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
     info = sandbox.up(s.name, nodes=s.nodes, bandwidth=s.bandwidth, cpu=s.cpu, progress=lambda m: say(f"  {m}"))
     rows: list[dict[str, Any]] = []
     monitoring = [False]
+    quota_cores = quota_sum(s.cpu, s.nodes)
 
     def monitor(want: bool, i: int) -> None:  # on: Prometheus and the node exporters run; off: nothing does
         if want != monitoring[0]:
@@ -72,6 +82,8 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
                     "--eval-every", str(BIG_STEPS), "--checkpoint-every", str(BIG_STEPS), "--run-dir", str(run_dir), "--json"]
             if mode == "off":
                 argv.append("--no-exporters")
+            pids = monitor_pids(info.cluster_file) if mode == "on" else []
+            before = {p: process_cpu_s(p) for p in pids}
             try:
                 report = json.loads(_cli(argv, run_dir.with_suffix(".log"), s.budget_s + 900).stdout)
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError) as e:
@@ -81,7 +93,9 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
             metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             rows.append({"run": f"{i:02d}", "exporters": mode, "steps": report["steps"],
                          "tokens_per_s": report["tokens_per_s"], "steady_tokens_per_s": steady_tokens_per_s(metrics),
-                         "wall_seconds": report["wall_seconds"]})
+                         "wall_seconds": report["wall_seconds"],
+                         **(monitoring_cpu(before, {p: process_cpu_s(p) for p in pids}, report, quota_cores)
+                            if mode == "on" else {})})
             say(f"  run {i} (exporters {mode}): {report['tokens_per_s']:.0f} tokens/s")
     finally:
         try:
@@ -99,6 +113,45 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
     return doc
 
 
+def quota_sum(cpu: str, nodes: int) -> float:
+    """The cores the nodes' quotas add up to: "0.45" for every node, or one figure per node."""
+    parts = [float(x) for x in str(cpu).split(",") if x.strip()]
+    return parts[0] * nodes if len(parts) == 1 else sum(parts)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """utime + stime of a process of this machine, in seconds; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def monitor_pids(cluster_file: str) -> list[int]:
+    """Prometheus's and the node exporters' pids, from `monitor up`'s record of the cluster."""
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.monitor.server import load_record
+
+    rec = load_record(load_cluster(cluster_file))
+    if rec is None:
+        return []
+    return [rec.prometheus_pid, *(int(e["pid"]) for e in rec.node_exporters.values() if e.get("pid"))]
+
+
+def monitoring_cpu(before: dict[int, float | None], after: dict[int, float | None], report: dict[str, Any],
+                   quota_cores: float) -> dict[str, Any]:
+    """The monitoring's CPU seconds during one run and their share of the CPU the quotas gave it.
+    A process that was not there at both ends is not counted (and the row says how many were)."""
+    servers = [after[p] - before[p] for p in before if before[p] is not None and after.get(p) is not None]
+    ranks = [r.get("exporter_cpu_seconds") for r in report.get("per_rank", [])]
+    ranks_s = sum(v for v in ranks if isinstance(v, (int, float)))
+    total = sum(servers) + ranks_s
+    budget = quota_cores * report["wall_seconds"]
+    return {"monitor_processes": f"{len(servers)}/{len(before)}", "servers_cpu_s": sum(servers),
+            "exporters_cpu_s": ranks_s, "monitoring_cpu_pct": 100 * total / budget if budget > 0 else None}
+
+
 def summarize(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> dict[str, Any]:
     """Mean tokens/s with and without exporters, the cost in %, and each side's spread (from the
     runs' `key`: the report's tokens/s, or `steady_tokens_per_s` over the second half of steps)."""
@@ -110,13 +163,17 @@ def summarize(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> dict[str
     def spread(v: list[float]) -> float:
         return 100 * (max(v) - min(v)) / statistics.mean(v)
 
+    cpu = [r["monitoring_cpu_pct"] for r in rows if r.get("exporters") == "on" and r.get("monitoring_cpu_pct") is not None]
     return {"runs_on": len(side["on"]), "runs_off": len(side["off"]), "tokens_per_s_on": on, "tokens_per_s_off": off,
-            "cost_pct": 100 * (off - on) / off, "spread_on_pct": spread(side["on"]), "spread_off_pct": spread(side["off"])}
+            "cost_pct": 100 * (off - on) / off, "spread_on_pct": spread(side["on"]), "spread_off_pct": spread(side["off"]),
+            "monitoring_cpu_pct": statistics.mean(cpu) if cpu else None,
+            "monitoring_cpu_pct_max": max(cpu) if cpu else None}
 
 
 COLUMNS = [("run", "run", "{}"), ("exporters", "exporters", "{}"), ("steps", "steps", "{}"),
            ("tokens_per_s", "tokens/s", "{:.1f}"), ("steady_tokens_per_s", "tokens/s 2nd half", "{:.1f}"),
-           ("wall_seconds", "training s", "{:.1f}")]
+           ("wall_seconds", "training s", "{:.1f}"), ("servers_cpu_s", "Prometheus + node exporters CPU s", "{:.2f}"),
+           ("exporters_cpu_s", "rank exporters CPU s", "{:.2f}"), ("monitoring_cpu_pct", "monitoring CPU % of quota", "{:.2f}")]
 
 
 def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], steady: dict[str, Any] | None = None) -> str:
@@ -126,4 +183,7 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], steady: dict[s
             text += (f"\n\n{what}: with exporters {sm['tokens_per_s_on']:.1f}, without {sm['tokens_per_s_off']:.1f}: "
                      f"cost {sm['cost_pct']:+.2f}% (spread within each side: {sm['spread_on_pct']:.1f}% with, "
                      f"{sm['spread_off_pct']:.1f}% without)")
+    if summary.get("monitoring_cpu_pct") is not None:
+        text += (f"\n\nmonitoring CPU, counted: {summary['monitoring_cpu_pct']:.2f}% of the nodes' CPU quota on average "
+                 f"(at most {summary['monitoring_cpu_pct_max']:.2f}% in one run)")
     return text

@@ -307,8 +307,9 @@ class NodeCollector:
 
 
 def serve(node: str, port: int, bind: str = "127.0.0.1", path: str = ".",
-          link_capacity_bytes_per_s: float | None = None, fallback: bool = True) -> tuple[object, int]:
-    """Start the exporter's HTTP server in a daemon thread: (server, port actually bound).
+          link_capacity_bytes_per_s: float | None = None, fallback: bool = True) -> tuple[object, int, object]:
+    """Start the exporter's HTTP server in a daemon thread: (server, port actually bound, thread;
+    its CPU time is what serving costs).
 
     A taken `port` falls back to a free one when `fallback` (the run lists what it used)."""
     from prometheus_client import CollectorRegistry, start_http_server
@@ -316,12 +317,12 @@ def serve(node: str, port: int, bind: str = "127.0.0.1", path: str = ".",
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node, path, link_capacity_bytes_per_s))
     try:
-        server, _thread = start_http_server(port, addr=bind, registry=registry)
+        server, thread = start_http_server(port, addr=bind, registry=registry)
     except OSError:
         if not fallback:
             raise
-        server, _thread = start_http_server(0, addr=bind, registry=registry)
-    return server, server.server_address[1]
+        server, thread = start_http_server(0, addr=bind, registry=registry)
+    return server, server.server_address[1], thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cpu_quota_cores:
         os.environ[QUOTA_ENV] = str(args.cpu_quota_cores)
-    _server, port = serve(args.node, args.port, args.bind, args.path, args.link_capacity_bytes_per_s, fallback=args.fallback)
+    _server, port, _thread = serve(args.node, args.port, args.bind, args.path, args.link_capacity_bytes_per_s, fallback=args.fallback)
     print(f"node exporter for {args.node} on {args.bind}:{port}", flush=True)
     try:
         while True:

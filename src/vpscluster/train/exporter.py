@@ -8,7 +8,9 @@ the machine has an interface. They live in the worker process, so they start and
 the launch's teardown, which ends every worker, ends them too.
 
 Updating a metric is a few dict look-ups and a lock; the HTTP server runs on its own thread and
-reads only when scraped. Where prometheus_client is not installed, or `exporters: false`, ranks
+reads only when scraped. What the exporters cost is counted, not guessed: `cpu_seconds()` is the
+time the loop spent in the updates plus the CPU time of the server threads (scrapes served, the
+node figures read), from each thread's own CPU clock; the run's report lists it per rank. Where prometheus_client is not installed, or `exporters: false`, ranks
 get a `NullRankExporter` and the loop does not change.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from vpscluster import telemetry as T
@@ -53,6 +56,9 @@ class RankExporter:
         self._lab = lab
         self._sync = {kind: made[T.SYNC_SECONDS.name].labels(**lab, kind=kind) for kind in ("step", "outer")}
         self._servers: list = []
+        self._threads: list = []  # the HTTP servers' threads, for their CPU time
+        self._update_s = 0.0  # time the training loop spent updating metrics
+        self._final_cpu_s: float | None = None
         self.rank_port: int | None = None
         self.node_port: int | None = None
         self._outer_seen: int | None = None
@@ -62,17 +68,32 @@ class RankExporter:
         from prometheus_client import start_http_server
 
         try:
-            server, _ = start_http_server(T.rank_port(self.local_rank), addr=self.bind, registry=self.registry)
+            server, thread = start_http_server(T.rank_port(self.local_rank), addr=self.bind, registry=self.registry)
         except OSError:  # taken (another run on this machine): any free port, listed in the run
-            server, _ = start_http_server(0, addr=self.bind, registry=self.registry)
+            server, thread = start_http_server(0, addr=self.bind, registry=self.registry)
         self._servers.append(server)
+        self._threads.append(thread)
         self.rank_port = server.server_address[1]
         if self.local_rank == 0:
             from vpscluster.probe.node_exporter import serve
 
-            node_server, self.node_port = serve(self.node, T.NODE_PORT, self.bind, self.workdir)
+            node_server, self.node_port, node_thread = serve(self.node, T.NODE_PORT, self.bind, self.workdir)
             self._servers.append(node_server)
+            self._threads.append(node_thread)
         return self.endpoint()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the exporters have cost this process so far: the loop's metric updates and
+        the server threads' own CPU time (scrapes served, node figures read)."""
+        if self._final_cpu_s is not None:
+            return self._final_cpu_s
+        total = self._update_s
+        for t in self._threads:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, AttributeError, TypeError):  # thread gone, or no per-thread clocks here
+                pass
+        return total
 
     def endpoint(self) -> dict[str, Any]:
         return {"rank": self.rank, "local_rank": self.local_rank, "node": self.node, "address": self.bind,
@@ -81,6 +102,7 @@ class RankExporter:
     # ---- what the loop reports ----------------------------------------------------------------
     def step(self, step: int, loss: float, run_tokens: int, local_tokens: int, step_s: float, comm_s: float,
              nbytes: int, outer_syncs: int | None = None) -> None:
+        t0 = time.perf_counter()
         m = self._m
         m[T.STEP.name].set(step)
         m[T.LOSS.name].set(loss)
@@ -99,6 +121,7 @@ class RankExporter:
             self._outer_seen = outer_syncs
         if comm_s > 0:
             self._sync["outer" if outer else "step"].observe(comm_s)
+        self._update_s += time.perf_counter() - t0
 
     def communicated(self, nbytes: int) -> None:
         if nbytes:
@@ -115,6 +138,8 @@ class RankExporter:
         self._m[T.CHECKPOINT_SECONDS.name].observe(seconds)
 
     def close(self) -> None:
+        if self._final_cpu_s is None:
+            self._final_cpu_s = self.cpu_seconds()
         for s in self._servers:
             try:
                 s.shutdown()
@@ -132,6 +157,9 @@ class NullRankExporter:
 
     def endpoint(self) -> dict[str, Any]:
         return {}
+
+    def cpu_seconds(self) -> float | None:
+        return None
 
     def step(self, *args, **kwargs) -> None:
         pass

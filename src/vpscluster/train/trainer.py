@@ -492,6 +492,7 @@ class Trainer:
         # Each rank's final weights, hashed once here: equal on every rank when the strategy keeps
         # replicas identical (DDP every step, DiLoCo after its final sync), and tests compare them.
         mine = {**t.to_dict(), "collective_busy_seconds": self.strategy.describe().get("collective_busy_seconds"),
+                "exporter_cpu_seconds": self.exporter.cpu_seconds(),  # None without exporters
                 "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict()),
                 "prediction_summary": prediction.rank_summary(self._samples)}
         per_rank = self._all_gather_object(mine)
@@ -531,7 +532,7 @@ class Trainer:
             "threads_per_rank": self.threads,
             "per_rank": [
                 {"rank": i, **{k: r[k] for k in ("compute_seconds", "comm_seconds", "wall_seconds", "bytes_sent", "collective_busy_seconds",
-                                           "model_sha256")}}
+                                           "exporter_cpu_seconds", "model_sha256")}}
                 for i, r in enumerate(per_rank)
             ],
             "model_sha256": mine["model_sha256"],
