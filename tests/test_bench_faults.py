@@ -67,6 +67,7 @@ def test_a_failed_run_is_a_row_that_says_so():
 @pytest.mark.parametrize("change, match", [
     ({"strategies": "ddp,zero"}, "--strategies"),
     ({"faults": "link-5s,meteor"}, "--faults"),
+    ({"faults": "node-dead,link-5s"}, "node-dead must come last"),
     ({"gap_steps": 3, "checkpoint_every": 5}, "--gap-steps"),
 ])
 def test_bad_settings_are_refused_before_any_sandbox(change, match):

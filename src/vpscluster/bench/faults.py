@@ -16,6 +16,9 @@ the other once training has settled from the previous one (`gap_steps` steps apa
     throttle      node-3's link at 1 Mbit/s for `throttle_s`
     head-down     node-1 (the head: rank 0 and the rendezvous store) cut off for `head_down_s`
                   (not in the default schedule: the run moves its head to node-2)
+    node-dead     node-3 cut off for good (a VPS that died and stays dead): the run must go on
+                  and end on node-1 and node-2 (not in the default schedule; last if given;
+                  the cut is lifted after the run, for the corrupt-checkpoint resume)
 
 and after the run ends: node-1's shard of the newest checkpoint is corrupted and the run resumed
 (`--resume`) for `gap_steps` more steps. The sandbox faults are `vpscluster sandbox fault`'s.
@@ -48,7 +51,8 @@ from vpscluster.bench.run_events import RunEvents
 from vpscluster.bench.wan import _cli, _machine, evals_from_metrics, loss_at_tokens
 
 SCHEDULE = ("worker-kill", "link-5s", "node-kill", "stop", "link-long", "disk-full", "throttle")
-KNOWN = (*SCHEDULE, "head-down")
+KNOWN = (*SCHEDULE, "head-down", "node-dead")
+DEAD_S = 24 * 3600.0  # "for good": longer than any run; cleared when the run has ended
 
 
 @dataclass
@@ -81,6 +85,8 @@ def run_faults(settings: FaultSettings, say: Callable[[str], None] = lambda line
     faults = [v.strip() for v in s.faults.split(",") if v.strip()]
     if any(f not in KNOWN for f in faults):
         raise UserError(f"--faults: choose from {', '.join(KNOWN)} (got {s.faults!r})")
+    if "node-dead" in faults[:-1]:
+        raise UserError("--faults: node-dead must come last (nothing after it has three nodes to hit)")
     if s.gap_steps < s.checkpoint_every or s.checkpoint_every < 1:
         raise UserError("--gap-steps must be at least --checkpoint-every (>= 1): each fault needs a checkpoint before it")
     max_steps = s.gap_steps * (len(faults) + 4)  # room for steps redone and trained while a fault settles
@@ -171,6 +177,12 @@ def _faulty_run(s: FaultSettings, info, config: Path, max_steps: int, faults: li
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    dead = [rec["node"] for rec in injected if rec.get("dead")]
+    if dead:  # the run is over: the "dead" node answers again, for the checks and the resume below
+        from vpscluster.cluster.sandbox import faults as sandbox_faults
+
+        for node in dead:
+            sandbox_faults.clear(s.name, node)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         return {"failed": f"the run with faults failed ({tail[0][:300]}); log: {log}", "faults": injected}
@@ -201,7 +213,7 @@ def _inject_when_due(s: FaultSettings, info, name: str, proc, events: RunEvents,
     node, seconds, rate = {
         "worker-kill": ("node-2", 0, None), "link-5s": ("node-2", 5, None), "node-kill": ("node-2", 0, None),
         "stop": ("node-3", s.stop_s, None), "link-long": ("node-3", s.link_long_s, None),
-        "head-down": ("node-1", s.head_down_s, None),
+        "head-down": ("node-1", s.head_down_s, None), "node-dead": ("node-3", DEAD_S, None),
         "disk-full": ("node-2", s.disk_full_s, None), "throttle": ("node-3", s.throttle_s, "1mbit"),
     }[name]
     rec = {"fault": name, "node": node, "seconds": seconds, "step": events.step, "at": time.time()}
@@ -212,21 +224,27 @@ def _inject_when_due(s: FaultSettings, info, name: str, proc, events: RunEvents,
         if not workers:
             rec["error"] = f"no training process found on {node}"
     else:
-        kind = {"link-5s": "link-down", "node-kill": "kill", "link-long": "link-down", "head-down": "link-down"}.get(name, name)
+        kind = {"link-5s": "link-down", "node-kill": "kill", "link-long": "link-down", "head-down": "link-down",
+                "node-dead": "link-down"}.get(name, name)
         faults.inject(s.name, node, kind, seconds=seconds or None, rate=rate)
-    rec["ends"] = rec["at"] + seconds
+    rec["ends"] = rec["at"] + (0 if name == "node-dead" else seconds)  # a dead node does not come back
+    rec["dead"] = name == "node-dead"
     return rec
 
 
 def _settle(s: FaultSettings, rec: dict[str, Any], proc, events: RunEvents) -> None:
     """Wait until the fault is over and training runs again on every node: a step after its end,
-    and (if it caused a relaunch) the latest launch on all three nodes."""
+    and (if it caused a relaunch) the latest launch on all three nodes - for a dead node, a
+    relaunch on the two others."""
     deadline = rec["ends"] + s.hang_s
     rec["hang"] = False
     while time.time() < deadline:
         events.poll()
         starts = events.since(rec["at"], "start")
-        whole = not starts or starts[-1][1].get("world_size") == 3
+        if rec.get("dead"):
+            whole = bool(starts) and starts[-1][1].get("world_size") == 2
+        else:
+            whole = not starts or starts[-1][1].get("world_size") == 3
         after = [at for at, _ in events.since(max(rec["ends"], starts[-1][0] if starts else 0), "step")]
         if time.time() >= rec["ends"] and whole and after:
             break

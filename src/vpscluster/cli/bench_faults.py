@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from vpscluster.bench.faults import FaultSettings
 
     helps = {
-        "strategies": "comma list of diloco, ddp", "faults": "the schedule, in order (also: head-down)",
+        "strategies": "comma list of diloco, ddp", "faults": "the schedule, in order (also: head-down; node-dead, last)",
         "bandwidth": "link rate of every node", "preset": "model preset",
         "gap_steps": "steps of undisturbed training between two faults",
         "checkpoint_every": "steps between checkpoints (DiLoCo: also its H)",
