@@ -171,3 +171,69 @@ def test_up_without_the_binary_is_one_line_and_starts_nothing(tmp_path):
     assert not (tmp_path / "monitor" / "node-exporter.pid").exists()
     status = json.loads(run_cli("monitor", "status", "--json", env=env, cwd=str(tmp_path)).stdout)
     assert status == {"running": False}
+
+
+def test_top_alerts_when_sync_latency_jumps_above_its_median(tmp_path, monkeypatch):
+    """The sync-latency alert end to end: a rank exporter (the one training uses) reports syncs of
+    ~50 ms, then of ~600 ms (a congested path); the real Prometheus scrapes it; `top`'s snapshot
+    names the node with the hint to trace the path with mtr - and did not before the jump."""
+    from vpscluster.cluster.inventory import local_cluster
+    from vpscluster.monitor import server
+    from vpscluster.monitor.top import snapshot
+    from vpscluster.train.exporter import RankExporter
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    env = {"HOME": str(tmp_path)}
+    r = run_cli("monitor", "up", "--port", str(free_port()), "--scrape-interval", "1", "--json", env=env,
+                cwd=str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr
+    cluster = local_cluster()
+    ex = RankExporter(rank=0, local_rank=1, node=cluster.head, bind="127.0.0.1", workdir=str(tmp_path))
+    ex.start()
+    try:
+        server.publish_run_targets(cluster, "sync-alert", [ex.endpoint()])
+        from vpscluster.monitor import query
+
+        prom = query.Prometheus(json.loads(r.stdout)["url"])
+        wait_for(lambda: [t for t in prom.targets() if t["labels"].get("exporter") == "rank" and t["health"] == "up"],
+                 60, "the rank scraped")
+
+        def steps(n: int, sync_s: float, first: int, stop: threading.Event | None = None) -> int:
+            for i in range(n):  # ~10 steps per second, each with one gradient sync
+                if stop is not None and stop.is_set():
+                    break
+                ex.step(first + i, 3.0, 1000, 500, sync_s + 0.05, sync_s, 1 << 20)
+                time.sleep(0.1)
+            return first + n
+
+        step = steps(150, 0.05, 1)  # 15 s of normal syncs: the median
+
+        def sync_row():
+            row = snapshot(cluster, window="5s")["nodes"][0]
+            return row if row["sync_latency_s"] and row["sync_latency_median_s"] else None
+
+        calm = wait_for(sync_row, 30, "sync latency and its median")
+        assert not [a for a in calm["alerts"] if a.startswith("sync latency")], calm
+        # Slow syncs from now on (at most 10 s: fewer than the normal ones, so the median stays).
+        stop = threading.Event()
+        slow = threading.Thread(target=steps, args=(100, 0.6, step, stop), daemon=True)
+        slow.start()
+        try:
+            def sync_alert():
+                snap = snapshot(cluster, window="3s")
+                return snap if any(a.startswith("sync latency") for a in snap["nodes"][0]["alerts"]) else None
+
+            snap = wait_for(sync_alert, 30, "a sync-latency alert once the slow syncs are scraped")
+        finally:
+            stop.set()
+            slow.join(timeout=10)
+        row = snap["nodes"][0]
+        alert = [a for a in row["alerts"] if a.startswith("sync latency")]
+        assert alert and "its median: trace the path with `mtr 127.0.0.1`" in alert[0], row
+        assert row["sync_latency_median_s"] < 0.1 < 0.3 < row["sync_latency_s"], row
+        assert f"{cluster.head}: {alert[0]}" in snap["alerts"]
+    finally:
+        ex.close()
+        down = run_cli("monitor", "down", env=env, cwd=str(tmp_path), timeout=120)
+        assert down.returncode == 0, down.stderr
