@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -36,3 +37,50 @@ def test_a_node_nobody_listens_on_does_not_answer():
     # 127.0.0.1 port 9 (discard) refuses at once: counted out within the connect time-out.
     cluster = Cluster(nodes=(Node("x", "127.0.0.1", port=9),), head="x", connect_timeout_s=2.0)
     assert asyncio.run(asyncio.wait_for(recovery.answering(cluster, ["x"]), 20)) == []
+
+
+def _steps(first: int, last: int, launch: str, evals_every: int = 10) -> list[dict]:
+    out = []
+    for s in range(first, last + 1):
+        out.append({"step": s, "loss": 1.0, "tokens": 100, "launch": launch})
+        if s % evals_every == 0:
+            out.append({"step": s, "val_loss": 2.0, "launch": launch})
+    return out
+
+
+def test_metrics_of_launches_on_different_heads_are_merged():
+    """The head was cut off at step 10 (its file unreachable), node-2 led steps 6-39 from the
+    checkpoint of step 5, then node-1 came back and led from step 39: the run's metrics hold
+    every step once, each from the launch whose training counted."""
+    from vpscluster.train.metrics import merge_launch
+
+    history: list[dict] = []  # launch 1's file could not be fetched (its node was cut off)
+    history = merge_launch(history, _steps(6, 39, "2"), resumed_from=5)
+    launch3_file = _steps(1, 10, "1") + _steps(40, 70, "3")  # node-1's old lines, kept up to step 39
+    merged = merge_launch(history, launch3_file, resumed_from=39)
+    steps = [x["step"] for x in merged if "loss" in x]
+    assert steps == list(range(1, 71))
+    by_step = {x["step"]: x["launch"] for x in merged if "loss" in x}
+    assert [by_step[s] for s in (1, 5, 6, 10, 39, 40, 70)] == ["1", "1", "2", "2", "2", "3", "3"]
+    # the evaluation at step 10 is launch 2's (launch 1's training past step 5 was thrown away)
+    assert [(x["step"], x["launch"]) for x in merged if "val_loss" in x] == [
+        (10, "2"), (20, "2"), (30, "2"), (40, "3"), (50, "3"), (60, "3"), (70, "3")]
+    assert merged.index(next(x for x in merged if x["step"] == 10 and "val_loss" in x)) == \
+        merged.index(next(x for x in merged if x["step"] == 10 and "loss" in x)) + 1  # step, then its evaluation
+
+
+def test_a_restart_on_the_same_head_replaces_the_steps_it_redid(tmp_path):
+    from vpscluster.launch.train import _merge_metrics
+    from vpscluster.train.metrics import write_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, _steps(1, 12, "1"))  # launch 1 failed at step 12; its file was fetched
+    history = _merge_metrics(path, [], [str(path)], resumed_from=0)
+    write_metrics(path, _steps(1, 10, "1") + _steps(11, 20, "2"))  # the node truncated at 10, then launch 2
+    history = _merge_metrics(path, history, [str(path)], resumed_from=10)
+    assert [x["step"] for x in history if "loss" in x] == list(range(1, 21))
+    assert {x["launch"] for x in history if x["step"] > 10} == {"2"}
+    # A launch whose file could not be fetched changes nothing, and the file keeps the history.
+    path.write_text('{"step": 1, "loss"')  # e.g. a fetch torn half-way
+    assert _merge_metrics(path, history, [], resumed_from=20) == history
+    assert [x["step"] for x in map(json.loads, path.read_text().splitlines()) if "loss" in x] == list(range(1, 21))

@@ -20,8 +20,8 @@ the other once training has settled from the previous one (`gap_steps` steps apa
                   and end on node-1 and node-2 (not in the default schedule; last if given;
                   the cut is lifted after the run, for the corrupt-checkpoint resume)
 
-and after the run ends: node-1's shard of the newest checkpoint is corrupted and the run resumed
-(`--resume`) for `gap_steps` more steps. The sandbox faults are `vpscluster sandbox fault`'s.
+and after the run ends: the shard of the newest checkpoint on rank 0's node is corrupted and the
+run resumed (`--resume`) for `gap_steps` more steps. The sandbox faults are `vpscluster sandbox fault`'s.
 
 Per fault: the step it hit, restarts and rejoins it caused, detected after (s: from the
 injection to the launcher seeing the failure), training again after (s: from that detection to
@@ -177,12 +177,11 @@ def _faulty_run(s: FaultSettings, info, config: Path, max_steps: int, faults: li
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    dead = [rec["node"] for rec in injected if rec.get("dead")]
-    if dead:  # the run is over: the "dead" node answers again, for the checks and the resume below
-        from vpscluster.cluster.sandbox import faults as sandbox_faults
+    # The run is over: every node answers again (a "dead" one, or a head cut off for longer than
+    # the run had left) for the checks and the resume below.
+    from vpscluster.cluster.sandbox import faults as sandbox_faults
 
-        for node in dead:
-            sandbox_faults.clear(s.name, node)
+    sandbox_faults.clear(s.name)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         return {"failed": f"the run with faults failed ({tail[0][:300]}); log: {log}", "faults": injected}
@@ -313,15 +312,21 @@ def _node_path(info, node: str, report: dict[str, Any], below: str) -> Path:
 
 
 def _newest_checkpoint_intact(report: dict[str, Any], info) -> bool | None:
-    """Every shard each node holds of the newest checkpoint matches its manifest (None: none found)."""
-    newest = None
+    """Every shard of the run's newest checkpoint matches its manifest, on every node that holds
+    it (a node that was out when it was taken holds only older ones); None: none found."""
+    roots = {}
     for n in info.nodes:
         root = _node_path(info, n.name, report, "checkpoints")
-        steps = sorted(p for p in root.glob("step-*") if ".abandoned" not in p.name) if root.is_dir() else []
-        if not steps:
-            continue
-        newest = newest or steps[-1].name
+        steps = sorted(p.name for p in root.glob("step-*") if ".abandoned" not in p.name) if root.is_dir() else []
+        if steps:
+            roots[n.name] = (root, steps[-1])
+    if not roots:
+        return None
+    newest = max(last for _, last in roots.values())  # zero-padded step numbers: the names sort
+    for root, _ in roots.values():
         d = root / newest
+        if not d.is_dir():
+            continue
         try:
             manifest = json.loads((d / "manifest.json").read_text())
         except (OSError, ValueError):
@@ -330,26 +335,29 @@ def _newest_checkpoint_intact(report: dict[str, Any], info) -> bool | None:
             rank = str(int(shard.stem.split("-")[1]))
             if hashlib.sha256(shard.read_bytes()).hexdigest() != manifest.get("sha256", {}).get(rank):
                 return False
-    return None if newest is None else True
+    return True
 
 
 def _corrupt_and_resume(s: FaultSettings, info, report: dict[str, Any], run_dir: Path, max_steps: int, say) -> dict[str, Any]:
-    """Flip bytes in node-1's shard of the newest checkpoint, then resume for gap_steps more."""
-    root = _node_path(info, "node-1", report, "checkpoints")
+    """Flip bytes in the rank-0 node's shard of the newest checkpoint, then resume for gap_steps more."""
+    from vpscluster.errors import RemoteError
+
+    node = report.get("rank0_node") or "node-1"  # where the run ended: it holds the newest checkpoint
+    root = _node_path(info, node, report, "checkpoints")
     steps = sorted(p for p in root.glob("step-*") if ".abandoned" not in p.name) if root.is_dir() else []
-    row: dict[str, Any] = {"fault": "corrupt", "node": "node-1", "seconds": 0, "step": report["steps"], "hang": False}
+    row: dict[str, Any] = {"fault": "corrupt", "node": node, "seconds": 0, "step": report["steps"], "hang": False}
     if not steps:
         return {**row, "error": f"no checkpoint under {root}"}
     shard = sorted(steps[-1].glob("rank-*.pt"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
     shard.write_bytes(bytes(data))
-    say(f"  {shard.parent.name}/{shard.name} on node-1 corrupted; resuming for {s.gap_steps} more steps")
+    say(f"  {shard.parent.name}/{shard.name} on {node} corrupted; resuming for {s.gap_steps} more steps")
     t0 = time.time()
     try:
         r = _cli(["train", "--resume", str(run_dir), "--max-steps", str(max_steps + s.gap_steps), "--json"],
                  run_dir.with_name(run_dir.name + "-resume.log"), s.hang_s + 600)
-    except (subprocess.TimeoutExpired, OSError) as e:
+    except (subprocess.TimeoutExpired, OSError, RemoteError) as e:
         return {**row, "hang": isinstance(e, subprocess.TimeoutExpired), "error": str(e).splitlines()[0][:300]}
     resumed = json.loads(r.stdout)
     newest = int(steps[-1].name.split("-")[1])

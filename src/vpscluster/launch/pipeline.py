@@ -51,6 +51,8 @@ class Job:
     # Fetch them after an interrupt too, when this says the program finished them (e.g. a stop
     # that saved a checkpoint wrote its report); otherwise an interrupted run fetches nothing.
     fetch_when_interrupted: Callable[[], bool] | None = None
+    # Files fetched from rank 0's node even when the launch failed (what it wrote so far), if it answers.
+    fetch_after_failure: list[str] = field(default_factory=list)
     # The program once the nodes are known (e.g. the backend follows their accelerators).
     program_for: Callable[[dict[str, NodeState]], Program] | None = None
     # Extra environment for a node, from its state and where its synced items are.
@@ -328,6 +330,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, timeout_s)
     elif job.fetch and was_interrupted and job.fetch_when_interrupted is not None and job.fetch_when_interrupted():
         fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, min(timeout_s, 30.0))
+    elif job.fetch_after_failure and not was_interrupted and rank0 in states:
+        fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, min(timeout_s, 20.0), job.fetch_after_failure)
 
     if was_interrupted:
         error, status = "interrupted", 130
@@ -417,10 +421,10 @@ def _all_local(job: Job) -> bool:
     return all(n.local for n in job.cluster.nodes)
 
 
-async def _fetch(ex, job: Job, workdir: str, timeout_s: float) -> list[str]:
+async def _fetch(ex, job: Job, workdir: str, timeout_s: float, names: list[str] | None = None) -> list[str]:
     fetched = []
     node_dir = job.node_run_dir(workdir)
-    for name in job.fetch:
+    for name in job.fetch if names is None else names:
         remote = posixpath.join(node_dir, name)
         local = job.run_dir / name
         if ex.node.local and os.path.realpath(remote) == os.path.realpath(local):

@@ -37,9 +37,11 @@ from typing import Any, Callable
 from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
 from vpscluster.launch.pipeline import Job, SyncItem
+from vpscluster.train import rundir
+from vpscluster.train.metrics import merge_launch, write_metrics
 from vpscluster.train.strategies import AUTO
 
-FETCHED = ["report.json", "metrics.jsonl"]
+FETCHED = [rundir.REPORT, rundir.METRICS]
 LOCAL_LOG = "launcher.log"  # the local cluster's node log (logs/<node>.log on a cluster)
 
 Say = Callable[[str], None]
@@ -95,7 +97,6 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
     """
     import dataclasses
 
-    from vpscluster.train import rundir
     from vpscluster.train.data import load_dataset
     from vpscluster.train.presets import get_preset
 
@@ -308,7 +309,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
 
     return Job(
         cluster=cluster, program=program_for({}), program_for=program_for, run_dir=Path(run_dir), run_id=run_id,
-        syncs=syncs, cwd_key=None, nproc_per_node=nproc, fetch=list(FETCHED),
+        syncs=syncs, cwd_key=None, nproc_per_node=nproc, fetch=list(FETCHED), fetch_after_failure=[rundir.METRICS],
         join_timeout_s=cfg.timeouts.rendezvous_s, store_timeout_s=cfg.timeouts.startup_collective_s,
         env_for=env_for, prepare=prepare, check_states=check_states, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
         say=say, on_event=on_event, run_dir_on_node=run_dir_on_node,
@@ -346,7 +347,6 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 
     from vpscluster.launch import recovery
     from vpscluster.launch.pipeline import launch
-    from vpscluster.train import rundir
 
     created: list[bool] = []
 
@@ -362,11 +362,15 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             fsutil.write_json(run.run_dir / PREDICTION, run.prediction)
 
     stop_checkpoint: list[int] = []  # the step of the checkpoint saved by a stop, once rank 0 says so
+    resumed_from = [0]  # the checkpoint step the current launch resumed from (0: from the start)
+    history = _read_metrics(run.run_dir / rundir.METRICS)  # every launch's metrics, merged (see _merge_metrics)
     recoveries: list[dict[str, Any]] = []  # the launcher's record of each relaunch
     last_step = [0]
 
     def with_monitor(event: dict) -> None:
         kind = event.get("event")
+        if kind == "resume":
+            resumed_from[0] = int(event.get("step") or 0)
         if kind == "start" and event.get("exporters"):
             _publish_targets(run, event["exporters"], say)
         if kind == "stopping":
@@ -397,8 +401,11 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
         if out:  # while a node is out: look whether it answers again
             job.stop_when = lambda out=out: recovery.wait_for_any(run.cluster, out, run.cfg.recovery.rejoin_poll_s)
         stop_checkpoint.clear()
+        resumed_from[0] = 0
         result = launch(job)
         launch_ids.append(result.rdzv_id)
+        if not run.local:
+            history = _merge_metrics(run.run_dir / rundir.METRICS, history, result.fetched, resumed_from[0])
         _clear_targets(run, say)
         if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
             back = asyncio.run(recovery.answering(run.cluster, out))
@@ -458,6 +465,36 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     return report
 
 
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's lines; a torn or missing file gives what could be read."""
+    import json
+
+    lines = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return lines
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict):
+            lines.append(line)
+    return lines
+
+
+def _merge_metrics(path: Path, history: list[dict[str, Any]], fetched: list[str], resumed_from: int) -> list[dict[str, Any]]:
+    """Fold what one launch's rank 0 wrote (fetched to `path`, if its node answered) into the
+    run's history and write the result to `path`: with recovery, rank 0 may run on another node
+    in each launch, and each node's file holds only its own launches' lines."""
+    if str(path) in fetched:
+        history = merge_launch(history, _read_metrics(path), resumed_from)
+    if history:
+        write_metrics(path, history)
+    return history
+
+
 def _seen(ended_at: float | None) -> dict[str, float]:
     """When the launcher saw a launch end: `_at` (monotonic, for durations) and `detected_at`
     (Unix time, to line a recovery up with a fault injected at a known moment)."""
@@ -468,7 +505,6 @@ def _seen(ended_at: float | None) -> dict[str, float]:
 
 
 def _raise_failed(run: TrainingRun, result) -> None:
-    from vpscluster.train import rundir
 
     logs = run.run_dir / rundir.LOGS
     outcome = next((o for o in result.nodes if o.name == result.failed_node), None)

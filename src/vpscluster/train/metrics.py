@@ -91,3 +91,31 @@ def truncate_after(path: Path, step: int) -> None:
                 break  # a torn last line from a crash: drop it and everything after
             keep_bytes += len(raw)
         f.truncate(keep_bytes)
+
+
+def merge_launch(history: list[dict[str, Any]], launch: list[dict[str, Any]], resumed_from: int) -> list[dict[str, Any]]:
+    """A run's metrics across relaunches whose rank 0 ran on different nodes (recovery moved the
+    head, or took a node back): each node's file holds only what rank 0 wrote there.
+
+    `launch` is one launch's file, resumed from the checkpoint of step `resumed_from` (0: from
+    the start). Its lines past that step are what this launch trained: they replace anything
+    the history has past it (training a restart threw away). Its lines up to that step are the
+    node's older copy: they only fill steps the history lacks. A step line and an evaluation
+    line at the same step are kept apart."""
+    def key(line: dict[str, Any]) -> tuple[int, bool]:
+        return int(line.get("step", 0)), "val_loss" in line
+
+    kept = {key(x): x for x in history if key(x)[0] <= resumed_from}
+    for x in launch:
+        k = key(x)
+        if k[0] > resumed_from or k not in kept:
+            kept[k] = x
+    return [kept[k] for k in sorted(kept)]
+
+
+def write_metrics(path: Path, lines: list[dict[str, Any]]) -> None:
+    """Replace `path` with `lines` (written aside, then renamed: a reader never sees half)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
+    tmp.replace(p)
