@@ -231,7 +231,8 @@ def test_top_alerts_when_sync_latency_jumps_above_its_median(tmp_path, monkeypat
         row = snap["nodes"][0]
         alert = [a for a in row["alerts"] if a.startswith("sync latency")]
         assert alert and "its median: trace the path with `mtr 127.0.0.1`" in alert[0], row
-        assert row["sync_latency_median_s"] < 0.1 < 0.3 < row["sync_latency_s"], row
+        # the median stays with the normal syncs; the window's mean has moved above 3x it
+        assert row["sync_latency_median_s"] < 0.1 and row["sync_latency_s"] > 3 * row["sync_latency_median_s"], row
         assert f"{cluster.head}: {alert[0]}" in snap["alerts"]
     finally:
         ex.close()
