@@ -38,7 +38,7 @@ from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
 from vpscluster.launch.pipeline import Job, SyncItem
 from vpscluster.train import rundir
-from vpscluster.train.metrics import merge_launch, write_metrics
+from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
 from vpscluster.train.strategies import AUTO
 
 FETCHED = [rundir.REPORT, rundir.METRICS]
@@ -363,7 +363,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 
     stop_checkpoint: list[int] = []  # the step of the checkpoint saved by a stop, once rank 0 says so
     resumed_from = [0]  # the checkpoint step the current launch resumed from (0: from the start)
-    history = _read_metrics(run.run_dir / rundir.METRICS)  # every launch's metrics, merged (see _merge_metrics)
+    history = read_metrics(run.run_dir / rundir.METRICS)  # every launch's metrics, merged (see _merge_metrics)
     recoveries: list[dict[str, Any]] = []  # the launcher's record of each relaunch
     last_step = [0]
 
@@ -465,31 +465,12 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     return report
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's lines; a torn or missing file gives what could be read."""
-    import json
-
-    lines = []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return lines
-    for raw in text.splitlines():
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(line, dict):
-            lines.append(line)
-    return lines
-
-
 def _merge_metrics(path: Path, history: list[dict[str, Any]], fetched: list[str], resumed_from: int) -> list[dict[str, Any]]:
     """Fold what one launch's rank 0 wrote (fetched to `path`, if its node answered) into the
     run's history and write the result to `path`: with recovery, rank 0 may run on another node
     in each launch, and each node's file holds only its own launches' lines."""
     if str(path) in fetched:
-        history = merge_launch(history, _read_metrics(path), resumed_from)
+        history = merge_launch(history, read_metrics(path), resumed_from)
     if history:
         write_metrics(path, history)
     return history
@@ -505,7 +486,6 @@ def _seen(ended_at: float | None) -> dict[str, float]:
 
 
 def _raise_failed(run: TrainingRun, result) -> None:
-
     logs = run.run_dir / rundir.LOGS
     outcome = next((o for o in result.nodes if o.name == result.failed_node), None)
     if run.local and outcome is not None and outcome.first_error:

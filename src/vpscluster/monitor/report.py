@@ -71,7 +71,7 @@ def figures(run_dir: Path) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     from vpscluster.train import rundir
     from vpscluster.train.metrics import read_metrics
 
-    lines = read_metrics(run_dir / rundir.METRICS) if (run_dir / rundir.METRICS).exists() else []
+    lines = read_metrics(run_dir / rundir.METRICS)
     report = _read_json(run_dir / rundir.REPORT) or {}
     try:
         cfg = rundir.read_config(run_dir)

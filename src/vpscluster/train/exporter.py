@@ -10,8 +10,9 @@ the launch's teardown, which ends every worker, ends them too.
 Updating a metric is a few dict look-ups and a lock; the HTTP server runs on its own thread and
 reads only when scraped. What the exporters cost is counted, not guessed: `cpu_seconds()` is the
 time the loop spent in the updates plus the CPU time of the server threads (scrapes served, the
-node figures read), from each thread's own CPU clock; the run's report lists it per rank. Where prometheus_client is not installed, or `exporters: false`, ranks
-get a `NullRankExporter` and the loop does not change.
+node figures read), from each thread's own CPU clock; the run's report lists it per rank. Where
+prometheus_client is not installed, or `exporters: false`, ranks get a `NullRankExporter` and
+the loop does not change.
 """
 
 from __future__ import annotations

@@ -66,10 +66,20 @@ def metrics_log(rank: int, path: Path) -> MetricsLog | NullMetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The file's lines; a missing file is empty and a torn line (a crash mid-write, a fetch cut
+    off) is skipped, so what could be read is never lost over what could not."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
     out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            out.append(json.loads(line))
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict):
+            out.append(line)
     return out
 
 
