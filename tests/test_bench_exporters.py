@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vpscluster.bench.exporters import (ExporterSettings, markdown, monitoring_cpu, process_cpu_s, quota_sum,
-                                        run_exporters, summarize)
+from vpscluster.bench.exporters import ExporterSettings, markdown, monitoring_cpu, quota_sum, run_exporters, summarize
+from vpscluster.probe.node_exporter import proc_cpu_seconds
 from vpscluster.errors import UserError
 
 
@@ -61,9 +61,9 @@ def test_process_cpu_is_read_from_proc():
     import subprocess
     import sys
 
-    busy = process_cpu_s(os.getpid())
+    busy = proc_cpu_seconds(os.getpid())
     sum(i * i for i in range(2_000_000))
-    assert process_cpu_s(os.getpid()) > busy >= 0
+    assert proc_cpu_seconds(os.getpid()) > busy >= 0
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    assert process_cpu_s(p.pid) is None  # gone
+    assert proc_cpu_seconds(p.pid) is None  # gone

@@ -23,7 +23,6 @@ every run's files.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import time
@@ -34,6 +33,7 @@ from typing import Any, Callable
 from vpscluster.bench import table
 from vpscluster.bench.uneven import steady_tokens_per_s
 from vpscluster.bench.wan import BIG_STEPS, _cli, _machine
+from vpscluster.probe.node_exporter import proc_cpu_seconds
 
 
 @dataclass
@@ -83,7 +83,7 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
             if mode == "off":
                 argv.append("--no-exporters")
             pids = monitor_pids(info.cluster_file) if mode == "on" else []
-            before = {p: process_cpu_s(p) for p in pids}
+            before = {p: proc_cpu_seconds(p) for p in pids}
             try:
                 report = json.loads(_cli(argv, run_dir.with_suffix(".log"), s.budget_s + 900).stdout)
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError) as e:
@@ -94,7 +94,7 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
             rows.append({"run": f"{i:02d}", "exporters": mode, "steps": report["steps"],
                          "tokens_per_s": report["tokens_per_s"], "steady_tokens_per_s": steady_tokens_per_s(metrics),
                          "wall_seconds": report["wall_seconds"],
-                         **(monitoring_cpu(before, {p: process_cpu_s(p) for p in pids}, report, quota_cores)
+                         **(monitoring_cpu(before, {p: proc_cpu_seconds(p) for p in pids}, report, quota_cores)
                             if mode == "on" else {})})
             say(f"  run {i} (exporters {mode}): {report['tokens_per_s']:.0f} tokens/s")
     finally:
@@ -117,15 +117,6 @@ def quota_sum(cpu: str, nodes: int) -> float:
     """The cores the nodes' quotas add up to: "0.45" for every node, or one figure per node."""
     parts = [float(x) for x in str(cpu).split(",") if x.strip()]
     return parts[0] * nodes if len(parts) == 1 else sum(parts)
-
-
-def process_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process of this machine, in seconds; None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def monitor_pids(cluster_file: str) -> list[int]:

@@ -15,8 +15,9 @@ The command's own stdin is /dev/null, unless `run(input=...)` passes data.
 Connections: one per node, opened on first use, kept alive and reused by every call. A node
 that sends nothing for a quarter of the cluster's `dead_after_s` gets an SSH keepalive; after
 `dead_after_s` without any answer the connection is dropped as lost (so a cut link or a dead
-host ends a launch's wait on it within that time, not at a TCP time-out); concurrent callers share one connect attempt and its failure. At most 8 short
-commands hold a channel at once (OpenSSH allows 10 per connection by default).
+host ends a launch's wait on it within that time, not at a TCP time-out). Concurrent callers
+share one connect attempt and its failure. At most 8 short commands hold a channel at once
+(OpenSSH allows 10 per connection by default).
 
 Errors never carry key material: messages name files, hosts and reasons only.
 """
@@ -279,7 +280,8 @@ class SSHExecutor(Executor):
                 self.node.host, port=self.node.port, username=self.node.user,
                 client_keys=[self.node.identity_file] if self.node.identity_file else (),
                 known_hosts=check.matcher, client_factory=_Client, config=None,
-                connect_timeout=timeout_s, keepalive_interval=self.cluster.dead_after_s / (_KEEPALIVE_COUNT + 1), keepalive_count_max=_KEEPALIVE_COUNT,
+                connect_timeout=timeout_s, keepalive_count_max=_KEEPALIVE_COUNT,
+                keepalive_interval=self.cluster.dead_after_s / (_KEEPALIVE_COUNT + 1),
                 password_auth=False, kbdint_auth=False,
             ), timeout_s + 5.0)
         except asyncssh.HostKeyNotVerifiable:

@@ -140,7 +140,8 @@ def _quota_at(cgroup_dir: str, fstype: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-def _proc_cpu_seconds(pid: str) -> float | None:
+def proc_cpu_seconds(pid: int | str) -> float | None:
+    """utime + stime of process `pid` in seconds; None when it is gone."""
     text = _read(f"/proc/{pid}/stat")
     if not text:
         return None
@@ -198,7 +199,7 @@ class CpuMeter:
         # Per-process sum: a process that exits keeps what it had added.
         now = {}
         for pid in _cgroup_pids(s.cgroup_dir, s.cgroup_path):
-            v = _proc_cpu_seconds(pid)
+            v = proc_cpu_seconds(pid)
             if v is not None:
                 now[pid] = v
         for pid, v in now.items():
