@@ -110,6 +110,38 @@ def test_store_round_trip_fingerprint_and_age(tmp_path, monkeypatch):
     assert load_probe(local) is None
 
 
+
+def test_a_part_of_the_cluster_gets_the_whole_probe_cut_down(tmp_path, monkeypatch):
+    # The nodes that remain after a failure (launch/recovery.subset) use the probe of the whole
+    # cluster: their records, the links among them, the problems found again without the others.
+    from vpscluster.launch.recovery import subset
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    no_torch = tmp_path / "python-no-torch"  # keeps it fast: no node imports torch
+    no_torch.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    no_torch.chmod(no_torch.stat().st_mode | stat.S_IEXEC)
+    nodes = local_nodes(tmp_path, 3, {0: str(no_torch), 1: str(no_torch), 2: str(tmp_path / "no" / "python3")})
+    whole = Cluster(nodes=nodes, head="n2")
+    probe = probe_local(whole, ProbeSettings.make(quick=True))
+    save_probe(whole, probe)
+    assert ("python_unusable", ("n2",)) in {(p["code"], tuple(p["nodes"])) for p in blocking_problems(probe)}
+
+    part = subset(whole, ["n0", "n1"])
+    got = load_probe(part, max_age_s=1000)
+    assert got is not None and got["cluster"]["part_of"]["nodes"] == ["n0", "n1", "n2"]
+    assert [n["name"] for n in got["nodes"]] == ["n0", "n1"] and got["cluster"]["head"] == "n0"
+    assert sorted((l["src"], l["dst"]) for l in got["links"]) == [("n0", "n1"), ("n1", "n0")]
+    assert {(p["code"], tuple(p["nodes"])) for p in blocking_problems(got)} == {("torch_missing", ("n0", "n1"))}
+    assert load_probe(part, max_age_s=1000) == got and load_probe(whole) == probe  # the whole stays as it was
+
+    # A probe of the part never replaces the whole one, which serves both.
+    save_probe(part, {**got, "probed_at_unix": time.time(), "cluster": {**got["cluster"], "part_of": None}})
+    assert load_probe(whole) == probe
+    # A node changed (another address): not part of that probe any more.
+    moved = dataclasses.replace(part, nodes=(part.nodes[0], dataclasses.replace(part.nodes[1], host="127.0.0.9")))
+    assert load_probe(moved) is None
+
+
 def test_cli_json_on_the_local_cluster(cli, tmp_path):
     out = tmp_path / "probe.json"
     env = {"HOME": str(tmp_path / "home")}

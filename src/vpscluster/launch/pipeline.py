@@ -63,6 +63,9 @@ class Job:
     # job before anything is copied, created or started (e.g. a per-rank list of the wrong length).
     check_states: Callable[[dict[str, NodeState]], None] | None = None
     force: bool = False
+    # A relaunch of a run (launch/recovery.py): pre-flight takes the cluster's last probe however
+    # old it is (the first launch checked it; nothing to probe again while training waits).
+    relaunch: bool = False
     # False: always copy, even where a node sees the launcher's files at the same path.
     detect_shared: bool = True
     rdzv_id: str | None = None
@@ -238,8 +241,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
 
     # preflight: reachable, workdir, probe, interfaces, port.
     job.say(f"pre-flight on {len(executors)} nodes")
-    facts = await unless_interrupted(pf.probe_facts(job.cluster, executors, job.force, job.say), interrupted) \
-        if not _all_local(job) else {}
+    facts = await unless_interrupted(pf.probe_facts(job.cluster, executors, job.force, job.say,
+                                                    any_age=job.relaunch), interrupted) if not _all_local(job) else {}
     states = await unless_interrupted(pf.preflight(job.cluster, executors, facts, timeout_s), interrupted)
     if job.check_states is not None:
         job.check_states(states)

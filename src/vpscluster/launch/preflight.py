@@ -59,12 +59,13 @@ async def resolve_workdirs(executors, timeout_s: float) -> dict[str, str]:
     return out
 
 
-async def probe_facts(cluster, executors, force: bool, say=None) -> dict[str, dict]:
-    """Per-node facts from a fresh probe (a quick probe when none is fresh); refuses on blocking problems."""
+async def probe_facts(cluster, executors, force: bool, say=None, any_age: bool = False) -> dict[str, dict]:
+    """Per-node facts from a fresh probe (a quick probe when none is fresh; `any_age`: the last
+    probe however old, for a relaunch of a run its first launch checked); refuses on blocking problems."""
     from vpscluster.probe.api import ProbeSettings, blocking_problems, run_probe_async
     from vpscluster.probe.store import load_probe
 
-    probe = load_probe(cluster, PROBE_MAX_AGE_S)
+    probe = load_probe(cluster, None if any_age else PROBE_MAX_AGE_S)
     if probe is not None and blocking_problems(probe):
         probe = None  # the user may have fixed it since: look again rather than refuse on old news
     if probe is None:

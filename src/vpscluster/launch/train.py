@@ -396,6 +396,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
         job = training_job(run.cfg, run.run_dir, cluster, resume=resume, force=run.force,
                            say=say, on_event=with_monitor, prediction=run.prediction)
         job.create_run = create_run
+        job.relaunch = bool(launch_ids)
         # A stop that saved its checkpoint also wrote the report (stopped_by): bring it here too.
         job.fetch_when_interrupted = lambda: bool(stop_checkpoint) and stop_checkpoint[0] >= 0
         if out:  # while a node is out: look whether it answers again

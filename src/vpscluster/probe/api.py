@@ -66,7 +66,7 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         async with open_executors(cluster) as opened:
             return await run_probe_async(cluster, settings, quick, progress, save,
                                          {ex.node.name: ex for ex in opened})
-    from vpscluster.probe.store import fingerprint, save_probe
+    from vpscluster.probe.store import fingerprint, node_keys, save_probe
 
     report = progress or (lambda task, done, total: None)
     started = time.time()
@@ -128,7 +128,7 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         "duration_s": None,
         "quick": quick,
         "cluster": {"source": cluster.source, "head": cluster.head, "fingerprint": fingerprint(cluster),
-                    "nodes": [n.name for n in cluster.nodes]},
+                    "nodes": [n.name for n in cluster.nodes], "node_keys": node_keys(cluster)},
         "settings": {"links": asdict(settings.links), "sweep": asdict(settings.sweep) if settings.sweep else None,
                      "thresholds": asdict(settings.thresholds)},
         "nodes": [_node_record(facts[n.name]) for n in cluster.nodes],
