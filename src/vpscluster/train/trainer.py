@@ -126,7 +126,7 @@ class Trainer:
 
     def install_stop_handler(self) -> None:
         """SIGTERM/SIGINT ask for a stop with a checkpoint instead of killing the rank mid-step.
-        `run` installs it once start-up is over: a rank stopped while it starts has nothing to save."""
+        `train` installs it once start-up is over: a rank stopped while it starts has nothing to save."""
         for sig in STOP_SIGNALS:
             try:
                 signal.signal(sig, self._request_stop)
@@ -592,12 +592,3 @@ def _adamw(model, cfg: TrainConfig, fused: bool):
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None)
-
-
-def run(cfg: TrainConfig, run_dir: Path, resume: bool, backend: str = "auto") -> dict[str, Any] | None:
-    trainer = Trainer(cfg, run_dir, backend)
-    try:
-        return trainer.train(resume)
-    finally:
-        trainer.close()
-        sys.stdout.flush()

@@ -9,16 +9,26 @@ DIR/logs/rank-N.log. Rank 0 prints `VPSC_EVENT {...}` lines on stdout (see event
 writes DIR/metrics.jsonl and DIR/report.json. On failure the error goes to stderr (one line for
 a `UserError`, a traceback in the rank's log otherwise), rank 0 emits an `error` event, and the
 exit status is non-zero.
+
+A failed rank leaves within `LEAVE_AFTER_FAILURE_S`. Its process groups may still hold a peer
+that is gone (a node cut off): destroying them, or the interpreter joining a thread stuck in a
+collective, can block far longer than any time-out — the rank then ignores SIGTERM, and every
+relaunch waits for the teardown's SIGKILL. So the error is reported first, the shutdown runs
+under faulthandler's watchdog (it prints where the shutdown hung and exits), and the process
+ends with `os._exit`, skipping the interpreter's joins.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import traceback
 from pathlib import Path
 from typing import TextIO
+
+LEAVE_AFTER_FAILURE_S = 5.0
 
 
 class _Tee:
@@ -61,24 +71,35 @@ def main(argv: list[str] | None = None) -> int:
     from vpscluster.train.rundir import read_config
 
     ev = events.event_writer(rank)
+    trainer = None
+    code = 1
     try:
-        from vpscluster.train.trainer import run
+        from vpscluster.train.trainer import Trainer
 
-        cfg = read_config(run_dir)
-        run(cfg, run_dir, resume=args.resume, backend=args.backend)
-        return 0
+        trainer = Trainer(read_config(run_dir), run_dir, args.backend)
+        trainer.train(args.resume)
+        code = 0
     except UserError as e:
         print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
         ev.emit("error", rank=rank, message=str(e))
-        return 2
-    except Exception as e:  # the traceback goes to this rank's log; the event carries one line
+        code = 2
+    except BaseException as e:  # the traceback goes to this rank's log; the event carries one line
         traceback.print_exc()
         ev.emit("error", rank=rank, message=f"{type(e).__name__}: {e}".splitlines()[0][:500])
-        return 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if code:  # reported: now a bounded shutdown (see the module's docstring)
+            faulthandler.dump_traceback_later(LEAVE_AFTER_FAILURE_S, exit=True, file=sys.__stderr__)
+        if trainer is not None:
+            trainer.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if code:
+        os._exit(code)  # the watchdog is armed: do not wait for threads stuck in a collective
+    raise SystemExit(code)
