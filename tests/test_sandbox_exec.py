@@ -116,12 +116,23 @@ def test_a_node_cut_off_mid_command_is_lost_within_dead_after_s(sandbox3, tmp_pa
             sandbox.set_link(sandbox3.name, "node-2", up=False)
             t0 = time.monotonic()
             status = await handle.wait(60)
-            return status, time.monotonic() - t0, handle.error
+            took = time.monotonic() - t0
+            # Right after the loss the next call fails at once (no connect time-out per call)...
+            t1 = time.monotonic()
+            again = await ex.run(["true"], timeout_s=30)
+            again_s = time.monotonic() - t1
+            # ...and once the node answers and dead_after_s has passed, it is reached again.
+            sandbox.set_link(sandbox3.name, "node-2", up=True)
+            await asyncio.sleep(max(0.0, t0 + took + dead_after_s + 0.5 - time.monotonic()))
+            later = await ex.run(["true"], timeout_s=30)
+            return status, took, handle.error, again, again_s, later
         finally:
             sandbox.set_link(sandbox3.name, "node-2", up=True)
             await ex.close()
 
-    status, took, error = asyncio.run(main())
+    status, took, error, again, again_s, later = asyncio.run(main())
     assert status == 255, (status, took)
     assert "node-2" in (error or "") and "keepalive" in error, error
     assert dead_after_s - 2 < took < dead_after_s + 3, f"lost after {took:.1f} s with dead_after_s={dead_after_s}"
+    assert not again.ok and "keepalive" in (again.error or "") and again_s < 1.0, (again, again_s)
+    assert later.ok, later

@@ -15,8 +15,11 @@ The command's own stdin is /dev/null, unless `run(input=...)` passes data.
 Connections: one per node, opened on first use, kept alive and reused by every call. A node
 that sends nothing for a quarter of the cluster's `dead_after_s` gets an SSH keepalive; after
 `dead_after_s` without any answer the connection is dropped as lost (so a cut link or a dead
-host ends a launch's wait on it within that time, not at a TCP time-out). Concurrent callers
-share one connect attempt and its failure. At most 8 short commands hold a channel at once
+host ends a launch's wait on it within that time, not at a TCP time-out). For the next
+`dead_after_s` after such a loss, calls fail at once with that reason instead of each waiting out
+a connect time-out (what a launch does after a failure — look for hung ranks, stop every process,
+fetch files — would otherwise wait `connect_timeout_s` per step on a dead node); a node that
+answers again is reached after that. Concurrent callers share one connect attempt and its failure. At most 8 short commands hold a channel at once
 (OpenSSH allows 10 per connection by default).
 
 Errors never carry key material: messages name files, hosts and reasons only.
@@ -220,6 +223,7 @@ class SSHExecutor(Executor):
         self._sftp = None
         self._lost: str | None = None
         self._dark: str | None = None  # set when the node stopped answering (see _gone_dark)
+        self._silent_until = 0.0  # time.monotonic() until which a node lost to silence is not retried
         self._lock = asyncio.Lock()
         self._attempts = 0  # connection attempts made, to share one failure among waiters
         self._last_error: str | None = None
@@ -240,6 +244,8 @@ class SSHExecutor(Executor):
         """The open connection, made on first use; raises RemoteError with a one-line reason."""
         if self._dark:
             raise RemoteError(self._dark)
+        if time.monotonic() < self._silent_until and self._lost:
+            raise RemoteError(self._lost)
         attempt = self._attempts
         async with self._lock:
             if self._conn is not None and not self._conn.is_closed():
@@ -271,8 +277,12 @@ class SSHExecutor(Executor):
                 return check.decide(key)
 
             def connection_lost(self, exc) -> None:
+                why = str(getattr(exc, "reason", None) or exc or "")
                 executor._lost = f"{executor.node.name}: connection to {executor.address} lost" + (
-                    f": {getattr(exc, 'reason', None) or exc}" if exc else "")
+                    f": {why}" if why else "")
+                if "keepalive" in why:  # silent for dead_after_s: do not wait on it again soon
+                    executor._lost += f" (nothing for {executor.cluster.dead_after_s:g} s)"
+                    executor._silent_until = time.monotonic() + executor.cluster.dead_after_s
 
         timeout_s = self.cluster.connect_timeout_s
         try:
