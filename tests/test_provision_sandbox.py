@@ -168,6 +168,8 @@ def test_env_one_pinned_venv_per_node_found_and_fixed_after_a_hand_change(own_ro
         assert r.stdout.split()[-1] == reqs["pyyaml"]
         assert not Path(venv).exists()  # on the node's own disk only
     assert hashes == {first["env"]["hash"]}
+    for n, rec in zip(info.nodes, first["nodes"]):  # how to run on it: the node's `python` in the cluster file
+        assert f"set `python: {n.workdir}/venv/bin/python` for {n.name}" in " ".join(rec["notes"]), rec["notes"]
     # CPU nodes: the CUDA/driver check says so, without failing anything.
     assert [n["gpu_check"]["status"] for n in first["nodes"]] == ["no GPU", "no GPU"], first["nodes"]
     assert run()["summary"] == "no changes"

@@ -83,7 +83,18 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
     if "env" in chosen:
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
+        by_name = {n.name: n for n in cluster.nodes}
+        for n in report["nodes"]:  # launches run the cluster file's `python`: say how to use the venv
+            node = by_name.get(n["name"])
+            if node is not None and node.python != venv_python(node) and n["status"] != "failed":
+                n["notes"].append(f"to run on this environment, set `python: {venv_python(node)}` for "
+                                  f"{node.name} in the cluster file")
     return report
+
+
+def venv_python(node) -> str:
+    """The interpreter of the node's provisioned venv (the env role's `<workdir>/venv`)."""
+    return f"{node.workdir.rstrip('/')}/venv/bin/python"
 
 
 def gpu_check_command(node) -> str:
@@ -93,9 +104,8 @@ def gpu_check_command(node) -> str:
     from vpscluster import nodeside
     from vpscluster.launch.commands import shell_path
 
-    venv_python = f"{node.workdir.rstrip('/')}/venv/bin/python"
     argv = nodeside.command("PY", "facts", "--gpu-check")[1:]
-    return (f"p={shell_path(venv_python)}; [ -x \"$p\" ] || p={shlex.quote(node.python)}; "
+    return (f"p={shell_path(venv_python(node))}; [ -x \"$p\" ] || p={shlex.quote(node.python)}; "
             f"exec \"$p\" {shlex.join(argv)}")
 
 
