@@ -129,3 +129,23 @@ def test_a_stdout_line_landing_inside_a_stderr_traceback_is_not_the_error(tmp_pa
     feed("stderr", "[rank2]:    main()")
     feed("stderr", "[rank2]:RuntimeError: deliberate failure on rank 2 (pid 77)")
     assert r.first_error("n") == "RuntimeError: deliberate failure on rank 2 (pid 77)"
+
+
+def test_a_cpp_stack_trace_is_one_line_on_screen_and_whole_in_the_log(tmp_path):
+    shown: list[str] = []
+    router = LogRouter(tmp_path, ["node-2"], show=shown.append)
+    feed = router.for_node("node-2")
+    feed("stderr", "[W1204 16:27:05.502 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3): Failed to recv")
+    feed("stderr", "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):")
+    for i in range(30):
+        feed("stderr", f"frame #{i}: <unknown function> + 0x{i:x} (0x7ff in /venv/lib/libtorch_cpu.so)")
+    feed("stderr", "W1204 16:27:05.105000 15199 dynamic_rendezvous.py:1298] The node has failed to shutdown the rendezvous")
+    feed("stderr", "frame #0: again, a second trace")
+    router.close()
+    frames = [l for l in shown if "frame #" in l]
+    pointers = [l for l in shown if "C++ stack trace follows" in l]
+    assert frames == [] and len(pointers) == 2 and str(tmp_path / "node-2.log") in pointers[0], shown
+    assert len(shown) == 5, shown
+    log = (tmp_path / "node-2.log").read_text()
+    assert log.count("frame #") == 31  # all of it kept
+    assert router.first_error("node-2") == "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):"

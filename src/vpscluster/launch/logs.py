@@ -7,6 +7,8 @@ rank 0's `VPSC_EVENT` lines to a callback (the progress view) instead, and remem
 error each node printed — a rank killed by a signal (the elastic agent's "failed (exitcode: -9)
 local_rank: 1" line, said for people), else the last line of its first Python traceback, else
 its last line on stderr — so a failed launch can say which node failed and why in one line.
+A C++ stack trace (the `frame #N: ...` lines torch's c10 errors carry, e.g. an agent's store
+connection closing as the run ends) stays in the log; the user sees one line pointing there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _WRAPPER_ERRORS = ("ChildFailedError", "SignalException")
 # exception, e.g. gloo tearing down) printed the real reason first; a kill from outside did not.
 _SELF_INFLICTED = ("SIGABRT",)
 _DEATH = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_CPP_FRAME = re.compile(r"^frame #\d+: ")
 
 
 def worker_death(line: str) -> str | None:
@@ -65,6 +68,7 @@ class _Source:
     in_traceback: set[str] = field(default_factory=set)
     error: str | None = None
     last_stderr: str | None = None
+    in_frames: bool = False  # amid a C++ stack trace's `frame #N:` lines
 
 
 @dataclass
@@ -120,7 +124,15 @@ class LogRouter:
                 self.last_line_at = time.monotonic()
             who = f"{node}/{rank}" if rank is not None else (f"{node}/launcher" if stream == "launcher" else node)
             self._files[node].write(f"{time.strftime('%H:%M:%S')} {who} {stream}: {text}\n")
-            self._track_error(out.sources.setdefault(rank, _Source()), stream, text)
+            src = out.sources.setdefault(rank, _Source())
+            if _CPP_FRAME.match(text):  # kept in the log; shown as one line
+                if src.in_frames or not self.show:
+                    return
+                src.in_frames = True
+                text = f"(a C++ stack trace follows in {out.path})"
+            else:
+                src.in_frames = False
+                self._track_error(src, stream, text)
             death = worker_death(text) if rank is None else None
             if death:
                 out.deaths.append(death)
