@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
         ev.emit("error", rank=rank, message=str(e))
         code = 2
-    except BaseException as e:  # the traceback goes to this rank's log; the event carries one line
+    except Exception as e:  # the traceback goes to this rank's log; the event carries one line
         traceback.print_exc()
         ev.emit("error", rank=rank, message=f"{type(e).__name__}: {e}".splitlines()[0][:500])
     finally:
