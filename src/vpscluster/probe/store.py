@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from vpscluster import fsutil
+from vpscluster.probe.problems import Thresholds, find_problems
 
 
 def _cache_dir() -> Path:
@@ -51,8 +52,6 @@ def restrict(probe: dict, cluster) -> dict:
     """The probe as if it had measured only the nodes of `cluster` (a part of the probed one): their
     node records, the links between them, no sweep over other nodes, the problems found again for
     what is left; `cluster.part_of` says which probe it came from."""
-    from vpscluster.probe.problems import Thresholds, find_problems
-
     keep = {n.name for n in cluster.nodes}
     whole = probe.get("cluster") or {}
     out = dict(probe)
