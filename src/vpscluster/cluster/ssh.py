@@ -19,8 +19,9 @@ host ends a launch's wait on it within that time, not at a TCP time-out). For th
 `dead_after_s` after such a loss, calls fail at once with that reason instead of each waiting out
 a connect time-out (what a launch does after a failure — look for hung ranks, stop every process,
 fetch files — would otherwise wait `connect_timeout_s` per step on a dead node); a node that
-answers again is reached after that. Concurrent callers share one connect attempt and its failure. At most 8 short commands hold a channel at once
-(OpenSSH allows 10 per connection by default).
+answers again is reached after that. Concurrent callers share one connect attempt and its
+failure. At most 8 short commands hold a channel at once (OpenSSH allows 10 per connection by
+default).
 
 Errors never carry key material: messages name files, hosts and reasons only.
 """

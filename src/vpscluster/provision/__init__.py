@@ -80,7 +80,6 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
         report["overlay"] = record_overlay(cluster, report)
     if "env" in chosen:
         add_gpu_checks(cluster, report, timeout_s=min(timeout_s, 120.0))
-    if "env" in chosen:
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
         by_name = {n.name: n for n in cluster.nodes}
