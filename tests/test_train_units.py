@@ -82,3 +82,28 @@ def test_progress_view_renders_events_and_summary():
     assert "validation loss 5.5800" in out
     assert "75.0%" in out and "5.580 -> 1.200" in out and "4.0 MB, 4.0 MB" in out
     assert view.report == report
+
+
+def test_progress_view_suggests_finer_micro_batches_once_when_the_split_is_coarse():
+    from rich.console import Console
+
+    from vpscluster.cli.progress import ProgressView
+    from vpscluster.train.shares import split, split_gap
+
+    buf = io.StringIO()
+    view = ProgressView(console=Console(file=buf, width=200))
+    speeds = [0.6, 0.3, 0.15]
+    coarse, fine = split(speeds, 12), split(speeds, 24)
+    assert (coarse, fine) == ([8, 3, 1], [14, 7, 3])
+    for step, gap in ((3, split_gap(coarse, speeds)), (8, split_gap(coarse, speeds))):
+        view.handle({"event": "rebalance", "step": step, "shares_before": [4, 4, 4], "shares": coarse,
+                     "rebalances": 1, "split_gap": gap, "batch_size": 2})
+    out = buf.getvalue()
+    assert out.count("17% slower than an exact one") == 1, out
+    assert "--batch-size 1 --micro-batches 24 keeps the global batch" in out
+
+    buf = io.StringIO()
+    view = ProgressView(console=Console(file=buf, width=200))
+    view.handle({"event": "rebalance", "step": 3, "shares_before": [8, 8, 8], "shares": fine,
+                 "rebalances": 1, "split_gap": split_gap(fine, speeds), "batch_size": 1})
+    assert "slower than an exact" not in buf.getvalue()

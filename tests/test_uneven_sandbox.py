@@ -20,6 +20,9 @@ import pytest
 
 import sandbox_fixtures
 
+from vpscluster.train.config import StrategyConfig
+from vpscluster.train.shares import split_gap
+
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 
@@ -93,3 +96,5 @@ def test_throttled_node_gets_fewer_micro_batches(make_sandbox, cli, tmp_path):
     assert report["rebalances"] >= 1
     assert any(h["step"] > throttled_at and h["to"][1] < h["from"][1] for h in report["share_history"])
     assert report["tokens"] == 27 * 8 * 128  # the global batch never changed
+    # the report's split gap is the shares' own figure under the final speed estimates
+    assert report["split_gap"] == pytest.approx(split_gap(report["shares"], report["speeds"], StrategyConfig.max_spread), abs=1e-3)

@@ -193,3 +193,15 @@ def test_noise_below_the_jump_factor_is_averaged_not_followed():
     assert c.speeds[1] == pytest.approx(0.5 * 4 + 0.5 * 4 * 1.3)
     c.observe([(1.0, 4), (3.0, 4)], 15)  # a third of its speed: taken as it is
     assert c.speeds[1] == pytest.approx(4 / 3)
+
+
+def test_split_gap_is_the_cost_of_whole_micro_batches():
+    speeds = [0.6, 0.3, 0.15]
+    # 8:3:1 of 12: node-1 needs 8/0.6 = 13.3 s against 12/1.05 = 11.4 s for an exact split
+    assert S.split_gap([8, 3, 1], speeds) == pytest.approx((8 / 0.6) / (12 / 1.05) - 1)
+    assert S.split_gap([14, 7, 3], speeds) == pytest.approx(0.0208, abs=1e-3)
+    assert S.split_gap([2, 1], [2.0, 1.0]) == pytest.approx(0.0)  # proportional shares: no gap
+    # the spread rule applies: a node 100x slower counts as max_spread x slower
+    assert S.split_gap([4, 1], [100.0, 1.0], max_spread=4.0) == pytest.approx(0.0)
+    c = S.ShareController.start(3, 12, speeds, 1, 0.0, True)
+    assert c.shares == [8, 3, 1] and c.split_gap() == pytest.approx(S.split_gap([8, 3, 1], speeds))

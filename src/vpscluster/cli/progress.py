@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vpscluster.train.shares import GAP_HINT
+
 
 class ProgressView:
     def __init__(self, json_mode: bool = False, console=None) -> None:
@@ -19,6 +21,7 @@ class ProgressView:
         self._progress = None
         self._task = None
         self._val: float | None = None
+        self._gap_hinted = False  # the finer-micro-batches hint is shown once per run
         self.report: dict[str, Any] | None = None
         self.errors: list[str] = []
 
@@ -79,6 +82,14 @@ class ProgressView:
         before = ":".join(str(v) for v in ev.get("shares_before", []))
         after = ":".join(str(v) for v in ev.get("shares", []))
         self.console.print(f"step {ev['step']}: shares {before} -> {after} (rebalance {ev.get('rebalances')})")
+        gap, total = ev.get("split_gap"), sum(ev.get("shares", []))
+        if isinstance(gap, (int, float)) and gap > GAP_HINT and not self._gap_hinted:
+            self._gap_hinted = True
+            batch = ev.get("batch_size") or 1
+            finer = (f"--batch-size 1 --micro-batches {total * batch} keeps the global batch" if batch > 1
+                     else "more micro-batches per step (a larger global batch)")
+            self.console.print(f"shares are whole micro-batches: this split is {gap:.0%} slower than an exact one; "
+                               f"{finer} and makes the split finer", style="yellow")
 
     def _on_prediction(self, ev: dict[str, Any]) -> None:
         pred, meas, corr = ev.get("predicted") or {}, ev.get("measured") or {}, ev.get("corrected") or {}
@@ -144,7 +155,9 @@ class ProgressView:
                                           f"predicted ({p.get('compute_source')})" + (f", {e:.0%} off" if e is not None else "")))
         if report.get("shares"):
             rows.insert(-1, ("shares", f"{':'.join(str(v) for v in report['shares'])} of {report.get('micro_batches')} "
-                                       f"micro-batches ({report.get('rebalances', 0)} rebalance(s))"))
+                                       f"micro-batches ({report.get('rebalances', 0)} rebalance(s)"
+                                       + (f"; {report['split_gap']:.0%} slower than an exact split"
+                                          if isinstance(report.get("split_gap"), (int, float)) else "") + ")"))
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)

@@ -474,6 +474,7 @@ class Trainer:
             self.events.emit(
                 "rebalance", step=self.step, shares_before=before, shares=list(self.shares.shares),
                 speeds=[round(v, 4) for v in self.shares.speeds], rebalances=self.shares.rebalances,
+                split_gap=round(self.shares.split_gap(), 4), batch_size=self.cfg.micro_batch(),
             )
 
     def _correct_prediction(self) -> None:
@@ -549,6 +550,7 @@ class Trainer:
                     "shares": list(self.shares.shares),
                     "speeds": [round(v, 4) for v in self.shares.speeds],
                     "rebalances": self.shares.rebalances,
+                    "split_gap": round(self.shares.split_gap(), 4),
                     "share_history": self.shares.history,
                 }
                 if self.shares is not None
