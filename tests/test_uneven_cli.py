@@ -27,8 +27,11 @@ def test_plan_balance_section_for_uneven_flops(plan):
     assert bal["speedup"] > 1.5
     assert bal["balanced_step_seconds"] < bal["even_step_seconds"] == pytest.approx(doc["step_seconds"])
     assert "--micro-batches 12" in bal["train_flags"]
+    # 5:5:2 of 12 for speeds 80:80:27: the 27 GFLOP/s node needs 2/27 against 12/187 for an exact split
+    assert bal["split_gap"] == pytest.approx((2 / 27) / (12 / 187) - 1, rel=0.02)
     human = plan("--model", "small", "--flops", "80,80,27", "--bandwidth", "1gbit", "--strategy", "ddp")
     assert human.returncode == 0 and "Uneven nodes" in human.stdout and "5:5:2" in human.stdout
+    assert "15% longer than an exact split" in human.stdout, human.stdout
 
 
 def test_plan_even_flops_buys_nothing_and_wrong_count_is_one_line(plan):

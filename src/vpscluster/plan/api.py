@@ -196,7 +196,7 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
     sequences split by speed in whole sequences (`--batch-size 1 --micro-batches N --speeds ...`),
     the predicted step with those shares and without (even split: everyone waits for the slowest).
     Communication is the same either way; only the compute part changes."""
-    from vpscluster.train.shares import predicted_step, split
+    from vpscluster.train.shares import predicted_step, split, split_gap
 
     per_rank = [p.compute_seconds for p, r in zip(chosen.nodes, res.nodes) for _ in range(r.ranks)]
     if len(per_rank) < 2 or min(per_rank) <= 0:
@@ -217,6 +217,8 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
         "even_step_seconds": even_step,
         "balanced_step_seconds": balanced_step,
         "speedup": even_step / balanced_step,
+        # whole sequences: how much longer the compute takes than an exact split would
+        "split_gap": split_gap(shares, speeds, _STRATEGY.max_spread),
         "tokens_per_s_even": chosen.tokens_per_step / even_step,
         "tokens_per_s_balanced": chosen.tokens_per_step / balanced_step,
         "train_flags": f"--batch-size 1 --micro-batches {total} --speeds {','.join(f'{v:g}' for v in rel)} --balance",

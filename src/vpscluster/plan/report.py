@@ -61,7 +61,9 @@ def render(doc: dict, console) -> None:
             f"[bold]Uneven nodes[/]: shares {':'.join(str(v) for v in bal['shares'])} of {bal['global_batch']} sequences "
             f"(speeds {':'.join(f'{v:g}' for v in bal['speeds'])}): step {duration(bal['balanced_step_seconds'])} "
             f"vs {duration(bal['even_step_seconds'])} split evenly, {bal['speedup']:.2f}x "
-            f"({bal['tokens_per_s_balanced']:,.0f} vs {bal['tokens_per_s_even']:,.0f} tokens/s); "
+            f"({bal['tokens_per_s_balanced']:,.0f} vs {bal['tokens_per_s_even']:,.0f} tokens/s"
+            + (f"; whole sequences make the compute {bal['split_gap']:.0%} longer than an exact split"
+               if bal.get("split_gap", 0) >= 0.005 else "") + "); "
             f"train with {bal['train_flags']}")
 
     cands = Table(title="Strategies, fastest to the token target first", title_justify="left",
