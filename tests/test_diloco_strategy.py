@@ -443,3 +443,27 @@ def test_reshard_state_counts_a_sync_in_flight_as_skipped():
     assert out["in_flight"] == [] and out["steps_since_sync"] == [5, 3] and out["tokens_since_sync"] == [50.0, 30.0]
     assert out["global"] is g and out["outer_steps"] == 4 and out["fragment_syncs"] == [2, 2]
     assert len(state["in_flight"]) == 1 and state["steps_since_sync"] == [1, 3]  # the loaded shard is not changed
+
+
+def test_time_step_with_sync_runs_the_step_once_and_applies_the_outer_update():
+    import torch
+
+    from vpscluster.train.model import build_model
+    from vpscluster.train.presets import ModelShape
+    from vpscluster.train.strategies.diloco import time_step_with_sync
+
+    net = build_model(ModelShape(d_model=32, n_layer=1, n_head=2, seq_len=16, batch_size=2), seed=0)
+    before = [p.detach().clone() for p in net.parameters()]
+    calls = []
+
+    def step():
+        calls.append(1)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.01)  # the inner step's progress, made while the sync is in flight
+
+    seconds = time_step_with_sync(net, step, "int8", world_size=3)
+    assert calls == [1] and seconds > 0
+    after = list(net.parameters())
+    # global (= the start) - lr * Nesterov(world x the zero delta) + the progress: the progress survives
+    assert all(torch.allclose(a, b + 0.01, atol=1e-5) for a, b in zip(after, before))

@@ -56,3 +56,13 @@ def test_missing_benchmarks_file_is_refused_before_any_sandbox(tmp_path):
     with pytest.raises(UserError, match="no such file to write the plan section into"):
         bench.run_plan_bench(settings)
     assert not (tmp_path / "r").exists()
+
+
+def test_round_median_follows_the_mean_step_of_periodic_rounds():
+    from vpscluster.bench.plan import round_median
+
+    # DiLoCo H = 3: a send step and a landing step longer than the third; one round hit by a spike.
+    steps = [3.0, 4.5, 2.2, 3.1, 4.4, 2.3, 9.0, 4.6, 2.2]
+    assert round_median(steps, 3) == pytest.approx((3.1 + 4.4 + 2.3) / 3)
+    assert round_median(steps, 1) == 3.1  # ddp: the median step
+    assert round_median([1.0, 2.0], 3) == pytest.approx(1.5)  # fewer steps than a round: their mean

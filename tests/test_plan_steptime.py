@@ -50,6 +50,15 @@ def test_cache_key_changes_with_the_model_shape_and_nothing_else_of_it_is_ignore
     assert key(tiny, node_id="n1@10.0.0.2:22") != base
     assert key(tiny, threads=2) != base and key(tiny, ranks=2) != base
     assert key(tiny, cpu_share=0.45) != key(tiny, cpu_share=0.3)
+    assert key(tiny, world=3) != key(tiny, world=4)  # the sync's work depends on the ranks' chunks
+
+
+def test_measure_times_what_a_diloco_sync_adds_per_wire():
+    shape = ModelShape(d_model=64, n_layer=2, n_head=2, seq_len=32, batch_size=2)
+    doc = steptime.measure(shape, threads=1, world=3, budget_s=2.0)
+    assert set(doc["sync_extra_s"]) == {"fp32", "bf16", "int8"}
+    assert all(v >= 0 for v in doc["sync_extra_s"].values())
+    assert steptime.measure(shape, threads=1, budget_s=1.0)["sync_extra_s"] is None  # one rank: no sync
 
 
 def test_local_measurement_is_cached_per_shape():
@@ -127,15 +136,19 @@ def test_plan_uses_cached_step_times_for_compute_and_says_so():
 
     shape = get_preset("tiny")
     key = steptime.cache_key(steptime._node_id(local_cluster().nodes[0]), steptime._shape_dict(shape), None, 2,
-                             steptime._torch_version())
+                             steptime._torch_version(), world=2)
     samples = [0.40, 0.41, 0.39, 2.0, 0.40]  # one spike from another job
     steptime._write_cache({key: {"samples": samples, "threads": 1, "tokens": shape.batch_size * shape.seq_len,
-                                 "measured_at_unix": time.time()}})
+                                 "measured_at_unix": time.time(),
+                                 "sync_extra_s": {"fp32": 0.6, "bf16": 0.5, "int8": 0.45}}})
     doc = make_plan(PlanRequest(model="tiny", nodes=2, strategy="ddp", tokens=1e6))
     assert doc["step_calibration"]["source"] == "cached" and doc["step_calibration"]["covers_all"]
     assert [n["compute_seconds"] for n in doc["nodes"]] == [pytest.approx(0.40)] * 2
     assert doc["compute_seconds"] == pytest.approx(0.40)
     assert doc["efficiency"]["source"] == "calibrated"  # implied by the measured steps
+    # DiLoCo: each node's compute also carries the measured sync work of its wire, over H.
+    dl = make_plan(PlanRequest(model="tiny", nodes=2, strategy="diloco", sync_every=5, wire_dtype="bf16", tokens=1e6))
+    assert dl["compute_seconds"] == pytest.approx(0.40 + 0.5 / 5)
     # Another batch size is another shape: not cached, the FLOP/s model again.
     other = make_plan(PlanRequest(model="tiny", nodes=2, strategy="ddp", tokens=1e6, batch_size=4))
     assert other["step_calibration"] is None and other["compute_seconds"] != pytest.approx(0.40)

@@ -8,6 +8,7 @@ import torch
 
 from test_diloco_strategy import run_ranks
 from vpscluster.errors import UserError
+from vpscluster.train.strategies.base import CommStats
 from vpscluster.train.strategies.wire import INT8_BLOCK, all_reduce_sum, get_codec
 
 
@@ -118,3 +119,19 @@ def test_world_of_one_sends_nothing():
     x = spread_tensor(100)
     assert torch.equal(all_reduce_sum(x, get_codec("int8"), comm, 1), x)
     assert comm.take() == (0.0, 0)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8"])
+def test_local_only_does_the_ranks_work_without_the_network(name):
+    """local_only (the plan's timing of a sync): no process group; this rank's own encoded
+    bytes stand in for what it would receive, so it decodes and sums `world` chunks and decodes
+    `world` gathered ones - the same work - and the result is the sum of its own chunks, repeated."""
+    world = 3
+    x = spread_tensor(4 * world * INT8_BLOCK)
+    comm = CommStats()
+    codec = get_codec(name)
+    out = all_reduce_sum(x, codec, comm, world, local_only=True)
+    chunks = [codec.decode(codec.encode(c), c.numel()) for c in x.split(x.numel() // world)]
+    summed = codec.decode(codec.encode(sum(chunks)), chunks[0].numel())
+    assert out.shape == x.shape and torch.allclose(out, torch.cat([summed] * world), atol=1e-6)
+    assert comm.bytes_sent == 2 * (world - 1) * codec.encoded_nbytes(x.numel() // world)

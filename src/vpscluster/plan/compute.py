@@ -47,6 +47,11 @@ class NodeCompute:
         return self.forward_s + self.backward_s
 
 
+def with_extra(c: NodeCompute, seconds: float) -> NodeCompute:
+    """`c` plus `seconds` of work that is not the model's (counted with backward)."""
+    return NodeCompute(c.name, c.forward_s, c.backward_s + seconds) if seconds > 0 else c
+
+
 def tokens_per_rank_step(model: ModelSpec) -> int:
     return model.shape.batch_size * model.shape.seq_len
 

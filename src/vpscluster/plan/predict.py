@@ -8,6 +8,8 @@ rank's last bucket is reduced. The slowest rank sets the pace; faster ranks wait
 A DiLoCo round: H local steps without communication, then one blocking sync of the
 pseudo-gradient (a token-count all-reduce, then the encoded pseudo-gradient reduce-scattered by
 all_to_all and all-gathered, in fp32, bf16 or int8 with per-block scales). The mean step is the slowest rank's compute plus the sync over H.
+Where the plan measured it (`plan.steptime`), a node's compute also carries its share of the
+sync's own CPU work (encode, decode, sums, outer step: `NodeResources.sync_extra_s`) over H.
 """
 
 from __future__ import annotations
@@ -181,6 +183,9 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
     n = res.world_size
     ring = ring or ring_for(res)
     computes = [compute.node_compute(model, node, efficiency) for node in res.nodes]
+    if settings.name == "diloco" and n > 1:  # a sync's own work, where measured, spread over its round
+        computes = [compute.with_extra(c, (node.sync_extra_s or {}).get(settings.wire_dtype, 0.0) / settings.sync_every)
+                    for c, node in zip(computes, res.nodes)]
     slowest = max(computes, key=lambda c: c.seconds)
     traffic = sync_traffic(settings, model, n)
     sent = bytes_sent(traffic, n)

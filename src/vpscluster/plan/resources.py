@@ -43,6 +43,9 @@ class NodeResources:
     # `step_tokens` tokens; when set it replaces flops x efficiency in the compute model.
     step_seconds: float | None = None
     step_tokens: int = 0
+    # Measured seconds one whole-model DiLoCo outer sync adds to a round here, per wire dtype
+    # (its own encode/decode/outer step sharing the node's CPU with the steps; `plan.steptime`).
+    sync_extra_s: dict[str, float] | None = None
 
 
 @dataclass

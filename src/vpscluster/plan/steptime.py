@@ -10,6 +10,11 @@ trainer's step without communication. Warm-up steps are discarded; the rest are 
 NOISY_SPREAD, within BUDGET_S) and summarised by `robust_summary`: the median of the repeats
 (other jobs' spikes do not move it) and their spread, reported.
 
+For a cluster of several ranks the same call also times one step with a DiLoCo outer sync's
+own work in flight, per wire dtype (`sync_extra_s`): on a node with a small CPU quota the
+sync's encode, decode, sums and outer step share the quota with the steps (about 1.5 s a round
+for `small` at 0.45 of a core), and the plan spreads that over the H steps of a round.
+
 All nodes are measured at once, as they will train at once (on an emulated cluster they share
 this machine's cores, and training sees that contention too); each node's ranks run as that many
 concurrent processes for the same reason. Every call is time-bounded (`timeout_s`); a node that
@@ -55,6 +60,8 @@ class StepTime:
     tokens: int
     source: str  # "measured" | "cached"
     samples: tuple[float, ...] = ()
+    # seconds one whole-model DiLoCo sync adds to its round here, per wire dtype (see `measure`)
+    sync_extra_s: dict | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -88,19 +95,22 @@ def robust_summary(samples: list[float], warmup: int = 0) -> dict:
 
 
 def cache_key(node_id: str, shape: dict, threads: int | None, ranks: int, torch_version: str,
-              cpu_share: float | None = None) -> str:
+              cpu_share: float | None = None, world: int = 1) -> str:
     """The cache key: which node (and its CPU share where the probe knows it), the model's full
     shape including batch and sequence length, the configured threads, ranks and torch."""
     fields = ",".join(f"{k}={shape[k]}" for k in sorted(shape) if k != "trainable")
     share = "" if cpu_share is None else f"|share={cpu_share:g}"
-    return f"{node_id}{share}|{fields}|threads={threads or 'auto'}|ranks={ranks}|torch={torch_version}"
+    return f"{node_id}{share}|{fields}|threads={threads or 'auto'}|ranks={ranks}|world={world}|torch={torch_version}"
 
 
 # ---- on the node --------------------------------------------------------------------------
 
 def measure(shape, threads: int | None = None, ranks_here: int = 1, warmup: int = WARMUP_STEPS,
-            repeats: int = REPEATS, budget_s: float = BUDGET_S) -> dict:
-    """Time the trainer's step (no communication) of `shape` here; per-step seconds per repeat."""
+            repeats: int = REPEATS, budget_s: float = BUDGET_S, world: int = 1) -> dict:
+    """Time the trainer's step (no communication) of `shape` here; per-step seconds per repeat.
+    With `world` > 1 also what one DiLoCo outer sync among that many ranks adds to its round
+    here, per wire dtype (`sync_extra_s`): one step with the sync's own work in flight
+    (`diloco.time_step_with_sync`, the network left out) minus the median plain step."""
     import torch
 
     from vpscluster.train.model import build_model
@@ -145,9 +155,16 @@ def measure(shape, threads: int | None = None, ranks_here: int = 1, warmup: int 
         samples.append((time.perf_counter() - t0) / per_repeat)
     from vpscluster.nodeside.facts import cpu_facts
 
+    sync_extra = None
+    if world > 1:
+        from vpscluster.train.strategies.diloco import time_step_with_sync
+        from vpscluster.train.strategies.wire import CODECS
+
+        plain = statistics.median(samples)
+        sync_extra = {w: max(0.0, time_step_with_sync(net, step, w, world) - plain) for w in CODECS}
     return {"samples": samples, "warmup_samples": warm, "steps_per_repeat": per_repeat, "threads": n_threads,
             "tokens": shape.batch_size * shape.seq_len, "torch": torch.__version__.split("+")[0],
-            "cpu_share": cpu_facts()["cpu_share"]}
+            "cpu_share": cpu_facts()["cpu_share"], "sync_extra_s": sync_extra}
 
 
 # ---- from the controller ------------------------------------------------------------------
@@ -185,7 +202,8 @@ def _shape_dict(shape) -> dict:
     return {k: v for k, v in asdict(shape).items() if k != "trainable"}
 
 
-def _run_on_nodes(cluster, shape, threads: int | None, ranks: dict[str, int], timeout_s: float) -> dict[str, dict | str]:
+def _run_on_nodes(cluster, shape, threads: int | None, ranks: dict[str, int], timeout_s: float,
+                  world: int = 1) -> dict[str, dict | str]:
     """Measure on every node at once; node name -> the node's result or why it has none."""
     import asyncio
 
@@ -193,7 +211,7 @@ def _run_on_nodes(cluster, shape, threads: int | None, ranks: dict[str, int], ti
     from vpscluster.cluster.inventory import executor_for
 
     async def one_rank(ex, node, n_ranks):
-        arg = json.dumps({"shape": _shape_dict(shape), "threads": threads, "ranks": n_ranks})
+        arg = json.dumps({"shape": _shape_dict(shape), "threads": threads, "ranks": n_ranks, "world": world})
         if node.local:  # this machine: vpscluster is importable, no package to ship
             argv, stdin = [sys.executable, "-m", "vpscluster.plan.steptime", arg], None
         else:
@@ -230,7 +248,7 @@ def _run_on_nodes(cluster, shape, threads: int | None, ranks: dict[str, int], ti
 
 def node_step_times(cluster, shape, threads: int | None = None, ranks: dict[str, int] | None = None,
                     measure_now: bool = False, cpu_shares: dict[str, float] | None = None,
-                    timeout_s: float = TIMEOUT_S) -> tuple[dict[str, StepTime], list[str]]:
+                    timeout_s: float = TIMEOUT_S, world: int = 1) -> tuple[dict[str, StepTime], list[str]]:
     """Per node: its compute seconds per step of `shape` (measured now, else cached), and notes
     (one line per node without a figure, or with a wide spread)."""
     ranks = ranks or {}
@@ -239,11 +257,11 @@ def node_step_times(cluster, shape, threads: int | None = None, ranks: dict[str,
     cache = _read_cache()
     now = time.time()
     key = {n.name: cache_key(_node_id(n), _shape_dict(shape), threads, ranks.get(n.name, 1), tv,
-                             cpu_shares.get(n.name)) for n in cluster.nodes}
+                             cpu_shares.get(n.name), world) for n in cluster.nodes}
     out: dict[str, StepTime] = {}
     notes: list[str] = []
     if measure_now:
-        results = _run_on_nodes(cluster, shape, threads, ranks, timeout_s)
+        results = _run_on_nodes(cluster, shape, threads, ranks, timeout_s, world)
         for name, doc in results.items():
             if not isinstance(doc, dict):
                 notes.append(f"{name}: step time not measured ({doc}); its probe FLOP/s is used")
@@ -267,7 +285,8 @@ def _step_time(name: str, doc: dict, source: str) -> StepTime:
     s = robust_summary(doc["samples"])
     return StepTime(node=name, median_s=s["median_s"], spread=s["spread"], repeats=s["repeats"],
                     outliers=s["outliers"], threads=int(doc.get("threads") or 0), tokens=int(doc["tokens"]),
-                    source=source, samples=tuple(doc["samples"]))
+                    source=source, samples=tuple(doc["samples"]),
+                    sync_extra_s=doc.get("sync_extra_s") if isinstance(doc.get("sync_extra_s"), dict) else None)
 
 
 def apply(res, model, cluster=None, threads: int | None = None, measure_now: bool = False, probe: dict | None = None,
@@ -297,13 +316,15 @@ def apply(res, model, cluster=None, threads: int | None = None, measure_now: boo
     for f in (probe or {}).get("nodes", []) or []:
         if isinstance(f, dict) and isinstance(f.get("cpu_share"), (int, float)):
             shares[f.get("name")] = float(f["cpu_share"])
-    found, notes = node_step_times(where, model.shape, threads, ranks, measure_now, shares, timeout_s)
+    found, notes = node_step_times(where, model.shape, threads, ranks, measure_now, shares, timeout_s,
+                                   world=sum(n.ranks for n in res.nodes))
     if not found:
         return {"source": "none", "nodes": {}, "notes": notes} if measure_now else None
     for node in res.nodes:
         st = found.get(targets[node.name])
         if st is not None:
             node.step_seconds, node.step_tokens = st.median_s, st.tokens
+            node.sync_extra_s = st.sync_extra_s
     return {
         "source": "measured" if measure_now else "cached",
         "nodes": {name: found[t].to_dict() for name, t in targets.items() if t in found},
@@ -324,4 +345,5 @@ if __name__ == "__main__":  # on a node (nodeside.run_module) or here: one JSON 
     from vpscluster.train.presets import ModelShape
 
     opts = json.loads(sys.argv[1])
-    print(json.dumps(measure(ModelShape(**opts["shape"]), opts.get("threads"), int(opts.get("ranks") or 1))), flush=True)
+    print(json.dumps(measure(ModelShape(**opts["shape"]), opts.get("threads"), int(opts.get("ranks") or 1),
+                             world=int(opts.get("world") or 1))), flush=True)

@@ -129,6 +129,36 @@ def sync_offset(fragment: int, n_fragments: int, sync_every: int) -> int:
     return ((fragment + 1) * sync_every // n_fragments) % sync_every
 
 
+def time_step_with_sync(model: "nn.Module", train_step, wire_dtype: str, world_size: int) -> float:
+    """Wall seconds of one training step with a whole-model outer sync in flight, the network
+    left out, as an overlapped DiLoCo round runs it on one rank: the send (flat copy,
+    pseudo-gradient), `train_step()` while the reduction's encode, decode and fp32 sums run on a
+    background thread (`all_reduce_sum(local_only=True)`, the chunks of `world_size` ranks), then
+    the landing (progress, outer Nesterov step, write-back) - this strategy's own methods on one
+    fragment. Training counts all of it as compute, and on a node with a small CPU quota the
+    sync's work shares the quota with the step: minus a plain step, it is what a sync adds to a
+    round (`plan.steptime` measures it; `plan.predict` spreads it over H steps). Changes `model`."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vpscluster.train.config import StrategyConfig
+
+    s = DiLoCoStrategy(StrategyConfig(name="diloco", wire_dtype=wire_dtype, outer_warmup=0), DistContext())
+    s.setup(model)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sync") as pool:
+        t0 = time.perf_counter()
+        at_send = s._local_flat(0)  # _send
+        delta = s.global_flat[0] - at_send
+        future = pool.submit(all_reduce_sum, delta * (1.0 / world_size), s.codec, CommStats(), world_size,
+                             local_only=True)
+        train_step()
+        reduced = future.result()
+        progress = s._local_flat(0) - at_send  # _land
+        s._outer_update(0, reduced)
+        s._write_local(0, s.global_flat[0] + progress)
+        return time.perf_counter() - t0
+
+
 @dataclass
 class _InFlight:
     """A fragment's overlapped sync: sent at step `apply_at` − τ, lands at `apply_at`."""

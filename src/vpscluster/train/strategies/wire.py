@@ -136,12 +136,16 @@ def all_reduce_sum(
     world_size: int,
     comm_device: "torch.device | str" = "cpu",
     group=None,
+    local_only: bool = False,
 ) -> "torch.Tensor":
     """Sum a 1-D fp32 CPU tensor over all ranks, encoded on the wire, accumulated in fp32.
 
     Returns a new fp32 CPU tensor, bit-identical on every rank. Counts the seconds and the bytes
     this rank sends in `comm`. `group`: the process group (None = the default one, whose
     time-out then bounds every wait). At world size 1 nothing is sent and `flat` comes back as a copy.
+    `local_only`: all of this rank's own work (encode, decode, sum) with its own bytes standing in
+    for what the peers would send, and nothing on the network - what the plan times to know a
+    sync's CPU cost on a node (`diloco.time_step_with_sync`); the result is not a sum over ranks.
     """
     import torch
     import torch.distributed as dist
@@ -160,7 +164,10 @@ def all_reduce_sum(
     send = torch.cat([codec.encode(c) for c in padded.split(chunk)]).to(comm_device)
     recv = torch.empty_like(send)
     with comm.timed((world_size - 1) * chunk_bytes):
-        dist.all_to_all_single(recv, send, group=group)
+        if local_only:
+            recv.copy_(send)
+        else:
+            dist.all_to_all_single(recv, send, group=group)
     recv = recv.cpu()
     reduced = torch.zeros(chunk, dtype=torch.float32)
     for r in range(world_size):  # fp32 accumulation, rank order: the same on every rank
@@ -170,6 +177,10 @@ def all_reduce_sum(
     mine = codec.encode(reduced).to(comm_device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     with comm.timed((world_size - 1) * chunk_bytes):
-        dist.all_gather(gathered, mine, group=group)
+        if local_only:
+            for g in gathered:
+                g.copy_(mine)
+        else:
+            dist.all_gather(gathered, mine, group=group)
     out = torch.cat([codec.decode(g.cpu(), chunk) for g in gathered])
     return out[:numel].clone()
