@@ -12,8 +12,8 @@ NOISY_SPREAD, within BUDGET_S) and summarised by `robust_summary`: the median of
 
 For a cluster of several ranks the same call also times one step with a DiLoCo outer sync's
 own work in flight, per wire dtype (`sync_extra_s`): on a node with a small CPU quota the
-sync's encode, decode, sums and outer step share the quota with the steps (about 1.5 s a round
-for `small` at 0.45 of a core), and the plan spreads that over the H steps of a round.
+sync's encode, decode, sums and outer step share the quota with the steps (about 1 s a sync for
+`small` at 0.45 of a core), and the plan spreads that over the H steps of a round.
 
 All nodes are measured at once, as they will train at once (on an emulated cluster they share
 this machine's cores, and training sees that contention too); each node's ranks run as that many
@@ -97,7 +97,8 @@ def robust_summary(samples: list[float], warmup: int = 0) -> dict:
 def cache_key(node_id: str, shape: dict, threads: int | None, ranks: int, torch_version: str,
               cpu_share: float | None = None, world: int = 1) -> str:
     """The cache key: which node (and its CPU share where the probe knows it), the model's full
-    shape including batch and sequence length, the configured threads, ranks and torch."""
+    shape including batch and sequence length, the configured threads, ranks, the world size
+    (a sync's work depends on the number of chunks) and torch."""
     fields = ",".join(f"{k}={shape[k]}" for k in sorted(shape) if k != "trainable")
     share = "" if cpu_share is None else f"|share={cpu_share:g}"
     return f"{node_id}{share}|{fields}|threads={threads or 'auto'}|ranks={ranks}|world={world}|torch={torch_version}"

@@ -61,14 +61,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vpscluster.errors import UserError
+from vpscluster.train.config import StrategyConfig
 from vpscluster.train.strategies.base import CommStats, DistContext, Strategy, ring_allreduce_bytes
 from vpscluster.train.strategies.wire import all_reduce_sum, get_codec
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from vpscluster.train.config import StrategyConfig
 
 STATE_FORMAT = 1
 
@@ -140,8 +139,6 @@ def time_step_with_sync(model: "nn.Module", train_step, wire_dtype: str, world_s
     round (`plan.steptime` measures it; `plan.predict` spreads it over H steps). Changes `model`."""
     import time
     from concurrent.futures import ThreadPoolExecutor
-
-    from vpscluster.train.config import StrategyConfig
 
     s = DiLoCoStrategy(StrategyConfig(name="diloco", wire_dtype=wire_dtype, outer_warmup=0), DistContext())
     s.setup(model)
