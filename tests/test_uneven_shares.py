@@ -205,3 +205,10 @@ def test_split_gap_is_the_cost_of_whole_micro_batches():
     assert S.split_gap([4, 1], [100.0, 1.0], max_spread=4.0) == pytest.approx(0.0)
     c = S.ShareController.start(3, 12, speeds, 1, 0.0, True)
     assert c.shares == [8, 3, 1] and c.split_gap() == pytest.approx(S.split_gap([8, 3, 1], speeds))
+
+
+def test_diloco_looks_at_whole_rounds():
+    # every window holds the same number of outer syncs (a sync's own work counts as compute)
+    assert S.look_every(5, 10) == 10 and S.look_every(10, 10) == 10 and S.look_every(12, 10) == 20
+    assert S.look_every(5, 3) == 6
+    assert S.look_every(5) == 5 and S.look_every(5, 1) == 5  # ddp: as configured

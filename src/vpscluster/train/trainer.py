@@ -45,6 +45,7 @@ from typing import Any
 from vpscluster import fsutil
 from vpscluster.train import checkpoint, events, exporter, metrics, prediction, rundir
 from vpscluster.train.config import TrainConfig
+from vpscluster.train.shares import look_every
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
 
 RECENT_LOSSES = 10
@@ -171,6 +172,8 @@ class Trainer:
             shard, num_shards = self.strategy.data_shard()
             self.sampler = ShardSampler(self.dataset, shard, num_shards, cfg.seed, cfg.micro_batch())
         self._window = [0.0, 0]  # compute seconds, micro-batches since the last rebalancing look
+        self._look_every = look_every(cfg.strategy.rebalance_every,
+                                      cfg.strategy.sync_every if self.strategy.micro_batches_are_steps else None)
         model = build_model(self.shape, cfg.seed, ctx.device)
         self.num_params = count_parameters(model)
         self.model = self.strategy.setup(model)
@@ -385,8 +388,9 @@ class Trainer:
                 else:
                     self._window[0] += max(0.0, step_s - comm_s)
                     self._window[1] += n_micro
-                # A first look early in every session (steps 2-3), then every rebalance_every.
-                if cfg.strategy.balance and (session_step == 3 or self.step % cfg.strategy.rebalance_every == 0) \
+                # A first look early in every session (steps 2-3), then every rebalance_every
+                # (DiLoCo: whole rounds, `shares.look_every`).
+                if cfg.strategy.balance and (session_step == 3 or self.step % self._look_every == 0) \
                         and session_step > 1:
                     self._rebalance()
             last = stop or self.step == cfg.max_steps
