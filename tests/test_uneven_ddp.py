@@ -127,3 +127,46 @@ def test_uneven_diloco_fast_rank_does_more_inner_steps_and_all_meet_at_the_sync(
     # step 1: local inner steps only, the ranks differ; step 2 (= sync_every): outer sync, identical
     assert results[0]["hashes"][0] != results[1]["hashes"][0]
     assert results[0]["hashes"][1] == results[1]["hashes"][1]
+
+
+def _look_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import time
+
+    from vpscluster.train.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    cfg = _cfg(world, 4, [1.0, 1.0], balance=True)
+    trainer = Trainer(cfg, out_dir, backend="gloo")
+    try:
+        trainer.build()
+        trainer.step = 5
+        trainer._window = [1.0, 10]
+        if rank == 1:
+            time.sleep(1.5)  # the slow rank: rank 0 waits for it at the look's gather
+        trainer._rebalance()
+        pending = trainer.strategy.comm.take()
+        booked = trainer.totals.comm_seconds
+        trainer.step = 6
+        t0 = time.perf_counter()
+        trainer._shared_step()  # the next step: its communication is its own all-reduce only
+        step_s = time.perf_counter() - t0
+        next_comm, _ = trainer.strategy.comm.take()
+        torch.save({"pending": pending, "booked": booked, "next_comm": next_comm, "step_s": step_s},
+                   os.path.join(out_dir, f"look{rank}.pt"))
+    finally:
+        trainer.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_looks_wait_is_booked_as_communication_not_charged_to_the_next_step(tmp_path):
+    """Rank 0 waits ~1.5 s for rank 1 at a look. That wait is the run's communication, booked at
+    once; the next step's communication is its own (so its compute, and the next window's speed,
+    are not understated by the wait)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_look_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    fast = torch.load(tmp_path / "look0.pt", weights_only=False)
+    assert fast["pending"] == (0.0, 0)
+    assert fast["booked"] >= 1.2
+    assert fast["next_comm"] < 1.0 and fast["next_comm"] <= fast["step_s"]

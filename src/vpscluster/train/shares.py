@@ -30,6 +30,9 @@ world/total per micro-batch, the averaged gradient - is exactly that of an even 
   with 12 micro-batches can only be 8:3:1, a step 17% longer than an exact split; with one
   sequence per micro-batch (24) it is 14:7:3, 2% longer. The trainer reports the gap with each
   re-split and the launcher suggests finer micro-batches when it is over `GAP_HINT`.
+- `look_every`: how many steps between looks. DiLoCo's looks fall on whole rounds (a multiple
+  of H), so every window holds the same number of syncs; a window with a sync and the next
+  without would swing the measured speeds past `THRESHOLD` and flip a tie back and forth.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Any
 from vpscluster import fsutil
 from vpscluster.train import checkpoint, events, exporter, metrics, prediction, rundir
 from vpscluster.train.config import TrainConfig
-from vpscluster.train.shares import look_every
+from vpscluster.train.shares import ShareController, look_every, rank_speeds
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
 
 RECENT_LOSSES = 10
@@ -157,13 +157,9 @@ class Trainer:
         self.strategy = get_strategy_class(cfg.strategy.name)(cfg.strategy, ctx)
         self.shares = None
         if cfg.strategy.micro_batches:  # uneven shares of one global stream (train/shares.py)
-            from vpscluster.train.shares import ShareController
-
             s = cfg.strategy
             speeds = s.speeds
             if speeds is None and s.node_speeds:  # the probe's figures, by the node each rank runs on
-                from vpscluster.train.shares import rank_speeds
-
                 self._dist = dist if ctx.group is not None else None
                 speeds = rank_speeds(self._all_gather_object(os.environ.get("VPSC_NODE", "local")), s.node_speeds)
             self.shares = ShareController.start(ctx.world_size, s.micro_batches, speeds, s.min_share, s.max_spread, s.balance)
@@ -472,6 +468,7 @@ class Trainer:
         window = self._window
         with self.strategy.comm.timed(0):
             measured = self._all_gather_object((float(window[0]), int(window[1])))
+        self._book_off_step_comm()
         self._window = [0.0, 0]
         before = list(self.shares.shares)
         if self.shares.observe(measured, self.step):
@@ -481,11 +478,23 @@ class Trainer:
                 split_gap=round(self.shares.split_gap(), 4), batch_size=self.cfg.micro_batch(),
             )
 
+    def _book_off_step_comm(self) -> None:
+        """A gather between steps (a look, the prediction's check) is communication of the run,
+        booked to the totals now. Left in the strategy's counter, the next step would take it as
+        its own and count that much less compute: after the first look, where the fast ranks wait
+        seconds for the slowest, their next step showed 0 s of compute, the next window's speeds
+        doubled, and the second look re-split 14:7:3 into 16:7:1 (bench uneven, 2026-12-04)."""
+        seconds, nbytes = self.strategy.comm.take()
+        self.totals.comm_seconds += seconds
+        self.totals.bytes_sent += nbytes
+        self.exporter.communicated(nbytes)
+
     def _correct_prediction(self) -> None:
         """The correction window is full: every rank's summary gathered once (as communication);
         rank 0 records the corrected prediction (train/prediction.py)."""
         with self.strategy.comm.timed(0):
             summaries = self._all_gather_object(prediction.rank_summary(self._samples))
+        self._book_off_step_comm()
         if self.ctx.rank == 0:
             doc = prediction.compare(self.prediction, summaries, comm_every_step=self.strategy.name == "ddp")
             self.events.emit("prediction", step=self.step, predicted=doc["predicted"], measured=doc["measured"],
