@@ -162,6 +162,20 @@ def test_bench_recovery_and_steady_figures():
     assert steady_tokens_per_s(metrics) == pytest.approx(1000 / 24)  # steps 11-20: 2 x 4 s + 8 x 2 s
 
 
+def test_bench_rounds_to_recover_counts_whole_rounds_after_the_changes_round():
+    from vpscluster.bench.uneven import rounds_to_recover
+
+    # H = 5, 100 tokens a step. The change falls after step 12 (in round 11-15); round 16-20 is
+    # still slow (4 s a step), round 21-25 is back at 1 s a step with one slow sync step.
+    seconds = {s: 1.0 if s <= 12 else 4.0 if s <= 20 else 1.4 if s % 5 == 0 else 1.0 for s in range(1, 31)}
+    metrics = [{"step": s, "loss": 1.0, "tokens": 100, "step_seconds": seconds[s]} for s in range(1, 31)]
+    metrics.insert(7, {"step": 7, "val_loss": 2.0})
+    assert rounds_to_recover(metrics, 12, 30, ideal_tps=100, every=5) == 2  # 500 tokens / 5.4 s = 93%
+    assert rounds_to_recover(metrics, 12, 30, ideal_tps=25, every=5) == 1  # the slow round is enough
+    assert rounds_to_recover(metrics, 12, 30, ideal_tps=120, every=5) is None
+    assert rounds_to_recover(metrics, 12, 24, ideal_tps=100, every=5) is None  # round 21-25 ends past 24
+
+
 @pytest.mark.parametrize("total", [12, 24])
 def test_default_interval_recovers_within_20_steps(total):
     """The issue's target, on simulated timings: with the default look every 5 steps, the

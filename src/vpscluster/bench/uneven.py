@@ -10,10 +10,13 @@ strategy (ddp, diloco), under the same wall-clock training budget:
 - `uneven`:     the uneven quotas (e.g. 0.6,0.3,0.15), shares even, no balancing;
 - `balanced`:   the uneven quotas with `--balance` (shares learned from measured speeds).
 
-Then `change`: the uneven quotas, balanced ddp, and node 1's quota drops to a third at a known
-step and comes back later; the figure is the number of steps until throughput (tokens/s over
-a 3-step window) is back within 90% of the new ideal (the `even` run's tokens/s scaled by the
-total CPU now available).
+Then `change`, per strategy: the uneven quotas, balanced, and node 1's quota drops to a third at
+a known step and comes back later. The figure is how soon throughput is back within 90% of the
+new ideal (the `even` run's tokens/s scaled by the total CPU now available): for ddp, the steps
+until tokens/s over a 3-step window gets there; for DiLoCo, whose steps differ within a round
+(the sync's work lands on some), the rounds: the first whole round (H steps, aligned to the
+syncs) after the one the change fell in is round 1. DiLoCo's balancer looks at round ends
+(`shares.look_every`), so "1" means the look right after the change re-split well enough.
 
 Per run: tokens/s (and as % of `even`; also over the second half of the steps, after start-up
 and the first re-splits), compute utilisation per rank (compute / (compute +
@@ -93,20 +96,23 @@ def run_uneven(settings: UnevenSettings, say: Callable[[str], None] = lambda lin
                     continue
                 r = runs[name]
                 say(f"  {name}: {r['tokens_per_s']:.0f} tok/s, shares {r.get('shares')}, {r.get('rebalances', 0)} rebalance(s)")
-        if "ddp-even" in runs:
+        for strategy in strategies:
+            if f"{strategy}-even" not in runs:
+                continue
+            name = f"{strategy}-change"
             for node, q in zip(info.nodes, quotas):
                 sandbox.set_cpu(s.name, node.name, q)
-            say(f"change: balanced ddp, {info.nodes[1].name} to a third of its CPU at step {drop}, back at {back}")
+            say(f"{name}: balanced {strategy}, {info.nodes[1].name} to a third of its CPU at step {drop}, back at {back}")
             try:
-                runs["ddp-change"] = _run_change(s, info, quotas, drop, back, out / "ddp-change", say)
+                runs[name] = _run_change(s, info, strategy, quotas, drop, back, out / name, say)
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-                failed["ddp-change"] = str(e).splitlines()[0][:300]
+                failed[name] = str(e).splitlines()[0][:300]
     finally:
         try:
             sandbox.down(s.name)
         except OSError as e:
             say(f"warning: sandbox {s.name} teardown: {e}")
-    rows = compare(runs, quotas, drop, back) + [{"run": k, "failed": v} for k, v in failed.items()]
+    rows = compare(runs, quotas, drop, back, s.sync_every) + [{"run": k, "failed": v} for k, v in failed.items()]
     doc = {
         "command": "vpscluster bench uneven " + " ".join(f"--{k.replace('_', '-')} {getattr(s, k)}" for k in (
             "cpu", "bandwidth", "preset", "batch_size", "micro_batches", "budget_s", "strategies", "sync_every",
@@ -148,10 +154,11 @@ def _summary(report: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _run_change(s: UnevenSettings, info, quotas, drop: int, back: int, run_dir: Path, say) -> dict[str, Any]:
+def _run_change(s: UnevenSettings, info, strategy: str, quotas, drop: int, back: int, run_dir: Path,
+                say) -> dict[str, Any]:
     from vpscluster.cluster import sandbox
 
-    argv = _argv(s, info, "ddp", True, run_dir) + ["--max-steps", str(s.change_max_steps)]
+    argv = _argv(s, info, strategy, True, run_dir) + ["--max-steps", str(s.change_max_steps)]
     log = run_dir.with_suffix(".log")
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "vpscluster", *argv], stdout=subprocess.PIPE, stderr=err, text=True)
@@ -182,6 +189,21 @@ def steps_to_recover(metrics: list[dict[str, Any]], start: int, end: int, ideal_
     return None
 
 
+def rounds_to_recover(metrics: list[dict[str, Any]], start: int, end: int, ideal_tps: float, every: int) -> int | None:
+    """DiLoCo: whole rounds (steps k*every+1 .. (k+1)*every) after the round that holds step
+    `start`+1 (where the change fell), until a round's tokens/s is >= 90% of `ideal_tps`; the
+    first whole round after the change's round is 1. Rounds reaching past `end` are not counted."""
+    by_step = {m["step"]: m for m in metrics if "loss" in m}
+    k = start // every + 1  # the first round that begins after the change's round
+    while (k + 1) * every <= end:
+        steps = [by_step.get(t) for t in range(k * every + 1, (k + 1) * every + 1)]
+        if all(steps):
+            if sum(m["tokens"] for m in steps) / sum(m["step_seconds"] for m in steps) >= 0.9 * ideal_tps:
+                return k - start // every
+        k += 1
+    return None
+
+
 def steady_tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
     """Tokens/s over the second half of a run's steps: after start-up and the first re-splits
     (a short run's report figure is dominated by them)."""
@@ -191,7 +213,8 @@ def steady_tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
     return sum(m["tokens"] for m in half) / seconds if seconds > 0 else None
 
 
-def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, back: int) -> list[dict[str, Any]]:
+def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, back: int,
+            sync_every: int) -> list[dict[str, Any]]:
     rows = []
     for name, r in runs.items():
         strategy = name.split("-")[0]
@@ -204,18 +227,22 @@ def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, bac
                "utilization": "/".join(f"{u:.0%}" for u in r["utilization_per_rank"]),
                "shares": ":".join(str(v) for v in r["shares"]) if r.get("shares") else None,
                "rebalances": r.get("rebalances"), "final_val_loss": r["final_val_loss"],
-               "val_at_even_tokens": loss_at_tokens(r["evals"], even["tokens"]) if even and name != "ddp-change" else None}
+               "val_at_even_tokens": loss_at_tokens(r["evals"], even["tokens"]) if even and not name.endswith("-change") else None}
         if even and r["evals"] and even["evals"] and name != f"{strategy}-even":
             # Same mathematics: validation loss against the even run's at the tokens both reached.
             tokens = min(r["evals"][-1]["tokens"], even["evals"][-1]["tokens"])
             mine, theirs = loss_at_tokens(r["evals"], tokens), loss_at_tokens(even["evals"], tokens)
             if mine is not None and theirs:
                 row["val_vs_even_pct"] = 100 * (mine - theirs) / theirs
-        if name == "ddp-change" and even:
+        if name.endswith("-change") and even:
             total = sum(quotas)
             low = (total - quotas[1] * 2 / 3) / total
-            row["steps_to_90pct_after_drop"] = steps_to_recover(r["metrics"], drop, back, even["tokens_per_s"] * low)
-            row["steps_to_90pct_after_recovery"] = steps_to_recover(r["metrics"], back, 10**9, even["tokens_per_s"])
+            if strategy == "diloco":
+                row["rounds_to_90pct_after_drop"] = rounds_to_recover(r["metrics"], drop, back, even["tokens_per_s"] * low, sync_every)
+                row["rounds_to_90pct_after_recovery"] = rounds_to_recover(r["metrics"], back, 10**9, even["tokens_per_s"], sync_every)
+            else:
+                row["steps_to_90pct_after_drop"] = steps_to_recover(r["metrics"], drop, back, even["tokens_per_s"] * low)
+                row["steps_to_90pct_after_recovery"] = steps_to_recover(r["metrics"], back, 10**9, even["tokens_per_s"])
         rows.append(row)
     return rows
 
@@ -226,7 +253,9 @@ COLUMNS = [("run", "run", "{}"), ("steps", "steps", "{}"), ("tokens_per_s", "tok
            ("rebalances", "rebal.", "{}"), ("val_at_even_tokens", "val @even tok", "{:.3f}"),
            ("val_vs_even_pct", "val vs even @equal tok", "{:+.2f}%"),
            ("steps_to_90pct_after_drop", "steps to 90% (drop)", "{}"),
-           ("steps_to_90pct_after_recovery", "steps to 90% (back)", "{}")]
+           ("steps_to_90pct_after_recovery", "steps to 90% (back)", "{}"),
+           ("rounds_to_90pct_after_drop", "rounds to 90% (drop)", "{}"),
+           ("rounds_to_90pct_after_recovery", "rounds to 90% (back)", "{}")]
 
 
 def cell(row, key, fmt) -> str:
