@@ -170,3 +170,46 @@ def test_a_looks_wait_is_booked_as_communication_not_charged_to_the_next_step(tm
     assert fast["pending"] == (0.0, 0)
     assert fast["booked"] >= 1.2
     assert fast["next_comm"] < 1.0 and fast["next_comm"] <= fast["step_s"]
+
+
+def _eval_worker(rank: int, world: int, port: int, out_dir: str, strategy: str) -> None:
+    from vpscluster.train.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    cfg = _cfg(world, 4, [3.0, 1.0], strategy)
+    trainer = Trainer(cfg, out_dir, backend="gloo")
+    try:
+        trainer.build()
+        share = list(trainer._eval_share(8))
+        torch.save({"val": trainer.evaluate(), "share": share}, os.path.join(out_dir, f"eval{rank}.pt"))
+    finally:
+        trainer.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "diloco"])
+def test_validation_is_split_by_speed_and_equals_one_rank_evaluating_everything(tmp_path, strategy):
+    """ddp (identical replicas): a 3:1 split of the 8 validation batches (6 and 2), and both ranks
+    get exactly the figure one process computes over all 8. diloco (own replicas between syncs):
+    rank 0 evaluates all of them, rank 1 none (None)."""
+    import torch.multiprocessing as mp
+
+    from vpscluster.train.data import load_dataset
+    from vpscluster.train.model import build_model
+    from vpscluster.train.presets import get_preset
+
+    mp.spawn(_eval_worker, args=(2, free_port(), str(tmp_path), strategy), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"eval{r}.pt", weights_only=False) for r in range(2)]
+    cfg, shape = _cfg(2, 4, [3.0, 1.0]), get_preset("tiny")
+    model = build_model(shape, cfg.seed).eval()
+    with torch.no_grad():
+        losses = [model(x, y).item() for x, y in load_dataset(None, shape.seq_len, cfg.val_fraction)
+                  .val_batches(cfg.eval_batches, cfg.micro_batch())]
+    assert len(losses) == 8
+    alone = sum(losses) / len(losses)
+    if strategy == "ddp":
+        assert [g["share"] for g in got] == [list(range(0, 6)), list(range(6, 8))]
+        assert got[0]["val"] == got[1]["val"] == pytest.approx(alone, rel=1e-6)
+    else:
+        assert got[0]["val"] == pytest.approx(alone, rel=1e-6) and got[1]["val"] is None

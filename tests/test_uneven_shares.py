@@ -174,6 +174,7 @@ def test_bench_rounds_to_recover_counts_whole_rounds_after_the_changes_round():
     assert rounds_to_recover(metrics, 12, 30, ideal_tps=25, every=5) == 1  # the slow round is enough
     assert rounds_to_recover(metrics, 12, 30, ideal_tps=120, every=5) is None
     assert rounds_to_recover(metrics, 12, 24, ideal_tps=100, every=5) is None  # round 21-25 ends past 24
+    assert rounds_to_recover(metrics, 12, 10**9, ideal_tps=120, every=5) is None  # "to the end": the last step
 
 
 @pytest.mark.parametrize("total", [12, 24])

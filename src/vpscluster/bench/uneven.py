@@ -194,6 +194,7 @@ def rounds_to_recover(metrics: list[dict[str, Any]], start: int, end: int, ideal
     `start`+1 (where the change fell), until a round's tokens/s is >= 90% of `ideal_tps`; the
     first whole round after the change's round is 1. Rounds reaching past `end` are not counted."""
     by_step = {m["step"]: m for m in metrics if "loss" in m}
+    end = min(end, max(by_step, default=0))
     k = start // every + 1  # the first round that begins after the change's round
     while (k + 1) * every <= end:
         steps = [by_step.get(t) for t in range(k * every + 1, (k + 1) * every + 1)]

@@ -112,6 +112,10 @@ class Strategy(ABC):
     # gradient (accumulated, synchronised once: ddp); True = each is an inner optimizer step of
     # its own, only the last goes through `step` (diloco).
     micro_batches_are_steps: ClassVar[bool] = False
+    # True = every rank holds the same weights after each step (ddp), so validation batches can
+    # be split among the ranks; False = each rank trains its own replica between syncs (diloco),
+    # and validation describes rank 0's (`Trainer.evaluate`).
+    replicas_identical: ClassVar[bool] = True
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         self.config = config

@@ -173,6 +173,7 @@ class _InFlight:
 class DiLoCoStrategy(Strategy):
     name = "diloco"
     micro_batches_are_steps = True  # uneven shares: a faster rank does more inner steps per round
+    replicas_identical = False  # between syncs each rank's weights are its own
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         super().__init__(config, ctx)
