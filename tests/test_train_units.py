@@ -107,3 +107,11 @@ def test_progress_view_suggests_finer_micro_batches_once_when_the_split_is_coars
     view.handle({"event": "rebalance", "step": 3, "shares_before": [8, 8, 8], "shares": fine,
                  "rebalances": 1, "split_gap": split_gap(fine, speeds), "batch_size": 1})
     assert "slower than an exact" not in buf.getvalue()
+
+    # DiLoCo: a micro-batch is an inner step, so the hint keeps its size and the inner steps a round
+    buf = io.StringIO()
+    view = ProgressView(console=Console(file=buf, width=200))
+    view.handle({"event": "rebalance", "step": 10, "shares_before": [4, 4, 4], "shares": coarse,
+                 "rebalances": 1, "split_gap": split_gap(coarse, speeds), "batch_size": 2, "sync_every": 10})
+    assert "--micro-batches 24 --sync-every 5 keeps the inner steps per round" in buf.getvalue(), buf.getvalue()
+    assert "--batch-size 1" not in buf.getvalue()

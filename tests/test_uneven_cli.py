@@ -34,6 +34,21 @@ def test_plan_balance_section_for_uneven_flops(plan):
     assert "15% longer than an exact split" in human.stdout, human.stdout
 
 
+def test_plan_balance_for_diloco_keeps_the_inner_steps_and_refines_the_round(plan):
+    """DiLoCo: a micro-batch is an inner step of --batch-size sequences. 0.6:0.3:0.15 of a node
+    split in 3 micro-batches is no split at all; the plan doubles them (and halves H) until the
+    split is within 10% of an exact one, keeping the inner steps per round."""
+    r = plan("--model", "tiny", "--flops", "60,30,15", "--bandwidth", "1gbit", "--strategy", "diloco",
+             "--sync-every", "20", "--json")
+    assert r.returncode == 0, r.stderr
+    bal = json.loads(r.stdout)["balance"]
+    assert bal["unit"].startswith("micro-batches")
+    k = bal["global_batch"] // 3
+    assert k > 1 and 20 % k == 0 and f"--micro-batches {3 * k} --sync-every {20 // k}" in bal["train_flags"]
+    assert "--batch-size 1" not in bal["train_flags"]
+    assert bal["split_gap"] <= 0.10 and bal["speedup"] > 1.3
+
+
 def test_plan_even_flops_buys_nothing_and_wrong_count_is_one_line(plan):
     r = plan("--model", "small", "--flops", "80,80", "--bandwidth", "1gbit", "--strategy", "ddp", "--json")
     assert r.returncode == 0, r.stderr

@@ -85,9 +85,15 @@ class ProgressView:
         gap, total = ev.get("split_gap"), sum(ev.get("shares", []))
         if isinstance(gap, (int, float)) and gap > GAP_HINT and not self._gap_hinted:
             self._gap_hinted = True
-            batch = ev.get("batch_size") or 1
-            finer = (f"--batch-size 1 --micro-batches {total * batch} keeps the global batch" if batch > 1
-                     else "more micro-batches per step (a larger global batch)")
+            batch, rounds = ev.get("batch_size") or 1, ev.get("sync_every")
+            k = next((d for d in (2, 3, 4, 5) if rounds and rounds % d == 0), None)
+            if rounds:  # diloco: a micro-batch is an inner step; keep its size and the inner steps a round
+                finer = (f"--micro-batches {total * k} --sync-every {rounds // k} keeps the inner steps per round" if k
+                         else "more micro-batches per step and a --sync-every as many times smaller keep the inner steps per round")
+            elif batch > 1:
+                finer = f"--batch-size 1 --micro-batches {total * batch} keeps the global batch"
+            else:
+                finer = "more micro-batches per step (a larger global batch)"
             self.console.print(f"shares are whole micro-batches: this split is {gap:.0%} slower than an exact one; "
                                f"{finer} and makes the split finer", style="yellow")
 

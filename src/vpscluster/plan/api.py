@@ -192,36 +192,55 @@ def _sync_rule(req: PlanRequest, model, res, efficiency: float):
 
 
 def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
-    """Shares on uneven nodes (`train/shares.py`): the global batch of world x batch_size
-    sequences split by speed in whole sequences (`--batch-size 1 --micro-batches N --speeds ...`),
-    the predicted step with those shares and without (even split: everyone waits for the slowest).
-    Communication is the same either way; only the compute part changes."""
-    from vpscluster.train.shares import predicted_step, split, split_gap
+    """Shares on uneven nodes (`train/shares.py`), the predicted step with them and without
+    (even split: everyone waits for the slowest). Only the compute part changes.
+
+    ddp: the global batch of world x batch_size sequences split by speed in whole sequences
+    (`--batch-size 1 --micro-batches N --speeds ...`): the same gradient, the finest split.
+    diloco: every micro-batch is an inner step of --batch-size sequences, so their size stays;
+    the split is made finer with k x world micro-batches per step and a round of H/k steps (the
+    same inner steps per round), k the smallest that divides H and brings the split within
+    GAP_HINT of an exact one (bench uneven: 12 micro-batches at H = 10 reached 80% of an even
+    spread, 24 at H = 5 92%)."""
+    from vpscluster.train.shares import GAP_HINT, predicted_step, split, split_gap
 
     per_rank = [p.compute_seconds for p, r in zip(chosen.nodes, res.nodes) for _ in range(r.ranks)]
     if len(per_rank) < 2 or min(per_rank) <= 0:
         return None
-    total = len(per_rank) * batch_size
-    speeds = [batch_size / c for c in per_rank]  # sequences per second of each rank
+    world, comm = len(per_rank), chosen.step_seconds - chosen.compute_seconds
+    diloco = chosen.settings.name == "diloco"
+    if diloco:
+        H = chosen.settings.sync_every
+        speeds = [1 / c for c in per_rank]  # inner steps (micro-batches) per second of each rank
+        k = 1
+        for k in [d for d in range(1, H + 1) if H % d == 0]:
+            if split_gap(split(speeds, k * world, 1, _STRATEGY.max_spread), speeds, _STRATEGY.max_spread) <= GAP_HINT:
+                break
+        total = k * world
+    else:
+        k, total = 1, world * batch_size
+        speeds = [batch_size / c for c in per_rank]  # sequences per second of each rank
     shares = split(speeds, total, min_share=1, max_spread=_STRATEGY.max_spread)
-    even_compute = max(per_rank)
-    balanced_compute = predicted_step(shares, speeds)
-    comm = chosen.step_seconds - chosen.compute_seconds
-    even_step, balanced_step = even_compute + comm, balanced_compute + comm
+    # A step of k micro-batches per rank on average carries k steps' tokens and, with H/k steps a
+    # round, k steps' share of the round's communication.
+    even_step = max(per_rank) + comm
+    balanced_step = predicted_step(shares, speeds) + k * comm
+    even_tps, balanced_tps = chosen.tokens_per_step / even_step, k * chosen.tokens_per_step / balanced_step
     rel = [round(v / min(speeds), 3) for v in speeds]
+    flags = (f"--micro-batches {total} --sync-every {H // k}" if diloco else f"--batch-size 1 --micro-batches {total}")
     return {
         "shares": shares,
-        "unit": "sequences of the global batch",
+        "unit": "micro-batches of --batch-size sequences (inner steps)" if diloco else "sequences of the global batch",
         "global_batch": total,
         "speeds": rel,
         "even_step_seconds": even_step,
         "balanced_step_seconds": balanced_step,
-        "speedup": even_step / balanced_step,
-        # whole sequences: how much longer the compute takes than an exact split would
+        "speedup": balanced_tps / even_tps,
+        # whole units: how much longer the compute takes than an exact split would
         "split_gap": split_gap(shares, speeds, _STRATEGY.max_spread),
-        "tokens_per_s_even": chosen.tokens_per_step / even_step,
-        "tokens_per_s_balanced": chosen.tokens_per_step / balanced_step,
-        "train_flags": f"--batch-size 1 --micro-batches {total} --speeds {','.join(f'{v:g}' for v in rel)} --balance",
+        "tokens_per_s_even": even_tps,
+        "tokens_per_s_balanced": balanced_tps,
+        "train_flags": f"{flags} --speeds {','.join(f'{v:g}' for v in rel)} --balance",
     }
 
 

@@ -58,11 +58,13 @@ def render(doc: dict, console) -> None:
     bal = doc.get("balance")
     if bal and bal["speedup"] > 1.005:
         console.print(
-            f"[bold]Uneven nodes[/]: shares {':'.join(str(v) for v in bal['shares'])} of {bal['global_batch']} sequences "
+            f"[bold]Uneven nodes[/]: shares {':'.join(str(v) for v in bal['shares'])} of {bal['global_batch']} "
+            f"{'micro-batches' if bal['unit'].startswith('micro') else 'sequences'} "
             f"(speeds {':'.join(f'{v:g}' for v in bal['speeds'])}): step {duration(bal['balanced_step_seconds'])} "
             f"vs {duration(bal['even_step_seconds'])} split evenly, {bal['speedup']:.2f}x "
             f"({bal['tokens_per_s_balanced']:,.0f} vs {bal['tokens_per_s_even']:,.0f} tokens/s"
-            + (f"; whole sequences make the compute {bal['split_gap']:.0%} longer than an exact split"
+            + (f"; whole {'micro-batches' if bal['unit'].startswith('micro') else 'sequences'} make the compute "
+               f"{bal['split_gap']:.0%} longer than an exact split"
                if bal.get("split_gap", 0) >= 0.005 else "") + "); "
             f"train with {bal['train_flags']}")
 

@@ -504,6 +504,7 @@ class Trainer:
                 "rebalance", step=self.step, shares_before=before, shares=list(self.shares.shares),
                 speeds=[round(v, 4) for v in self.shares.speeds], rebalances=self.shares.rebalances,
                 split_gap=round(self.shares.split_gap(), 4), batch_size=self.cfg.micro_batch(),
+                sync_every=self.cfg.strategy.sync_every if self.strategy.micro_batches_are_steps else None,
             )
 
     def _book_off_step_comm(self) -> None:
