@@ -47,6 +47,7 @@ def test_plan_balance_for_diloco_keeps_the_inner_steps_and_refines_the_round(pla
     assert k > 1 and 20 % k == 0 and f"--micro-batches {3 * k} --sync-every {20 // k}" in bal["train_flags"]
     assert "--batch-size 1" not in bal["train_flags"]
     assert bal["split_gap"] <= 0.10 and bal["speedup"] > 1.3
+    assert bal["round_seconds_balanced"] < bal["round_seconds_even"]
 
 
 def test_plan_even_flops_buys_nothing_and_wrong_count_is_one_line(plan):

@@ -177,6 +177,23 @@ def test_bench_rounds_to_recover_counts_whole_rounds_after_the_changes_round():
     assert rounds_to_recover(metrics, 12, 10**9, ideal_tps=120, every=5) is None  # "to the end": the last step
 
 
+def test_bench_yardstick_is_the_mean_of_the_two_even_runs():
+    from vpscluster.bench.uneven import compare
+
+    def run(tps, seconds):
+        metrics = [{"step": i, "loss": 1.0, "tokens": 100, "step_seconds": seconds} for i in range(1, 11)]
+        return {"steps": 10, "tokens": 1000, "tokens_per_s": tps, "utilization_per_rank": [1.0], "final_val_loss": 2.0,
+                "shares": None, "rebalances": 0, "evals": [], "metrics": metrics}
+
+    runs = {"ddp-even": run(80.0, 1.25), "ddp-balanced": run(90.0, 1.0), "ddp-even2": run(120.0, 0.8)}
+    rows = {r["run"]: r for r in compare(runs, [0.6, 0.3, 0.15], 3, 6, 10)}
+    assert rows["ddp-balanced"]["pct_of_even"] == pytest.approx(90.0)  # against (80 + 120) / 2
+    assert rows["ddp-even"]["pct_of_even"] == pytest.approx(80.0) and rows["ddp-even2"]["pct_of_even"] == pytest.approx(120.0)
+    assert rows["ddp-balanced"]["steady_pct_of_even"] == pytest.approx(100 * 100 / (0.5 * (80 + 125)))
+    only = {r["run"]: r for r in compare({"ddp-even": run(80.0, 1.25), "ddp-balanced": run(72.0, 1.0)}, [1, 1], 3, 6, 10)}
+    assert only["ddp-balanced"]["pct_of_even"] == pytest.approx(90.0)
+
+
 @pytest.mark.parametrize("total", [12, 24])
 def test_default_interval_recovers_within_20_steps(total):
     """The issue's target, on simulated timings: with the default look every 5 steps, the

@@ -8,17 +8,20 @@ strategy (ddp, diloco), under the same wall-clock training budget:
 
 - `even`:       the same total CPU spread evenly over the nodes, shares even (the ideal);
 - `uneven`:     the uneven quotas (e.g. 0.6,0.3,0.15), shares even, no balancing;
-- `balanced`:   the uneven quotas with `--balance` (shares learned from measured speeds).
+- `balanced`:   the uneven quotas with `--balance` (shares learned from measured speeds);
+- `even2`:      the `even` run again, last of all (after the change runs). The yardstick is the
+                mean of the two: on this shared machine a sandbox's first run was up to 20% slower
+                than the same run minutes later (ABBA, 2026-12-04), which flattered the others.
 
 Then `change`, per strategy: the uneven quotas, balanced, and node 1's quota drops to a third at
 a known step and comes back later. The figure is how soon throughput is back within 90% of the
-new ideal (the `even` run's tokens/s scaled by the total CPU now available): for ddp, the steps
+new ideal (the even yardstick's tokens/s scaled by the total CPU now available): for ddp, the steps
 until tokens/s over a 3-step window gets there; for DiLoCo, whose steps differ within a round
 (the sync's work lands on some), the rounds: the first whole round (H steps, aligned to the
 syncs) after the one the change fell in is round 1. DiLoCo's balancer looks at round ends
 (`shares.look_every`), so "1" means the look right after the change re-split well enough.
 
-Per run: tokens/s (and as % of `even`; also over the second half of the steps, after start-up
+Per run: tokens/s (and as % of the even yardstick; also over the second half of the steps, after start-up
 and the first re-splits), compute utilisation per rank (compute / (compute +
 communication)), final shares and rebalances, validation loss at the `even` run's token count.
 Results: `out` (default bench/results/uneven-<time>/): results.json, table.md, every run's files.
@@ -105,6 +108,16 @@ def run_uneven(settings: UnevenSettings, say: Callable[[str], None] = lambda lin
             say(f"{name}: balanced {strategy}, {info.nodes[1].name} to a third of its CPU at step {drop}, back at {back}")
             try:
                 runs[name] = _run_change(s, info, strategy, quotas, drop, back, out / name, say)
+            except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+                failed[name] = str(e).splitlines()[0][:300]
+        for strategy in strategies:  # the yardstick again, last: drift over the bench shows in it
+            name = f"{strategy}-even2"
+            for node, q in zip(info.nodes, even_q):
+                sandbox.set_cpu(s.name, node.name, q)
+            say(f"{name}: training ({s.budget_s:g} s budget)")
+            try:
+                runs[name] = _run(s, info, strategy, False, out / name, budget=True)
+                say(f"  {name}: {runs[name]['tokens_per_s']:.0f} tok/s")
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
                 failed[name] = str(e).splitlines()[0][:300]
     finally:
@@ -214,15 +227,25 @@ def steady_tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
     return sum(m["tokens"] for m in half) / seconds if seconds > 0 else None
 
 
+def yardstick(runs: dict[str, dict[str, Any]], strategy: str) -> tuple[float | None, float | None]:
+    """(tokens/s, tokens/s over the second half) of the even spread: the mean of the `even` run
+    and its repeat `even2`, whichever exist."""
+    evens = [runs[k] for k in (f"{strategy}-even", f"{strategy}-even2") if k in runs]
+    steady = [v for v in (steady_tokens_per_s(e["metrics"]) for e in evens) if v]
+    return (sum(e["tokens_per_s"] for e in evens) / len(evens) if evens else None,
+            sum(steady) / len(steady) if steady else None)
+
+
 def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, back: int,
             sync_every: int) -> list[dict[str, Any]]:
     rows = []
     for name, r in runs.items():
         strategy = name.split("-")[0]
         even = runs.get(f"{strategy}-even")
-        steady, even_steady = steady_tokens_per_s(r["metrics"]), even and steady_tokens_per_s(even["metrics"])
+        even_tps, even_steady = yardstick(runs, strategy)
+        steady = steady_tokens_per_s(r["metrics"])
         row = {"run": name, "steps": r["steps"], "tokens_per_s": r["tokens_per_s"],
-               "pct_of_even": 100 * r["tokens_per_s"] / even["tokens_per_s"] if even else None,
+               "pct_of_even": 100 * r["tokens_per_s"] / even_tps if even_tps else None,
                "steady_tokens_per_s": steady,
                "steady_pct_of_even": 100 * steady / even_steady if steady and even_steady else None,
                "utilization": "/".join(f"{u:.0%}" for u in r["utilization_per_rank"]),
@@ -235,15 +258,15 @@ def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, bac
             mine, theirs = loss_at_tokens(r["evals"], tokens), loss_at_tokens(even["evals"], tokens)
             if mine is not None and theirs:
                 row["val_vs_even_pct"] = 100 * (mine - theirs) / theirs
-        if name.endswith("-change") and even:
+        if name.endswith("-change") and even_tps:
             total = sum(quotas)
             low = (total - quotas[1] * 2 / 3) / total
             if strategy == "diloco":
-                row["rounds_to_90pct_after_drop"] = rounds_to_recover(r["metrics"], drop, back, even["tokens_per_s"] * low, sync_every)
-                row["rounds_to_90pct_after_recovery"] = rounds_to_recover(r["metrics"], back, 10**9, even["tokens_per_s"], sync_every)
+                row["rounds_to_90pct_after_drop"] = rounds_to_recover(r["metrics"], drop, back, even_tps * low, sync_every)
+                row["rounds_to_90pct_after_recovery"] = rounds_to_recover(r["metrics"], back, 10**9, even_tps, sync_every)
             else:
-                row["steps_to_90pct_after_drop"] = steps_to_recover(r["metrics"], drop, back, even["tokens_per_s"] * low)
-                row["steps_to_90pct_after_recovery"] = steps_to_recover(r["metrics"], back, 10**9, even["tokens_per_s"])
+                row["steps_to_90pct_after_drop"] = steps_to_recover(r["metrics"], drop, back, even_tps * low)
+                row["steps_to_90pct_after_recovery"] = steps_to_recover(r["metrics"], back, 10**9, even_tps)
         rows.append(row)
     return rows
 

@@ -228,7 +228,9 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
     even_tps, balanced_tps = chosen.tokens_per_step / even_step, k * chosen.tokens_per_step / balanced_step
     rel = [round(v / min(speeds), 3) for v in speeds]
     flags = (f"--micro-batches {total} --sync-every {H // k}" if diloco else f"--batch-size 1 --micro-batches {total}")
+    rounds = {"round_seconds_even": even_step * H, "round_seconds_balanced": balanced_step * (H // k)} if diloco else {}
     return {
+        **rounds,  # diloco: a step of the balanced split is k steps' work, so compare rounds
         "shares": shares,
         "unit": "micro-batches of --batch-size sequences (inner steps)" if diloco else "sequences of the global batch",
         "global_batch": total,

@@ -60,8 +60,11 @@ def render(doc: dict, console) -> None:
         console.print(
             f"[bold]Uneven nodes[/]: shares {':'.join(str(v) for v in bal['shares'])} of {bal['global_batch']} "
             f"{'micro-batches' if bal['unit'].startswith('micro') else 'sequences'} "
-            f"(speeds {':'.join(f'{v:g}' for v in bal['speeds'])}): step {duration(bal['balanced_step_seconds'])} "
-            f"vs {duration(bal['even_step_seconds'])} split evenly, {bal['speedup']:.2f}x "
+            f"(speeds {':'.join(f'{v:g}' for v in bal['speeds'])}): "
+            + (f"a round {duration(bal['round_seconds_balanced'])} vs {duration(bal['round_seconds_even'])}"
+               if "round_seconds_even" in bal else
+               f"step {duration(bal['balanced_step_seconds'])} vs {duration(bal['even_step_seconds'])}")
+            + f" split evenly, {bal['speedup']:.2f}x "
             f"({bal['tokens_per_s_balanced']:,.0f} vs {bal['tokens_per_s_even']:,.0f} tokens/s"
             + (f"; whole {'micro-batches' if bal['unit'].startswith('micro') else 'sequences'} make the compute "
                f"{bal['split_gap']:.0%} longer than an exact split"
