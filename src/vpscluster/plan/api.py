@@ -212,8 +212,7 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
     if diloco:
         H = chosen.settings.sync_every
         speeds = [1 / c for c in per_rank]  # inner steps (micro-batches) per second of each rank
-        k = 1
-        for k in [d for d in range(1, H + 1) if H % d == 0]:
+        for k in [d for d in range(1, H + 1) if H % d == 0]:  # 1 always divides: k is set
             if split_gap(split(speeds, k * world, 1, _STRATEGY.max_spread), speeds, _STRATEGY.max_spread) <= GAP_HINT:
                 break
         total = k * world
