@@ -84,42 +84,40 @@ def run_uneven(settings: UnevenSettings, say: Callable[[str], None] = lambda lin
     info = sandbox.up(s.name, nodes=n, bandwidth=s.bandwidth, cpu=s.cpu, progress=lambda m: say(f"  {m}"))
     runs: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
+
+    def attempt(name: str, node_quotas: list[float], start: str, go: Callable[[], dict[str, Any]]) -> bool:
+        """Set the nodes' quotas, announce, run; a failed run is recorded in `failed`."""
+        for node, q in zip(info.nodes, node_quotas):
+            sandbox.set_cpu(s.name, node.name, q)
+        say(start)
+        try:
+            runs[name] = go()
+            return True
+        except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+            failed[name] = str(e).splitlines()[0][:300]
+            return False
+
     try:
         for strategy in strategies:
             for mode in MODES:
                 name = f"{strategy}-{mode}"
-                for node, q in zip(info.nodes, even_q if mode == "even" else quotas):
-                    sandbox.set_cpu(s.name, node.name, q)
-                say(f"{name}: training ({s.budget_s:g} s budget)")
-                try:
-                    runs[name] = _run(s, info, strategy, mode == "balanced", out / name, budget=True)
-                except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-                    failed[name] = str(e).splitlines()[0][:300]
+                if not attempt(name, even_q if mode == "even" else quotas, f"{name}: training ({s.budget_s:g} s budget)",
+                               lambda: _run(s, info, strategy, mode == "balanced", out / name, budget=True)):
                     say(f"  {name} failed: {failed[name]}")
                     continue
                 r = runs[name]
                 say(f"  {name}: {r['tokens_per_s']:.0f} tok/s, shares {r.get('shares')}, {r.get('rebalances', 0)} rebalance(s)")
         for strategy in strategies:
-            if f"{strategy}-even" not in runs:
-                continue
-            name = f"{strategy}-change"
-            for node, q in zip(info.nodes, quotas):
-                sandbox.set_cpu(s.name, node.name, q)
-            say(f"{name}: balanced {strategy}, {info.nodes[1].name} to a third of its CPU at step {drop}, back at {back}")
-            try:
-                runs[name] = _run_change(s, info, strategy, quotas, drop, back, out / name, say)
-            except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-                failed[name] = str(e).splitlines()[0][:300]
+            if f"{strategy}-even" in runs:
+                name = f"{strategy}-change"
+                attempt(name, quotas, f"{name}: balanced {strategy}, {info.nodes[1].name} to a third of its CPU "
+                        f"at step {drop}, back at {back}",
+                        lambda: _run_change(s, info, strategy, quotas, drop, back, out / name, say))
         for strategy in strategies:  # the yardstick again, last: drift over the bench shows in it
             name = f"{strategy}-even2"
-            for node, q in zip(info.nodes, even_q):
-                sandbox.set_cpu(s.name, node.name, q)
-            say(f"{name}: training ({s.budget_s:g} s budget)")
-            try:
-                runs[name] = _run(s, info, strategy, False, out / name, budget=True)
+            if attempt(name, even_q, f"{name}: training ({s.budget_s:g} s budget)",
+                       lambda: _run(s, info, strategy, False, out / name, budget=True)):
                 say(f"  {name}: {runs[name]['tokens_per_s']:.0f} tok/s")
-            except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-                failed[name] = str(e).splitlines()[0][:300]
     finally:
         try:
             sandbox.down(s.name)
