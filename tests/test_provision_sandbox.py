@@ -2,7 +2,9 @@
 (`--own-root`): ansible-core applies the tcp and firewall roles; --check changes nothing; a
 second run reports no changes; the node's sysctls match the plan; the firewall lets peers and
 SSH in and keeps a stranger on the same bridge out of the cluster's ports; the host's own
-sysctls and nftables ruleset are untouched throughout.
+sysctls and nftables ruleset are untouched throughout. The env role installs vpscluster's whole
+run-time closure (torch included) on both nodes, finds and fixes a hand-made change, and
+`train --cluster` then runs on the provisioned venvs.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
 
     # Apply, then again: no changes.
     first = provision(cli, cluster_file, "--only", "tcp,firewall")
-    assert first["ok"] and first["changed"] > 0, first
+    assert first["ok"] and first["changed"] > 0, json.dumps(first)[-3000:]
     assert set(first["nodes"][0]["roles"]) == {"tcp", "firewall"}
     second = provision(cli, cluster_file, "--only", "firewall,tcp")
     assert second["ok"] and second["changed"] == 0 and second["summary"] == "no changes", second
@@ -137,35 +139,39 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
     assert host_state() == before
 
 
-ENV_PACKAGES = ["pyyaml", "rich", "markdown-it-py", "mdurl", "pygments"]
-
-
-def test_env_one_pinned_venv_per_node_found_and_fixed_after_a_hand_change(own_root, tmp_path):
-    """The env role with a few of vpscluster's packages (all of them means pushing torch: too slow
-    for a test): the same env hash on every node, idempotent, a hand-made change found and fixed."""
-    from importlib import metadata
+def test_env_full_closure_identical_on_every_node_fixed_after_a_hand_change_and_trained_on(own_root, cli, tmp_path,
+                                                                                           monkeypatch):
+    """The env role with vpscluster's whole run-time closure (torch included): the same env hash
+    on every node, idempotent, a hand-made change found by --check and fixed; then `train
+    --cluster` runs on the provisioned venvs (every rank reports the venv's interpreter)."""
+    import gzip
 
     from vpscluster.cluster.inventory import load_cluster
     from vpscluster.provision import env, provision
 
     info, cluster_file = own_root
     cluster = load_cluster(cluster_file)
-    reqs = {env.canonical(p): metadata.version(p) for p in ENV_PACKAGES}
-    wheelhouse = env.build_wheelhouse(reqs, tmp_path / "wheels", download=False)  # offline: re-packed here
+    reqs = env.pinned_requirements("vpscluster")
+    assert "torch" in reqs and "numpy" in reqs, reqs
+    # Offline: pip may use this machine's own wheel folders (find-links), never an index; what
+    # they lack is re-packed from the files installed here.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    wheelhouse = env.build_wheelhouse(reqs, tmp_path / "wheels")
 
     def run(check: bool = False) -> dict:
-        return provision(cluster, roles=["env"], check=check, env_packages=ENV_PACKAGES, wheelhouse=wheelhouse)
+        return provision(cluster, roles=["env"], check=check, wheelhouse=wheelhouse)
 
     first = run()
-    assert first["ok"] and first["changed"] > 0, first
+    assert first["ok"] and first["changed"] > 0, json.dumps(first)[-3000:]
     hashes = set()
     for n in info.nodes:
         venv = f"{n.workdir}/venv"
-        r = ssh_run(info, n.name, f"cat {venv}/vpscluster-env.json && echo && {venv}/bin/python -c 'import yaml, rich; print(yaml.__version__)'")
+        r = ssh_run(info, n.name, f"cat {venv}/vpscluster-env.json && echo && {venv}/bin/python -c "
+                                  f"'import torch, yaml; print(torch.__version__, yaml.__version__)'")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout[:r.stdout.rindex("}") + 1])
         hashes.add(doc["env_hash"])
-        assert r.stdout.split()[-1] == reqs["pyyaml"]
+        assert r.stdout.split()[-2:] == [reqs["torch"], reqs["pyyaml"]], r.stdout[-200:]
         assert not Path(venv).exists()  # on the node's own disk only
     assert hashes == {first["env"]["hash"]}
     for n, rec in zip(info.nodes, first["nodes"]):  # how to run on it: the node's `python` in the cluster file
@@ -184,6 +190,24 @@ def test_env_one_pinned_venv_per_node_found_and_fixed_after_a_hand_change(own_ro
     assert fixed["ok"] and {n["name"]: n["changed"] for n in fixed["nodes"]} == {"node-1": 0, "node-2": 1}, fixed
     r = ssh_run(info, "node-2", f"{info.nodes[1].workdir}/venv/bin/python -c 'import mdurl; print(mdurl.__version__)'")
     assert r.stdout.strip() == reqs["mdurl"], (r.stdout, r.stderr)
+
+    # Train on the provisioned venvs: the cluster file's `python` per node, as the note says.
+    doc = yaml.safe_load(Path(cluster_file).read_text())
+    for entry, n in zip(doc["nodes"], info.nodes):
+        entry["python"] = f"{n.workdir}/venv/bin/python"
+    venv_cluster = tmp_path / "cluster-venv.yaml"
+    venv_cluster.write_text(yaml.safe_dump(doc, sort_keys=False))
+    corpus = tmp_path / "corpus.txt"
+    with gzip.open(Path(__file__).resolve().parents[1] / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
+        corpus.write_text(f.read(200_000))
+    r = cli("train", "--cluster", str(venv_cluster), "--preset", "tiny", "--max-steps", "6", "--eval-every", "6",
+            "--data", str(corpus), "--run-dir", str(tmp_path / "run"), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["world_size"] == 2 and report["steps"] == 6
+    assert [(p["python"], p["torch"]) for p in report["per_rank"]] == [
+        (f"{n.workdir}/venv/bin/python", reqs["torch"]) for n in info.nodes], report["per_rank"]
+    assert report["final_val_loss"] < report["initial_val_loss"], report
 
 
 class BridgeCapture:

@@ -103,6 +103,26 @@ def test_repacked_wheel_installs_the_same_version(tmp_path):
     assert path.startswith(str(target)) and version == metadata.version("mdurl")
 
 
+def test_repacked_wheel_name_carries_every_tag_so_pip_finds_it(tmp_path):
+    """A wheel whose WHEEL lists `py2-none-any` and `py3-none-any` (locket, here) must be named
+    `py2.py3-none-any`: named by its first tag only, pip on a Python 3 node skips it."""
+    from importlib import metadata
+
+    from vpscluster.provision.env import repack, wheel_tag
+
+    assert wheel_tag(["py2-none-any", "py3-none-any"]) == "py2.py3-none-any"
+    assert wheel_tag(["cp311-cp311-manylinux_2_17_x86_64", "cp311-cp311-manylinux2014_x86_64"]) == \
+        "cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64"
+    assert wheel_tag(["py3-none-any"]) == "py3-none-any" and wheel_tag([]) == "py3-none-any"
+    assert wheel_tag(["cp311-cp311-linux_x86_64", "py2-none-any"]) == "cp311-cp311-linux_x86_64"  # not a product
+    whl = repack(metadata.distribution("locket"), tmp_path)
+    assert whl.name == f"locket-{metadata.version('locket')}-py2.py3-none-any.whl"
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-index", "--no-deps", "--find-links",
+                        str(tmp_path), "-d", str(tmp_path / "got"), f"locket=={metadata.version('locket')}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_playbook_ships_and_parses(tmp_path):
     root = playbook_dir()
     for rel in ("site.yml", "library/vpscluster_sysctl.py", "library/vpscluster_venv.py",

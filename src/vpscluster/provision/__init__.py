@@ -191,6 +191,6 @@ def env_vars(packages: Sequence[str] | None, wheelhouse: Path | None, say: Calla
                 raise UserError(f"provision env: {name} is not installed on this machine; install it here first") from None
     say(f"wheelhouse: {len(reqs)} packages")
     directory = env.build_wheelhouse(reqs, wheelhouse, say)
-    wheels = [str(env._have_wheel(directory, n, v)) for n, v in reqs.items()]
+    wheels = {n: str(env._have_wheel(directory, n, v)) for n, v in reqs.items()}
     return {"env_requirements": reqs, "env_hash": env.env_hash(reqs), "env_python_version": env.python_version(),
             "env_wheels": wheels}

@@ -87,33 +87,45 @@ def build_wheelhouse(reqs: dict[str, str], directory: Path | None = None, say=la
                      download: bool = True) -> Path:
     """One wheel per requirement in `directory` (made only where missing); returns the directory.
 
-    `download=False`: no index is asked; every wheel is built from source or re-packed here.
+    Missing wheels are fetched with one `pip download` of the exact versions (one resolver run;
+    pip's configured indexes and find-links, so a `+cpu` torch is found where the user's pip finds
+    it). Where that fails, each one is fetched alone, and a wheel no index has is re-packed from
+    the files installed here. `download=False`: no index is asked; every wheel is built from
+    source or re-packed here.
     """
     directory = directory or default_wheelhouse()
     directory.mkdir(parents=True, exist_ok=True)
+    wanted: dict[str, str] = {}
     for name, version in reqs.items():
-        dist = metadata.distribution(name)
-        source = _editable_source(dist)
-        stamp = directory / f"{canonical(name)}-{version}.source-hash"
+        source = _editable_source(metadata.distribution(name))
         if source:  # a working tree: its version number does not change with its code
             digest = _tree_hash(source)
-            if _have_wheel(directory, name, version) and stamp.is_file() and stamp.read_text() == digest:
-                continue
+            stamp = directory / f"{canonical(name)}-{version}.source-hash"
             old = _have_wheel(directory, name, version)
+            if old and stamp.is_file() and stamp.read_text() == digest:
+                continue
             if old:
                 old.unlink()
             say(f"building {name} {version} from {source}")
             _pip(["wheel", "--no-deps", "--no-build-isolation", "-w", str(directory), str(source)])
             stamp.write_text(digest)
-            continue
-        if _have_wheel(directory, name, version):
-            continue
-        elif not download or "+" in version or not _pip(["download", "--no-deps", "--only-binary=:all:", "-d", str(directory),
-                                         f"{name}=={version}"], check=False):
-            say(f"re-packing {name} {version} as installed here")
-            repack(dist, directory)
+        elif not _have_wheel(directory, name, version):
+            wanted[name] = version
+    if wanted and download:
+        say(f"downloading {len(wanted)} wheels")
+        get = ["download", "--no-deps", "--only-binary=:all:", "-d", str(directory)]
+        if not _pip([*get, *(f"{n}=={v}" for n, v in wanted.items())], check=False):
+            # Something is on no index. Usually a local version (`+cpu`, `+cu121`) from an index
+            # pip here does not know: fetch the rest in one go, then each local version alone.
+            local = [n for n, v in wanted.items() if "+" in v]
+            rest = [n for n in wanted if n not in local]
+            lone = local if rest and _pip([*get, *(f"{n}=={wanted[n]}" for n in rest)], check=False) else list(wanted)
+            for n in lone:
+                _pip([*get, f"{n}=={wanted[n]}"], check=False)
+    for name, version in wanted.items():
         if not _have_wheel(directory, name, version):
-            repack(dist, directory)
+            say(f"re-packing {name} {version} as installed here")
+            repack(metadata.distribution(name), directory)
     return directory
 
 
@@ -154,14 +166,31 @@ def _editable_source(dist) -> Path | None:
     return path if (path / "pyproject.toml").is_file() or (path / "setup.py").is_file() else None
 
 
+def wheel_tag(tags: list[str]) -> str:
+    """The file-name tag of a wheel with these WHEEL `Tag:` lines: the compressed set
+    (`py2.py3-none-any`) where they are every combination of their parts, else the first one
+    this interpreter supports (a wheel named by one of its tags that pip here would skip is never
+    installed on a node of the same Python)."""
+    if not tags:
+        return "py3-none-any"
+    parts = [t.split("-") for t in tags]
+    if all(len(p) == 3 for p in parts):
+        uniq = [list(dict.fromkeys(p[i] for p in parts)) for i in range(3)]
+        if len(uniq[0]) * len(uniq[1]) * len(uniq[2]) == len(set(tags)):
+            return "-".join(".".join(u) for u in uniq)
+    from packaging.tags import sys_tags
+
+    here = {str(t) for t in sys_tags()}
+    return next((t for t in tags if t in here), tags[0])
+
+
 def repack(dist, directory: Path) -> Path:
     """A wheel of an installed distribution, from the files its RECORD lists (inside site-packages).
 
     Console scripts are not copied (pip writes them anew from entry_points.txt on install).
     """
     wheel_meta = dist.read_text("WHEEL") or ""
-    tags = [line.split(":", 1)[1].strip() for line in wheel_meta.splitlines() if line.startswith("Tag:")]
-    tag = tags[0] if tags else "py3-none-any"
+    tag = wheel_tag([line.split(":", 1)[1].strip() for line in wheel_meta.splitlines() if line.startswith("Tag:")])
     name = canonical(dist.metadata["Name"]).replace("-", "_")
     path = directory / f"{name}-{dist.version}-{tag}.whl"
     base = Path(dist.locate_file(""))

@@ -98,6 +98,12 @@ def end_startup(ctx: DistContext, train_collective_s: float) -> None:
         set_timeout(timedelta(seconds=train_collective_s), ctx.group)
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def threads_per_rank(configured: int | None, ranks_here: int) -> int:
     """Torch threads for one rank: `configured` if set, else the CPUs this machine really grants
     (affinity capped by the cgroup quota, `nodeside.facts.available_cpus`) shared among the
@@ -537,7 +543,9 @@ class Trainer:
         mine = {**t.to_dict(), "collective_busy_seconds": self.strategy.describe().get("collective_busy_seconds"),
                 "exporter_cpu_seconds": self.exporter.cpu_seconds(),  # None without exporters
                 "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict()),
-                "prediction_summary": prediction.rank_summary(self._samples)}
+                "prediction_summary": prediction.rank_summary(self._samples),
+                # Which environment ran this rank (a provisioned venv shows here).
+                "python": sys.executable, "torch": _torch_version()}
         per_rank = self._all_gather_object(mine)
         if self.ctx.rank != 0:
             return None
@@ -575,7 +583,7 @@ class Trainer:
             "threads_per_rank": self.threads,
             "per_rank": [
                 {"rank": i, **{k: r[k] for k in ("compute_seconds", "comm_seconds", "wall_seconds", "bytes_sent", "collective_busy_seconds",
-                                           "exporter_cpu_seconds", "model_sha256")}}
+                                           "exporter_cpu_seconds", "model_sha256", "python", "torch")}}
                 for i, r in enumerate(per_rank)
             ],
             "model_sha256": mine["model_sha256"],

@@ -10,8 +10,11 @@
       env_hash: 5e81ace92442f7a2
 
 Compares what the venv really holds (importlib.metadata inside the venv, so a package changed
-by hand is seen) with `requirements`; installs the differences with `pip --no-index --no-deps`
-(nodes need no internet); writes `<venv>/vpscluster-env.json` (hash and packages). Check mode
+by hand is seen) with `requirements` and returns the differences as `differ` ({name: version}; the
+role runs it in check mode first, to push only those wheels); installs the differences with `pip --no-index --no-deps`
+(nodes need no internet) and `--no-compile`: byte-compiling every module at install (torch ships
+thousands that training never imports) triples the install time, and Python compiles what is
+imported on first use, into the venv the same user owns; writes `<venv>/vpscluster-env.json` (hash and packages). Check mode
 reports the differences and changes nothing. Packages in the venv beyond the list are left.
 """
 
@@ -100,7 +103,7 @@ def main() -> None:
                 module.fail_json(msg=f"no wheels in {p['wheelhouse']}")
             specs = [f"{n}=={v}" for n, v in sorted(differ.items())]
             inst = run(module, [venv_python, "-m", "pip", "install", "--disable-pip-version-check", "--no-index",
-                                "--no-deps", "--force-reinstall", "--find-links", p["wheelhouse"], *specs])
+                                "--no-deps", "--no-compile", "--force-reinstall", "--find-links", p["wheelhouse"], *specs])
             if inst.returncode != 0:
                 said = (inst.stderr or inst.stdout).strip().splitlines()
                 module.fail_json(msg=f"pip install from the wheelhouse failed: {said[-1] if said else inst.returncode}",
@@ -109,7 +112,7 @@ def main() -> None:
             json.dump(doc, f, indent=1)
         os.replace(marker + ".tmp", marker)
 
-    module.exit_json(changed=bool(changes), changes=changes, env_hash=p["env_hash"], venv=p["venv"],
+    module.exit_json(changed=bool(changes), changes=changes, differ=differ, env_hash=p["env_hash"], venv=p["venv"],
                      values={"python": os.path.join(p["venv"], "bin", "python"), "env_hash": p["env_hash"]})
 
 
