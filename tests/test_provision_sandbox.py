@@ -180,16 +180,25 @@ def test_env_full_closure_identical_on_every_node_fixed_after_a_hand_change_and_
     assert [n["gpu_check"]["status"] for n in first["nodes"]] == ["no GPU", "no GPU"], first["nodes"]
     assert run()["summary"] == "no changes"
 
-    # By hand on node-2: a package removed. --check finds it there only; provision fixes it.
-    assert ssh_run(info, "node-2", f"{info.nodes[1].workdir}/venv/bin/python -m pip uninstall -y -q mdurl").returncode == 0
+    # By hand on node-2: a package removed, and torch at another version. No other torch wheel
+    # exists offline, so the other version is its installed metadata's (what pip and
+    # importlib.metadata read; what a hand-installed torch changes). --check finds both on
+    # node-2 only; provision fixes them.
+    venv2 = f"{info.nodes[1].workdir}/venv"
+    meta = f"{venv2}/lib/python{env.python_version()}/site-packages/torch-{reqs['torch']}.dist-info/METADATA"
+    r = ssh_run(info, "node-2", f"{venv2}/bin/python -m pip uninstall -y -q mdurl && "
+                                f"sed -i 's/^Version: .*/Version: 2.12.0/' {meta}")
+    assert r.returncode == 0, r.stderr
     check = run(check=True)
     by_node = {n["name"]: n for n in check["nodes"]}
     assert by_node["node-1"]["changed"] == 0 and by_node["node-2"]["changed"] == 1, check
-    assert any("mdurl" in c and "installed" in c for c in by_node["node-2"]["changes"]), by_node["node-2"]["changes"]
+    said = " ".join(by_node["node-2"]["changes"])
+    assert f"mdurl {reqs['mdurl']} installed" in said and f"torch 2.12.0 -> {reqs['torch']}" in said, said
     fixed = run()
     assert fixed["ok"] and {n["name"]: n["changed"] for n in fixed["nodes"]} == {"node-1": 0, "node-2": 1}, fixed
-    r = ssh_run(info, "node-2", f"{info.nodes[1].workdir}/venv/bin/python -c 'import mdurl; print(mdurl.__version__)'")
-    assert r.stdout.strip() == reqs["mdurl"], (r.stdout, r.stderr)
+    r = ssh_run(info, "node-2", f"{venv2}/bin/python -c 'import mdurl, torch; print(mdurl.__version__, torch.__version__)'")
+    assert r.stdout.split() == [reqs["mdurl"], reqs["torch"]], (r.stdout, r.stderr)
+    assert run()["summary"] == "no changes"
 
     # Train on the provisioned venvs: the cluster file's `python` per node, as the note says.
     doc = yaml.safe_load(Path(cluster_file).read_text())
