@@ -7,7 +7,9 @@ fault-tolerance library: per-step quorum, reconfigurable process groups, a Rust 
 let the survivors go on at the next outer sync instead. This bench checks on this machine that
 torchft does what a build on it would rely on: the lighthouse runs in this process; each replica
 group is a local process (`vpscluster.bench.torchft_replica`: a torchft Manager over
-ProcessGroupGloo and torchft's own DiLoCo). One replica is killed with SIGKILL at `kill_at_s` and
+ProcessGroupGloo and torchft's own DiLoCo). With `bandwidth` set, each replica runs on its own
+sandbox node instead (its network namespace and CPU cgroup, links shaped to `bandwidth`, `cpu`
+per node) and the lighthouse listens on the sandbox bridge. One replica is killed with SIGKILL at `kill_at_s` and
 started again at `back_at_s`. Measured from the replicas' logs (one line per outer sync):
 
 - every outer sync's weights hash alike on every replica that took part (mismatches must be 0);
@@ -46,6 +48,10 @@ class TorchftSettings:
     kill_at_s: float = 25.0
     back_at_s: float = 45.0
     timeout_s: float = 300.0
+    hidden: int = 256  # the MLP's width: 64 -> hidden -> 8 (hidden 4096: 0.3M parameters, 1.2 MB per sync)
+    bandwidth: str = ""  # "" = local processes; else a sandbox node per replica with links of this rate
+    cpu: str = ""  # the sandbox nodes' CPU share ("" = not limited)
+    name: str = "torchft-bench"  # the sandbox's name
     out: str | None = None
 
 
@@ -64,19 +70,40 @@ def run_torchft(settings: TorchftSettings, say: Callable[[str], None] = lambda l
     out.mkdir(parents=True, exist_ok=True)
     log = out / "syncs.jsonl"
     log.unlink(missing_ok=True)
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
-    addr = lighthouse.address()
-    say(f"lighthouse {addr}; {s.replicas} replicas, DiLoCo H={s.sync_every}, {s.steps} outer syncs each; "
+    box = None
+    if s.bandwidth:
+        from vpscluster.cluster import sandbox
+
+        box = sandbox.up(s.name, nodes=s.replicas, bandwidth=s.bandwidth, cpu=s.cpu or None,
+                         progress=lambda m: say(f"  {m}"))
+    try:
+        lighthouse = LighthouseServer(bind=f"{box.gateway if box else '127.0.0.1'}:0", min_replicas=2, join_timeout_ms=1000)
+    except BaseException:
+        if box:
+            sandbox.down(s.name)
+        raise
+    host = box.gateway if box else "127.0.0.1"  # address() names this machine's hostname, which a node may not resolve
+    addr = f"http://{host}:{lighthouse.address().rsplit(':', 1)[1]}"
+    where = f"sandbox {s.name}: a node per replica, {s.bandwidth} links" if box else "local processes"
+    say(f"lighthouse {addr}; {s.replicas} replicas ({where}), DiLoCo H={s.sync_every}, {s.steps} outer syncs each; "
         f"replica {s.victim} killed at {s.kill_at_s:g} s, back at {s.back_at_s:g} s")
     procs: dict[int, subprocess.Popen] = {}
     events: dict[str, float] = {}
 
     def start(r: int) -> subprocess.Popen:
         argv = [sys.executable, "-m", "vpscluster.bench.torchft_replica", str(r), addr, str(s.steps), str(s.sync_every),
-                str(s.step_s), str(log)]
+                str(s.step_s), str(log), str(s.hidden)]
+        if box:
+            from vpscluster.cluster.sandbox import cgroup
+
+            node = box.nodes[r]
+            argv = [*argv, node.address]
+            argv = cgroup.enter_argv(node.cgroup, node.namespace, argv) if node.cgroup else \
+                ["ip", "netns", "exec", node.namespace, *argv]
         with open(out / f"replica-{r}.out", "a") as f:
             return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                         **({"GLOO_SOCKET_IFNAME": "eth0"} if box else {})})  # the node's link, not lo
 
     t0 = time.time()
     try:
@@ -103,10 +130,12 @@ def run_torchft(settings: TorchftSettings, say: Callable[[str], None] = lambda l
                 p.kill()
                 p.wait(timeout=30)
         lighthouse.shutdown()
+        if box:
+            sandbox.down(s.name)
     lines = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
     doc = {"command": "vpscluster bench torchft " + " ".join(
         f"--{k.replace('_', '-')} {getattr(s, k)}" for k in ("replicas", "sync_every", "step_s", "steps", "victim",
-                                                              "kill_at_s", "back_at_s")),
+                                                              "kill_at_s", "back_at_s", "hidden", "bandwidth", "cpu")),
            "torchft": _version("torchft"), "torch": _version("torch"),
            "exit_codes": {str(r): c for r, c in codes.items()},
            "summary": summarize(lines, s.victim, s.replicas, events["killed"], events["restarted"]),

@@ -1,10 +1,11 @@
 """One torchft replica group for `vpscluster bench torchft` (run as `python -m vpscluster.bench.torchft_replica`).
 
-    python -m vpscluster.bench.torchft_replica REPLICA_ID LIGHTHOUSE_ADDR STEPS SYNC_EVERY STEP_S LOG
+    python -m vpscluster.bench.torchft_replica REPLICA_ID LIGHTHOUSE_ADDR STEPS SYNC_EVERY STEP_S LOG [HIDDEN [ADDRESS]]
 
 One process = one replica group of world size 1: its own TCPStore, a torchft Manager over
 ProcessGroupGloo (10 s time-outs), and torchft's DiLoCo (AdamW inside, Nesterov SGD lr 0.7 /
-momentum 0.9 outside) on a small MLP with its own data. Every inner step sleeps STEP_S more, to
+momentum 0.9 outside) on an MLP (64 -> HIDDEN -> 8) with its own data. ADDRESS (default
+127.0.0.1) is where the other replicas reach this one's store and manager: a sandbox node's. Every inner step sleeps STEP_S more, to
 stand for compute. After each outer sync it appends one JSON line to LOG: wall time, manager
 step, participants, and a hash of its weights. Ends after STEPS outer syncs.
 """
@@ -36,8 +37,10 @@ def main(argv: list[str]) -> int:
     from torchft.local_sgd import DiLoCo
 
     rid, lighthouse, steps, sync_every, step_s, log_path = argv[0], argv[1], int(argv[2]), int(argv[3]), float(argv[4]), argv[5]
+    hidden = int(argv[6]) if len(argv) > 6 else 256
+    address = argv[7] if len(argv) > 7 else "127.0.0.1"
     torch.manual_seed(0)  # the same initial weights on every replica
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 8))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
 
@@ -49,12 +52,19 @@ def main(argv: list[str]) -> int:
         inner.load_state_dict(sd["inner"])
         outer.load_state_dict(sd["outer"])
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):  # torchft 0.2.0 advertises socket.gethostname(), which peers may not resolve
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=2, use_async_quorum=False,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"replica-{rid}",
-                      store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-                      hostname="127.0.0.1", timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
-                      connect_timeout=timedelta(seconds=10))
+                      store_addr=address, store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      hostname=address, timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
+                      connect_timeout=timedelta(seconds=10),
+                      checkpoint_transport=Transport(timeout=timedelta(seconds=10), num_chunks=0))
     data = torch.Generator().manual_seed(1000 + int(rid))  # each replica its own batches
     with open(log_path, "a") as log, DiLoCo(manager, [model], inner, outer, sync_every=sync_every) as diloco:
         while manager.current_step() < steps:

@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "step_s": "seconds each inner step sleeps (stands for compute)", "steps": "outer syncs each replica runs",
         "victim": "the replica killed and started again", "kill_at_s": "SIGKILL at this second",
         "back_at_s": "started again at this second", "timeout_s": "the whole run's limit",
+        "hidden": "the MLP's width (64 -> hidden -> 8)",
+        "bandwidth": "run each replica on its own sandbox node with links of this rate (e.g. 100mbit; default: local processes)",
+        "cpu": "the sandbox nodes' CPU share", "name": "sandbox name",
         "out": "results folder (default bench/results/torchft-<UTC time>)",
     }
     settings_arguments(p, TorchftSettings, helps)
