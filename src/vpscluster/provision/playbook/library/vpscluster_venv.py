@@ -10,11 +10,12 @@
       env_hash: 5e81ace92442f7a2
 
 Compares what the venv really holds (importlib.metadata inside the venv, so a package changed
-by hand is seen) with `requirements` and returns the differences as `differ` ({name: version}; the
-role runs it in check mode first, to push only those wheels); installs the differences with `pip --no-index --no-deps`
-(nodes need no internet) and `--no-compile`: byte-compiling every module at install (torch ships
-thousands that training never imports) triples the install time, and Python compiles what is
-imported on first use, into the venv the same user owns; writes `<venv>/vpscluster-env.json` (hash and packages). Check mode
+by hand is seen) with `requirements` and returns the differences as `differ` ({name: version};
+the role runs it in check mode first, to push only those wheels). Installs the differences with
+`pip --no-index --no-deps` (nodes need no internet) and `--no-compile`: byte-compiling every
+module at install (torch ships thousands that training never imports) triples the install
+time, and Python compiles what is imported on first use, into the venv the same user owns.
+Writes `<venv>/vpscluster-env.json` (hash and packages). Check mode
 reports the differences and changes nothing. Packages in the venv beyond the list are left.
 """
 
