@@ -76,13 +76,14 @@ def run_torchft(settings: TorchftSettings, say: Callable[[str], None] = lambda l
 
         box = sandbox.up(s.name, nodes=s.replicas, bandwidth=s.bandwidth, cpu=s.cpu or None,
                          progress=lambda m: say(f"  {m}"))
+    host = box.gateway if box else "127.0.0.1"  # the lighthouse's side of the sandbox bridge
     try:
-        lighthouse = LighthouseServer(bind=f"{box.gateway if box else '127.0.0.1'}:0", min_replicas=2, join_timeout_ms=1000)
+        lighthouse = LighthouseServer(bind=f"{host}:0", min_replicas=2, join_timeout_ms=1000)
     except BaseException:
         if box:
             sandbox.down(s.name)
         raise
-    host = box.gateway if box else "127.0.0.1"  # address() names this machine's hostname, which a node may not resolve
+    # address() names this machine's hostname, which a node may not resolve: the bound address instead
     addr = f"http://{host}:{lighthouse.address().rsplit(':', 1)[1]}"
     where = f"sandbox {s.name}: a node per replica, {s.bandwidth} links" if box else "local processes"
     say(f"lighthouse {addr}; {s.replicas} replicas ({where}), DiLoCo H={s.sync_every}, {s.steps} outer syncs each; "
