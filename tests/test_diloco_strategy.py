@@ -231,6 +231,39 @@ def _agreement(rank, world, wire_dtype, fragments):
 AGREEMENT_CASES = [("fp32", 1), ("int8", 1), ("bf16", 2), ("int8", 3)]
 
 
+def _sync_hashes(rank, world):
+    """`sync_hashes`: the lines each rank logs, and the digests of its global copies meanwhile."""
+    import contextlib
+    import io
+
+    import torch
+
+    from vpscluster.train.strategies.diloco import parse_sync_hash
+
+    model = make_model()
+    H, fragments = 4, 2
+    strategy = make_strategy(rank, world, sync_every=H, fragments=fragments, sync_hashes=True)
+    model = strategy.setup(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    out, expected = io.StringIO(), []
+    with contextlib.redirect_stdout(out):
+        for step in range(1, 2 * H + 1):
+            train_step(model, opt, strategy, rank, step)
+            for f in range(fragments):
+                if step % H == sync_offset(f, fragments, H):
+                    expected.append((f, step, digest(strategy.global_flat[f])))
+    return [parse_sync_hash(line) for line in out.getvalue().splitlines()], expected
+
+
+def test_sync_hashes_name_each_outer_update_and_agree_across_ranks(scenarios):
+    (lines0, expected0), (lines1, expected1) = scenarios["hashes"]
+    assert None not in lines0 and len(lines0) == 4  # 2 fragments, 2 rounds
+    assert [(l["fragment"], l["step"], l["sha256"]) for l in lines0] == expected0
+    assert [l["outer_step"] for l in lines0] == [1, 1, 2, 2] and {l["world_size"] for l in lines0} == {2}
+    assert lines0 == lines1 and expected0 == expected1
+    assert len({l["sha256"] for l in lines0}) == 4
+
+
 def _agreement_cases(rank, world):
     return [_agreement(rank, world, *case) for case in AGREEMENT_CASES]
 
@@ -417,6 +450,7 @@ def _all_scenarios(rank, world):
         "resume1": _straight_and_resumed(rank, world, 1),
         "resume2-warmup": _straight_and_resumed(rank, world, 2, warmup=3),  # stops inside the outer warm-up
         "warmup": _warmup(rank, world),
+        "hashes": _sync_hashes(rank, world),
     }
 
 

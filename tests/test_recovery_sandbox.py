@@ -1,12 +1,15 @@
-"""Training goes on without a node that stopped answering, and takes it back when it answers.
+"""Training goes on without a dead node, and takes it back when it answers again.
 
-Three sandbox nodes train DiLoCo with `--max-restarts 2 --min-nodes 2`. Mid-run node-3's link
-goes down (a cable pulled: its processes keep running, nothing reaches them). The survivors'
-outer syncs time out, the launch fails, and the launcher relaunches on node-1 and node-2 from
-the last checkpoint (re-cut for two ranks). Then the link comes back: the launcher sees node-3
-answer, stops the run at a checkpoint, clears what node-3 still ran of the first launch, and
-relaunches on all three — node-3 receives the newest checkpoint over the process group. The run
-reaches its last step with three identical replicas, and the report lists both recoveries.
+Three sandbox nodes train DiLoCo with `--max-restarts 2 --min-nodes 2`, every rank logging the
+sha256 of its global weights after each outer update (`strategy.sync_hashes`). Mid-run node-3
+dies: its link goes down and every process on it gets SIGKILL (a VPS powered off; only its
+sshd daemon is kept, so it can come back). The survivors' outer syncs time out, the launch
+fails, and the launcher relaunches on node-1 and node-2 from the last checkpoint (re-cut for two
+ranks). Then node-3 comes back (link up: a VPS rebooted): the launcher sees it answer, stops the
+run at a checkpoint, and relaunches on all three — node-3 receives the newest checkpoint over
+the process group. The two survivors hold identical global weights after every outer sync they
+make alone, all three after every sync once node-3 is back; the run reaches its last step with
+three identical replicas, and the report lists both recoveries.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ CONFIG = """\
 checkpoint_every: 5
 eval_every: 1000
 eval_batches: 2
-strategy: {name: diloco, sync_every: 5, overlap_steps: 0, sync_timeout_s: 3, sync_retries: 1}
+strategy: {name: diloco, sync_every: 5, overlap_steps: 0, sync_timeout_s: 3, sync_retries: 1, sync_hashes: true}
 timeouts: {train_collective_s: 10, startup_collective_s: 60, rendezvous_s: 120, stop_grace_s: 10}
 recovery: {max_restarts: 2, min_nodes: 2, rejoin_poll_s: 2}
 """
@@ -61,7 +64,23 @@ def _two_rank_checkpoints(run_dir) -> int:
     return text.count('"event":"checkpoint"', i) if i >= 0 else 0
 
 
-def test_diloco_goes_on_without_a_cut_off_node_and_takes_it_back(tmp_path):
+def _sync_hashes(run_dir) -> dict[tuple, dict[str, set[str]]]:
+    """{(world size, fragment, outer step, step): {sha256: {"node/rank", ...}}} from every node's log."""
+    from vpscluster.launch.logs import split_rank
+    from vpscluster.train.strategies.diloco import parse_sync_hash
+
+    out: dict[tuple, dict[str, set[str]]] = {}
+    for path in (run_dir / "logs").glob("node-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            rank, text = split_rank(line)
+            h = parse_sync_hash(text)
+            if h is not None:
+                key = (h["world_size"], h["fragment"], h["outer_step"], h["step"])
+                out.setdefault(key, {}).setdefault(h["sha256"], set()).add(f"{path.stem}/{rank}")
+    return out
+
+
+def test_diloco_goes_on_without_a_dead_node_and_takes_it_back(tmp_path):
     from vpscluster.cluster.sandbox import faults
 
     factory = SandboxFactory()
@@ -84,8 +103,11 @@ def test_diloco_goes_on_without_a_cut_off_node_and_takes_it_back(tmp_path):
                           for p in (run_dir / "logs").glob("node-*.log")):
                 assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-30:])
                 time.sleep(0.5)
+            # Powered off: off the network first (no FIN or RST reaches the others), then every
+            # process but the sshd daemon killed with SIGKILL.
             faults.inject(info.name, "node-3", "link-down", seconds=600)
             cut = time.monotonic()
+            faults.inject(info.name, "node-3", "kill")
             relaunched = _wait_for(lines, "relaunching on 2 nodes", proc, 240)
             print(f"relaunched on 2 nodes {relaunched - cut:.0f} s after the link went down")
             # The two train on (a checkpoint of their own), then the link comes back.
@@ -117,6 +139,21 @@ def test_diloco_goes_on_without_a_cut_off_node_and_takes_it_back(tmp_path):
         # progress was kept when node-3 came back.
         assert lost["resumed_from_step"] >= 5 and rejoin["resumed_from_step"] > lost["resumed_from_step"]
         print("recoveries:", json.dumps(report["recoveries"]))
+        # Sync by sync: every outer update after the death was made by the two survivors, every one
+        # after the rejoin by all three, and at each the replicas' global weights are identical.
+        syncs = _sync_hashes(run_dir)
+        alone = {k: v for k, v in syncs.items() if k[0] == 2}
+        together = {k: v for k, v in syncs.items() if k[0] == 3 and k[3] > rejoin["resumed_from_step"]}
+        assert len(alone) >= 3 and len(together) >= 3, sorted(syncs)
+        for key, by_hash in syncs.items():
+            assert len(by_hash) == 1, (key, by_hash)  # one set of global weights per sync
+        for key, by_hash in alone.items():
+            (ranks,) = by_hash.values()
+            assert len(ranks) == 2 and not any(r.startswith("node-3") for r in ranks), (key, ranks)
+        for key, by_hash in together.items():
+            (ranks,) = by_hash.values()
+            assert len(ranks) == 3 and any(r.startswith("node-3") for r in ranks), (key, ranks)
+        assert max(k[3] for k in together) == 50
         # Nothing of any launch is left on any node (node-3's first-launch workers included).
         for node in ("node-1", "node-2", "node-3"):
             left = [p for p in faults.node_pids(info, info.node(node))

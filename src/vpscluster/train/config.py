@@ -57,6 +57,10 @@ class StrategyConfig:
     # and are retried this many times on a fresh process group before the round is skipped.
     sync_timeout_s: Float = 0.0
     sync_retries: Int = 1
+    # diloco: every rank logs the sha256 of the global weights after each outer update ("diloco
+    # sync: ..." lines in each node's log), so replicas can be compared sync by sync, e.g. after
+    # faults (`bench faults`). One pass over the weights per sync; off by default.
+    sync_hashes: bool = False
     # Streaming DiLoCo (Douillard et al., 2025): the model split into this many fragments, each
     # synced at a staggered step, so traffic is spread over the round. 1 = no streaming.
     fragments: Int = 1

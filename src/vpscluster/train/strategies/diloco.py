@@ -57,6 +57,7 @@ The loop contract: `tokens_processed(n)` is called for each step before `step(op
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,28 @@ def outer_settings(outer_lr: float, outer_momentum: float, warmup: int, done: in
         return outer_lr, outer_momentum
     w = min(1.0, done / warmup)
     return 1.0 + (outer_lr - 1.0) * w, outer_momentum * w
+
+
+SYNC_HASH = re.compile(r"diloco sync: fragment (\d+) outer step (\d+) at step (\d+) world (\d+) sha256 ([0-9a-f]{64})")
+
+
+def tensor_sha256(t: "torch.Tensor") -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def sync_hash_line(fragment: int, outer_step: int, step: int, world_size: int, digest: str) -> str:
+    """The line `strategy.sync_hashes` logs on every rank after an outer update (SYNC_HASH parses it)."""
+    return f"diloco sync: fragment {fragment} outer step {outer_step} at step {step} world {world_size} sha256 {digest}"
+
+
+def parse_sync_hash(line: str) -> dict[str, Any] | None:
+    m = SYNC_HASH.search(line)
+    if not m:
+        return None
+    f, n, step, world, digest = m.groups()
+    return {"fragment": int(f), "outer_step": int(n), "step": int(step), "world_size": int(world), "sha256": digest}
 
 
 def sync_offset(fragment: int, n_fragments: int, sync_every: int) -> int:
@@ -200,6 +223,7 @@ class DiLoCoStrategy(Strategy):
         self._failed_in_a_row = 0
         self.sync_group = None  # the syncs' own process group when sync_timeout_s is set (else ctx.group)
         self._pre_finalize_state: dict[str, Any] | None = None
+        self._step = 0  # the loop's step, for the sync hash lines
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = ctx.device if ctx.backend == "nccl" else "cpu"
 
@@ -274,6 +298,7 @@ class DiLoCoStrategy(Strategy):
 
     def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
         optimizer.step()
+        self._step = step
         H, F = self.config.sync_every, len(self.fragment_params)
         for f in range(F):
             self.steps_since_sync[f] += 1
@@ -293,6 +318,7 @@ class DiLoCoStrategy(Strategy):
         return sent >= 1 and any(sent % H == sync_offset(f, F, H) for f in range(F))
 
     def finalize(self, step: int) -> None:
+        self._step = step
         self._wait_all()
         pending = [f for f, n in enumerate(self.steps_since_sync) if n > 0]
         if not pending and not self.in_flight:
@@ -401,6 +427,9 @@ class DiLoCoStrategy(Strategy):
         update = delta.add(m, alpha=mu) if mu > 0 else delta  # Nesterov, as torch.optim.SGD
         self.global_flat[f].sub_(update, alpha=lr)
         self.fragment_syncs[f] += 1
+        if self.config.sync_hashes:
+            print(sync_hash_line(f, self.fragment_syncs[f], self._step, self.ctx.world_size,
+                                 tensor_sha256(self.global_flat[f])), flush=True)
 
     def _send(self, f: int, step: int) -> None:
         """Start fragment f's overlapped sync: its reduction runs on the background thread."""
