@@ -44,6 +44,7 @@ def test_run_rows_compare_at_equal_tokens():
         "diloco-fault-free": {"steps": 20, "tokens": 2000, "evals": evals_free, "recoveries": [], "hashes": ["a"]},
         "diloco-faults": {"steps": 20, "tokens": 1500, "evals": evals_faulty, "hashes": ["b"], "checkpoint_failures": 1,
                           "checkpoints_intact": True, "sync": {"syncs_attempted": 8, "syncs_retried": 2, "syncs_failed": 1},
+                          "syncs_checked": 7, "syncs_differing": 1,
                           "recoveries": [{"kind": "restart"}, {"kind": "rejoin"}, {"kind": "restart"}],
                           "faults": [{**_fault("stop", 1.0), "hang": True}]},
     }
@@ -53,9 +54,26 @@ def test_run_rows_compare_at_equal_tokens():
     assert row["val_loss"] == pytest.approx(2.6) and row["val_loss_diff_pct"] == pytest.approx(4.0)
     assert (row["restarts"], row["rejoins"], row["hangs"]) == (2, 1, 1)
     assert row["sync_failure_rate"] == pytest.approx(1 / 8) and row["syncs"] == "8/2/1"
-    assert row["replicas_identical"] is True
+    assert row["replicas_identical"] is True and row["syncs_agreeing"] == "6/7"
     table = bf.markdown(bf.fault_rows(runs) + [row])
-    assert "| diloco | stop | node-3 |" in table and "+4.00%" in table
+    assert "| diloco | stop | node-3 |" in table and "+4.00%" in table and "| 6/7 |" in table
+
+
+def test_sync_agreement_reads_every_launchs_hash_lines(tmp_path):
+    # Two nodes' logs as the launcher writes them (torchrun's rank prefix): the sync at step 5 was
+    # made by 3 ranks and agrees (logged again, alike, by a relaunch that redid it); at step 10 one
+    # rank disagrees.
+    from vpscluster.train.strategies.diloco import sync_hash_line
+
+    a, b = "a" * 64, "b" * 64
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "node-1.log").write_text("\n".join([
+        "[rank0]:" + sync_hash_line(0, 1, 5, 3, a), "[rank1]:" + sync_hash_line(0, 1, 5, 3, a),
+        "[rank0]:noise", "[rank0]:" + sync_hash_line(0, 1, 5, 3, a), "[rank0]:" + sync_hash_line(0, 2, 10, 3, a)]) + "\n")
+    (tmp_path / "logs" / "node-2.log").write_text("[rank2]:" + sync_hash_line(0, 1, 5, 3, a) + "\n"
+                                                  "[rank2]:" + sync_hash_line(0, 2, 10, 3, b) + "\n")
+    assert bf._sync_agreement(tmp_path) == {"syncs_checked": 2, "syncs_differing": 1}
+    assert bf._sync_agreement(tmp_path / "nothing") == {}
 
 
 def test_a_failed_run_is_a_row_that_says_so():

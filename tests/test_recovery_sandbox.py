@@ -26,6 +26,7 @@ import pytest
 
 from fault_helpers import sandbox_name
 from sandbox_fixtures import SandboxFactory
+from vpscluster.launch.logs import diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -62,22 +63,6 @@ def _two_rank_checkpoints(run_dir) -> int:
     text = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("node-*.log"))
     i = text.find('"event":"start","world_size":2')
     return text.count('"event":"checkpoint"', i) if i >= 0 else 0
-
-
-def _sync_hashes(run_dir) -> dict[tuple, dict[str, set[str]]]:
-    """{(world size, fragment, outer step, step): {sha256: {"node/rank", ...}}} from every node's log."""
-    from vpscluster.launch.logs import split_rank
-    from vpscluster.train.strategies.diloco import parse_sync_hash
-
-    out: dict[tuple, dict[str, set[str]]] = {}
-    for path in (run_dir / "logs").glob("node-*.log"):
-        for line in path.read_text(errors="replace").splitlines():
-            rank, text = split_rank(line)
-            h = parse_sync_hash(text)
-            if h is not None:
-                key = (h["world_size"], h["fragment"], h["outer_step"], h["step"])
-                out.setdefault(key, {}).setdefault(h["sha256"], set()).add(f"{path.stem}/{rank}")
-    return out
 
 
 def test_diloco_goes_on_without_a_dead_node_and_takes_it_back(tmp_path):
@@ -141,7 +126,7 @@ def test_diloco_goes_on_without_a_dead_node_and_takes_it_back(tmp_path):
         print("recoveries:", json.dumps(report["recoveries"]))
         # Sync by sync: every outer update after the death was made by the two survivors, every one
         # after the rejoin by all three, and at each the replicas' global weights are identical.
-        syncs = _sync_hashes(run_dir)
+        syncs = diloco_sync_hashes(run_dir / "logs")
         alone = {k: v for k, v in syncs.items() if k[0] == 2}
         together = {k: v for k, v in syncs.items() if k[0] == 3 and k[3] > rejoin["resumed_from_step"]}
         assert len(alone) >= 3 and len(together) >= 3, sorted(syncs)

@@ -138,7 +138,8 @@ def _config(s: FaultSettings, strategy: str) -> str:
              f"timeouts: {{train_collective_s: {2 * t:g}, startup_collective_s: 90, rendezvous_s: 120, stop_grace_s: 10}}",
              "recovery: {max_restarts: 12, min_nodes: 2, rejoin_poll_s: 2}"]
     if strategy == "diloco":
-        lines.append(f"strategy: {{name: diloco, sync_every: {s.checkpoint_every}, sync_timeout_s: {t:g}, sync_retries: 1}}")
+        lines.append(f"strategy: {{name: diloco, sync_every: {s.checkpoint_every}, sync_timeout_s: {t:g}, sync_retries: 1, "
+                     "sync_hashes: true}")
     else:
         lines.append("strategy: {name: ddp}")
     return "\n".join(lines) + "\n"
@@ -376,7 +377,18 @@ def _summary(report: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             "sync": ({k: details.get(k) or 0 for k in ("syncs_attempted", "syncs_retried", "syncs_failed")}
                      if "syncs_attempted" in details else None),
             "hashes": sorted({r.get("model_sha256") for r in ranks if r.get("model_sha256")}),
-            "evals": evals_from_metrics(run_dir / "metrics.jsonl")}
+            "evals": evals_from_metrics(run_dir / "metrics.jsonl"), **_sync_agreement(run_dir)}
+
+
+def _sync_agreement(run_dir: Path) -> dict[str, Any]:
+    """DiLoCo (`sync_hashes`): outer syncs logged over every launch of the run, and those at which
+    the replicas' global weights differed (must be 0)."""
+    from vpscluster.launch.logs import diloco_sync_hashes
+
+    syncs = diloco_sync_hashes(run_dir / "logs")
+    if not syncs:
+        return {}
+    return {"syncs_checked": len(syncs), "syncs_differing": sum(1 for by_hash in syncs.values() if len(by_hash) > 1)}
 
 
 def _strip(run: dict[str, Any]) -> dict[str, Any]:
@@ -419,6 +431,8 @@ def run_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "syncs": f"{sync['syncs_attempted']}/{sync['syncs_retried']}/{sync['syncs_failed']}" if sync else None,
             "checkpoint_failures": r["checkpoint_failures"],
             "newest_checkpoint_intact": r["checkpoints_intact"], "replicas_identical": len(r["hashes"]) == 1,
+            "syncs_agreeing": (f"{r['syncs_checked'] - r['syncs_differing']}/{r['syncs_checked']}"
+                               if "syncs_checked" in r else None),
         })
     return rows
 
@@ -435,7 +449,8 @@ RUN_COLUMNS = [("run", "run", "{}"), ("steps", "steps", "{}"), ("at_tokens", "at
                ("val_loss_diff_pct", "diff", "{:+.2f}%"), ("hangs", "hangs", "{}"), ("restarts", "restarts", "{}"),
                ("rejoins", "rejoins", "{}"), ("syncs", "syncs tried/retried/failed (last launch)", "{}"),
                ("checkpoint_failures", "ckpt failures", "{}"), ("newest_checkpoint_intact", "newest ckpt intact", "{}"),
-               ("replicas_identical", "replicas identical", "{}")]
+               ("replicas_identical", "replicas identical", "{}"),
+               ("syncs_agreeing", "outer syncs with identical replicas", "{}")]
 
 
 def cell(row, key, fmt) -> str:

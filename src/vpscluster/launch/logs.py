@@ -188,3 +188,22 @@ class LogRouter:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+def diloco_sync_hashes(logs_dir: str | Path) -> dict[tuple[int, int, int, int], dict[str, set[str]]]:
+    """What `strategy.sync_hashes` left in a run's node logs: {(world size, fragment, outer step,
+    step): {sha256: {"node/rank", ...}}}. A sync whose replicas agree has one sha256; the same key
+    logged by a later launch (a round redone after a restart, from the same checkpoint and data)
+    lands in the same entry, so it must agree too."""
+    from vpscluster.train.strategies.diloco import parse_sync_hash
+
+    out: dict[tuple[int, int, int, int], dict[str, set[str]]] = {}
+    for path in sorted(Path(logs_dir).glob("*.log")):
+        with path.open(errors="replace") as f:
+            for line in f:
+                rank, text = split_rank(line.rstrip("\n"))
+                h = parse_sync_hash(text)
+                if h is not None:
+                    key = (h["world_size"], h["fragment"], h["outer_step"], h["step"])
+                    out.setdefault(key, {}).setdefault(h["sha256"], set()).add(f"{path.stem}/{rank}")
+    return out
