@@ -60,18 +60,22 @@ def test_run_rows_compare_at_equal_tokens():
 
 
 def test_sync_agreement_reads_every_launchs_hash_lines(tmp_path):
-    # Two nodes' logs as the launcher writes them (torchrun's rank prefix): the sync at step 5 was
-    # made by 3 ranks and agrees (logged again, alike, by a relaunch that redid it); at step 10 one
-    # rank disagrees.
+    # Node logs written by the launcher's own LogRouter from torchrun-prefixed lines: the sync at
+    # step 5 was made by 3 ranks and agrees (rank 0 logs it again, alike, in a relaunch that redid
+    # it); at step 10 rank 2 disagrees.
+    from vpscluster.launch.logs import LogRouter, diloco_sync_hashes
     from vpscluster.train.strategies.diloco import sync_hash_line
 
     a, b = "a" * 64, "b" * 64
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / "node-1.log").write_text("\n".join([
-        "[rank0]:" + sync_hash_line(0, 1, 5, 3, a), "[rank1]:" + sync_hash_line(0, 1, 5, 3, a),
-        "[rank0]:noise", "[rank0]:" + sync_hash_line(0, 1, 5, 3, a), "[rank0]:" + sync_hash_line(0, 2, 10, 3, a)]) + "\n")
-    (tmp_path / "logs" / "node-2.log").write_text("[rank2]:" + sync_hash_line(0, 1, 5, 3, a) + "\n"
-                                                  "[rank2]:" + sync_hash_line(0, 2, 10, 3, b) + "\n")
+    router = LogRouter(tmp_path / "logs", ["node-1", "node-2"])
+    for node, rank, step, outer, digest in [("node-1", 0, 5, 1, a), ("node-1", 1, 5, 1, a), ("node-2", 2, 5, 1, a),
+                                            ("node-1", 0, 5, 1, a), ("node-1", 0, 10, 2, a), ("node-2", 2, 10, 2, b)]:
+        router.line(node, "stdout", f"[rank{rank}]:" + sync_hash_line(0, outer, step, 3, digest))
+    router.line("node-1", "stdout", "[rank0]:noise")
+    router.close()
+    syncs = diloco_sync_hashes(tmp_path / "logs")
+    assert syncs[(3, 0, 1, 5)] == {a: {"node-1/0", "node-1/1", "node-2/2"}}
+    assert syncs[(3, 0, 2, 10)] == {a: {"node-1/0"}, b: {"node-2/2"}}
     assert bf._sync_agreement(tmp_path) == {"syncs_checked": 2, "syncs_differing": 1}
     assert bf._sync_agreement(tmp_path / "nothing") == {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,9 +66,26 @@ def test_detach_attach_stop(tmp_path):
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
     assert "is not running" in again.stderr and f"--resume {run}" in again.stderr
 
+    # `logs`: what the nodes printed, by rank, the last lines of each node; following an ended
+    # detached run returns at once.
+    ranked = run_cli("logs", str(run), "--rank", "0", timeout=60)
+    assert ranked.returncode == 0, ranked.stderr
+    lines = ranked.stdout.splitlines()
+    assert lines and all(re.match(r"^\d\d:\d\d:\d\d \S+/0: ", line) for line in lines), lines[:5]
+    assert any('"event":"checkpoint"' in line for line in lines)
+    from vpscluster.launch.logs import node_logs
+
+    nodes = node_logs(run / "logs")
+    assert list(nodes) == ["local"], nodes
+    tail = run_cli("logs", str(run), "--tail", "2", "--follow", timeout=60)
+    assert tail.returncode == 0, tail.stderr
+    assert 0 < len(tail.stdout.splitlines()) <= 2 * len(nodes) and f"run {run}:" in tail.stderr
+    bad = run_cli("logs", str(run), "--node", "nope", timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr, bad.stderr
+
 
 def test_unknown_runs_are_one_line_errors(tmp_path):
-    for cmd in ("attach", "stop"):
+    for cmd in ("attach", "stop", "logs"):
         r = run_cli(cmd, str(tmp_path / "nope"), timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "no run" in r.stderr, r.stderr

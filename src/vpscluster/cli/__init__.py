@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("vpscluster.cli.monitor", "Prometheus for a cluster: up, down, status, a Grafana dashboard"),
     "top": ("vpscluster.cli.top", "a live view of every node and the current run (from Prometheus)"),
     "report": ("vpscluster.cli.report", "write RUN_DIR/report.html: where the time and the bytes of a run went"),
+    "logs": ("vpscluster.cli.logs", "print what every node and rank of a run printed (--follow, --node, --rank, --tail)"),
     "attach": ("vpscluster.cli.attach", "follow a run started with `train --detach` until it ends (Ctrl-C leaves it running)"),
     "stop": ("vpscluster.cli.stop", "stop a run started with `train --detach`: a checkpoint first, then every process"),
 }

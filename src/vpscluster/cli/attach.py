@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 POLL_S = 0.5
 
@@ -22,9 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vpscluster.launch import detached
+    from vpscluster.launch.logs import FileTail
 
     run_dir = detached.find_run(args.run)
-    log, metrics = _Tail(detached.log_path(run_dir)), _Tail(run_dir / "metrics.jsonl")
+    log, metrics = FileTail(detached.log_path(run_dir)), FileTail(run_dir / "metrics.jsonl")
     last_step_shown = 0.0
     try:
         while True:
@@ -54,21 +54,3 @@ def _json(line: str):
         return json.loads(line)
     except ValueError:
         return None
-
-
-class _Tail:
-    """The complete lines appended to a file since the last look (the file may not exist yet)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.partial = Path(path), 0, b""
-
-    def lines(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        self.offset += len(data)
-        *done, self.partial = (self.partial + data).split(b"\n")
-        return [d.decode(errors="replace") for d in done]

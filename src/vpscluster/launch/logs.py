@@ -190,6 +190,41 @@ class LogRouter:
             f.close()
 
 
+# A line of RUN_DIR/logs/<node>.log as `LogRouter.line` writes it: "HH:MM:SS who stream: text".
+_FILE_LINE = re.compile(r"^(\d\d:\d\d:\d\d) (\S+) (\S+): (.*)$")
+LAUNCHER_LOG = "detached.log"  # a detached launcher's own output (launch/detached.py), not a node's
+LOCAL_LOG = "launcher.log"  # the local cluster's node log (logs/<node>.log on a cluster)
+
+
+def read_log_line(line: str) -> tuple[str, str, str, str] | None:
+    """(HH:MM:SS, who, stream, text) of a node log's line; who is `node/rank`, `node/launcher` or
+    `node` (the elastic agent). None for a line of another form (a continuation, a torn write)."""
+    m = _FILE_LINE.match(line.rstrip("\n"))
+    return m.groups() if m else None  # type: ignore[return-value]
+
+
+def node_logs(logs_dir: str | Path) -> dict[str, Path]:
+    """{node: its log} in a run's logs/ folder, by node name. Left out: a detached launcher's own
+    output and, on the local cluster, each rank's copy of its output (rank-N.log, written by the
+    worker itself: the node log has the same lines)."""
+    out = {}
+    for p in sorted(Path(logs_dir).glob("*.log")):
+        if p.name == LAUNCHER_LOG or re.fullmatch(r"rank-\d+\.log", p.name):
+            continue
+        out[_local_node(p) if p.name == LOCAL_LOG else p.stem] = p
+    return out
+
+
+def _local_node(path: Path) -> str:
+    """The local cluster's node name, as its log's lines say it (`local` if none does yet)."""
+    with path.open(errors="replace") as f:
+        for line in f:
+            parsed = read_log_line(line)
+            if parsed:
+                return parsed[1].split("/")[0]
+    return "local"
+
+
 def diloco_sync_hashes(logs_dir: str | Path) -> dict[tuple[int, int, int, int], dict[str, set[str]]]:
     """What `strategy.sync_hashes` left in a run's node logs: {(world size, fragment, outer step,
     step): {sha256: {"node/rank", ...}}}. A sync whose replicas agree has one sha256; the same key
@@ -198,12 +233,30 @@ def diloco_sync_hashes(logs_dir: str | Path) -> dict[tuple[int, int, int, int], 
     from vpscluster.train.strategies.diloco import parse_sync_hash
 
     out: dict[tuple[int, int, int, int], dict[str, set[str]]] = {}
-    for path in sorted(Path(logs_dir).glob("*.log")):
+    for path in node_logs(logs_dir).values():
         with path.open(errors="replace") as f:
             for line in f:
-                rank, text = split_rank(line.rstrip("\n"))
-                h = parse_sync_hash(text)
+                parsed = read_log_line(line)
+                h = parse_sync_hash(parsed[3]) if parsed else None
                 if h is not None:
                     key = (h["world_size"], h["fragment"], h["outer_step"], h["step"])
-                    out.setdefault(key, {}).setdefault(h["sha256"], set()).add(f"{path.stem}/{rank}")
+                    out.setdefault(key, {}).setdefault(h["sha256"], set()).add(parsed[1])
     return out
+
+
+class FileTail:
+    """The complete lines appended to a file since the last look (the file may not exist yet)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path, self.offset, self.partial = Path(path), 0, b""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *done, self.partial = (self.partial + data).split(b"\n")
+        return [d.decode(errors="replace") for d in done]

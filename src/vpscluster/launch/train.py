@@ -36,13 +36,13 @@ from typing import Any, Callable
 
 from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
+from vpscluster.launch.logs import LOCAL_LOG
 from vpscluster.launch.pipeline import Job, SyncItem
 from vpscluster.train import rundir
 from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
 from vpscluster.train.strategies import AUTO
 
 FETCHED = [rundir.REPORT, rundir.METRICS]
-LOCAL_LOG = "launcher.log"  # the local cluster's node log (logs/<node>.log on a cluster)
 
 Say = Callable[[str], None]
 OnEvent = Callable[[dict], None]

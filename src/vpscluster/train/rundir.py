@@ -52,6 +52,15 @@ def create(run_dir: str | Path | None, base: str | Path = "runs") -> Path:
     return d
 
 
+def find(ref: str | Path, base: str | Path = "runs") -> Path:
+    """A run named by its directory or by its run id under `base`; one-line error otherwise."""
+    for d in (Path(ref), Path(base) / ref):
+        if (d / CONFIG).is_file() or (d / LOGS).is_dir():
+            return d
+    raise UserError(f"no run {str(ref)!r}: give a run directory or a run id under {base}/ "
+                    "(train prints it at the start)")
+
+
 def write_config(cfg: Any, run_dir: str | Path) -> Path:
     import yaml
 
