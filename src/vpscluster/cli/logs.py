@@ -59,15 +59,24 @@ def run(args: argparse.Namespace) -> int:
             return None
         return f"{at} {who}: {text}"
 
-    tails = {n: FileTail(p) for n, p in logs.items()}
-    for tail in tails.values():
-        keep: deque[str] = deque(maxlen=args.tail)  # maxlen None: every line
-        for line in tail.lines():
-            out = shown(line)
-            if out is not None:
-                keep.append(out)
+    tails = {}
+    for name, path in logs.items():  # read as a stream: a long run's logs need not fit in memory
+        keep: deque[str] = deque(maxlen=args.tail)
+        offset = 0
+        with path.open("rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):  # a line still being written: --follow prints it once complete
+                    break
+                offset += len(raw)
+                out = shown(raw[:-1].decode(errors="replace"))
+                if out is not None:
+                    if args.tail is None:
+                        print(out)
+                    else:
+                        keep.append(out)
         for out in keep:
             print(out)
+        tails[name] = FileTail(path, offset)
     sys.stdout.flush()
     if not args.follow:
         if not logs:

@@ -247,8 +247,8 @@ def diloco_sync_hashes(logs_dir: str | Path) -> dict[tuple[int, int, int, int], 
 class FileTail:
     """The complete lines appended to a file since the last look (the file may not exist yet)."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path, self.offset, self.partial = Path(path), 0, b""
+    def __init__(self, path: str | Path, offset: int = 0) -> None:
+        self.path, self.offset, self.partial = Path(path), offset, b""
 
     def lines(self) -> list[str]:
         try:
