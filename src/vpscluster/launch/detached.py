@@ -26,6 +26,7 @@ from typing import Any
 
 from vpscluster import fsutil
 from vpscluster.errors import UserError
+from vpscluster.train import rundir
 
 STATE = "launcher.json"
 LOG = "detached.log"
@@ -67,13 +68,11 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
 
 
 def find_run(ref: str, base: str | Path = "runs") -> Path:
-    """A run named by its directory or by its run id under `base`; one-line error otherwise."""
-    for d in (Path(ref), Path(base) / ref):
-        if (d / STATE).is_file():
-            return d
-    if any((d / "config.yaml").is_file() for d in (Path(ref), Path(base) / ref)):
+    """A detached run named by its directory or by its run id under `base`; one-line error otherwise."""
+    d = rundir.find(ref, base)
+    if not (d / STATE).is_file():
         raise UserError(f"run {ref} was not started with --detach (no {STATE}); only detached runs can be attached or stopped")
-    raise UserError(f"no run {ref!r}: give a run directory or a run id under {base}/ (as `train --detach` printed it)")
+    return d
 
 
 def running(state: dict[str, Any]) -> bool:
