@@ -32,6 +32,13 @@ What is measured, per step, on this rank:
   which at least one all-reduce was in flight (from its hook call to its completion), overlap
   included — the total time the network was in use.
 
+PowerSGD over gloo uses one bucket for the whole model. Its hook issues its P and Q all-reduces
+from the callbacks of earlier ones, which gloo runs on its own threads: with several buckets the
+main thread's next bucket races them, the ranks issue collectives in different orders, and gloo
+fails ("Received data size doesn't match expected size"; seen with 4 ranks of `small`, two 25-MiB
+buckets). With one bucket every collective of a step is issued in one chain. The planner already
+treats PowerSGD as one exposed sync per step. NCCL orders them on its stream, so buckets stay.
+
 Resume: `compress: none` and `bf16` resume bit-exactly; `powersgd` keeps its error feedback and
 factors but runs two uncompressed steps after a resume (see `load_state_dict`).
 
@@ -79,6 +86,14 @@ def _install_counting_proxy() -> None:
             module.dist = _CountingDist(module.dist)
 
 
+def bucket_cap_mb(model, bucket_mb: float, compress: str, backend: str) -> float:
+    """DDP's bucket size: `bucket_mb`, or the whole model for PowerSGD over gloo (one bucket; see the module)."""
+    if compress != "powersgd" or backend != "gloo":
+        return bucket_mb
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return max(bucket_mb, grad_bytes / 2**20 + 1.0)
+
+
 class DDPStrategy(Strategy):
     name = "ddp"
 
@@ -101,14 +116,15 @@ class DDPStrategy(Strategy):
         _install_counting_proxy()
         _ACTIVE = self
         device = torch.device(self.ctx.device)
+        compress = self.config.compress
         self._ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=self.ctx.group,
-            bucket_cap_mb=self.config.bucket_mb,
+            bucket_cap_mb=bucket_cap_mb(model, self.config.bucket_mb, compress,
+                                        torch.distributed.get_backend(self.ctx.group)),
             gradient_as_bucket_view=True,
         )
-        compress = self.config.compress
         if compress == "powersgd":
             self._powersgd = powerSGD_hook.PowerSGDState(
                 process_group=self.ctx.group,
