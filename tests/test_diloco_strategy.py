@@ -17,7 +17,7 @@ import pytest
 
 from conftest import free_port
 
-from vpscluster.train.strategies.diloco import outer_settings, split_fragments, sync_offset
+from vpscluster.train.strategies.diloco import inner_lr_scale, outer_settings, split_fragments, sync_offset
 
 TIMEOUT_S = 60
 
@@ -342,6 +342,25 @@ def test_outer_warmup_goes_from_plain_averaging_to_the_outer_optimizer():
     # The gain on a fresh pseudo-gradient, lr·(1 + μ), rises smoothly from 1 (the average) to 1.33.
     gains = [lr * (1 + mu) for lr, mu in (outer_settings(0.7, 0.9, 5, k) for k in range(7))]
     assert gains[0] == 1.0 and gains == sorted(gains) and gains[-1] == pytest.approx(0.7 * 1.9)
+
+
+def test_inner_lr_is_scaled_by_one_over_sqrt_of_the_replicas_share_of_the_global_batch():
+    from vpscluster.errors import UserError
+    from vpscluster.train.config import StrategyConfig
+    from vpscluster.train.strategies.base import DistContext
+    from vpscluster.train.strategies.ddp import DDPStrategy
+    from vpscluster.train.strategies.diloco import DiLoCoStrategy
+
+    # M micro-batches per global step (one per rank by default): a replica steps on 1/M of it.
+    assert [inner_lr_scale(0.0, m) for m in (0, 1, 4, 16)] == [1.0, 1.0, 0.5, 0.25]
+    assert inner_lr_scale(0.8, 4) == inner_lr_scale(0.8, 1) == 0.8  # set: used as is
+    strategy = DiLoCoStrategy(StrategyConfig(name="diloco"), DistContext())
+    assert strategy.describe()["inner_lr_scale"] is None  # not known before the loop starts
+    assert strategy.lr_scale(4) == 0.5 and strategy.describe()["inner_lr_scale"] == 0.5
+    assert DiLoCoStrategy(StrategyConfig(name="diloco", inner_lr_scale=1.0), DistContext()).lr_scale(4) == 1.0
+    assert DDPStrategy(StrategyConfig(name="ddp"), DistContext()).lr_scale(4) == 1.0  # ddp steps on the global batch
+    with pytest.raises(UserError, match="inner_lr_scale"):
+        StrategyConfig(name="diloco", inner_lr_scale=-0.5)
 
 
 WARMUP = 3

@@ -23,9 +23,13 @@ def _train(cli, *args):
     return json.loads(proc.stdout), proc.stderr
 
 
-def _losses(run_dir) -> dict[int, float]:
+def _metric(run_dir, key: str) -> dict[int, float]:
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {l["step"]: l["loss"] for l in lines if "loss" in l}
+    return {l["step"]: l[key] for l in lines if key in l}
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return _metric(run_dir, "loss")
 
 
 @pytest.mark.parametrize("strategy", [
@@ -54,6 +58,15 @@ def test_three_rank_checkpoint_resumes_on_two(cli, tmp_path, strategy):
     first_resumed = sorted(losses[s] for s in (K + 1, K + 2, K + 3))[1]
     assert first_resumed < losses[1] - 0.5 * (losses[1] - losses[K]), losses
     assert resumed["final_val_loss"] < first["initial_val_loss"]
+    # DiLoCo's inner lr is the schedule's times 1/sqrt(replicas): 1/sqrt(3), then 1/sqrt(2) once resumed.
+    from vpscluster.train.config import TrainConfig
+    from vpscluster.train.trainer import lr_at
+
+    cfg = TrainConfig(lr_decay_steps=N, warmup_steps=2, max_steps=N)
+    diloco = "diloco" in strategy
+    for step, lr in _metric(run, "lr").items():
+        scale = (3 ** -0.5 if step <= K else 2 ** -0.5) if diloco else 1.0
+        assert lr == pytest.approx(lr_at(cfg, step) * scale, rel=1e-9), (step, lr)
     log = (run / "logs" / "rank-0.log").read_text().splitlines()
     resume = [json.loads(l.split("VPSC_EVENT ", 1)[1]) for l in log if 'VPSC_EVENT {"event":"resume"' in l]
     assert resume == [{"event": "resume", "step": K, "skipped": [], "world_size": 2, "checkpoint_world_size": 3,

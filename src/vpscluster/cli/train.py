@@ -39,6 +39,7 @@ FLAG_KEYS: dict[str, str] = {
     "outer_lr": "strategy.outer_lr",
     "outer_momentum": "strategy.outer_momentum",
     "outer_warmup": "strategy.outer_warmup",
+    "inner_lr_scale": "strategy.inner_lr_scale",
     "wire_dtype": "strategy.wire_dtype",
     "fragments": "strategy.fragments",
     "overlap_steps": "strategy.overlap_steps",
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr}, the plan's)")
     strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum}, the plan's)")
     strat.add_argument("--outer-warmup", type=int, metavar="SYNCS", help="diloco: outer syncs from plain averaging to the outer optimizer (default: about 100 steps' worth; 0 = none)")
+    strat.add_argument("--inner-lr-scale", type=float, metavar="X", help="diloco: each replica's AdamW runs at lr times X (default: 1/sqrt(replicas), as each steps on 1/M of the global batch that --lr is set for)")
     strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help="diloco: dtype of the pseudo-gradient on the wire (default: from the plan, fp32 on fast links, int8 on slow)")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
     strat.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire; its update lands TAU steps late (default {s.overlap_steps}, capped at H-1; 0 = blocking)")

@@ -23,6 +23,9 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    (whose first pseudo-gradients are huge and not in a consistent direction) does not
    overshoot. The warm-up covers about OUTER_WARMUP_STEPS inner steps, at least one sync.
 
+The inner optimizer's lr is not the plan's: DiLoCo scales it by 1/sqrt(replicas) from the run's
+world (`train/strategies/diloco.py: inner_lr_scale`).
+
 Slower link → the fp32 H needed grows → the wire moves fp32 → bf16 → int8 and H never shrinks
 (monotone; `tests/test_plan_sync_rule.py` checks it over 10 Mbit/s … 10 Gbit/s and model sizes).
 """

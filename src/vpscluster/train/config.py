@@ -48,6 +48,10 @@ class StrategyConfig:
     # (outer_lr, outer_momentum) (`strategies/diloco.py: outer_settings`); 0 = none.
     outer_warmup: Int = 0
     wire_dtype: WireDtype = "fp32"
+    # diloco: each replica's inner AdamW runs at lr x this. 0 = 1/sqrt(M), M the micro-batches of
+    # a global step (one per rank unless --micro-batches): `lr` is set for the global batch, as
+    # for ddp, and a replica steps on 1/M of it (`strategies/diloco.py: inner_lr_scale`).
+    inner_lr_scale: Float = 0.0
     # diloco: the keys above whose values the launcher chose from the plan (`plan/sync_rule.py`:
     # every one of sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup the user did
     # not set), and its one-line reason; a record, kept in the run's config and report.
@@ -105,6 +109,8 @@ class StrategyConfig:
             raise UserError(f"strategy.outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise UserError(f"strategy.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.inner_lr_scale < 0:
+            raise UserError(f"strategy.inner_lr_scale must not be negative (0 = 1/sqrt(replicas)), got {self.inner_lr_scale:g}")
         if self.outer_warmup < 0:
             raise UserError(f"strategy.outer_warmup must not be negative (0 = none), got {self.outer_warmup}")
         if self.fragments < 1:

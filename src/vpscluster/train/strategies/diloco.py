@@ -52,11 +52,19 @@ steps so all ranks end on identical weights; because that changes the weights, t
 after it is the snapshot from just *before* it (plus this rank's local weights), so resuming a
 finished run continues as if it had never stopped.
 
+Inner learning rate: `lr` is the peak lr for the global batch, as for ddp, but each replica's
+AdamW steps on 1/M of it (M = the micro-batches of a global step, one per rank by default). Its
+lr is scaled by 1/sqrt(M) (`inner_lr_scale`; the square-root scaling rule for adaptive optimizers,
+Malladi et al., 2022, arXiv:2205.10287), or by `strategy.inner_lr_scale` when set. On `small`
+with 4 replicas, DiLoCo at lr/2 learned about as much per step as ddp at lr; at lr it fell
+behind (BENCHMARKS.md, "wan").
+
 The loop contract: `tokens_processed(n)` is called for each step before `step(optimizer, step)`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,6 +110,14 @@ def split_fragments(sizes: list[int], n_fragments: int) -> list[list[int]]:
             current = []
     out.append(current)
     return out
+
+
+def inner_lr_scale(configured: float, global_micro: int) -> float:
+    """The factor on the schedule's lr for a replica's inner optimizer: `configured` when set
+    (> 0), else 1/sqrt(M) for M micro-batches per global step (M <= 1: 1)."""
+    if configured > 0:
+        return configured
+    return 1.0 / math.sqrt(max(1, global_micro))
 
 
 def outer_settings(outer_lr: float, outer_momentum: float, warmup: int, done: int) -> tuple[float, float]:
@@ -215,6 +231,7 @@ class DiLoCoStrategy(Strategy):
         self.steps_since_sync: list[int] = []
         self.tokens_since_sync: list[float] = []
         self.outer_steps = 0  # fragment syncs done on this rank (all fragments together)
+        self.inner_lr_scale: float | None = None  # set by `lr_scale` when the loop starts
         self.fragment_syncs: list[int] = []  # outer steps applied per fragment (the outer warm-up's clock)
         # Outer syncs: started, retried (attempts beyond the first), failed (skipped after retries).
         self.syncs_attempted = 0
@@ -310,6 +327,10 @@ class DiLoCoStrategy(Strategy):
                     self._send(f, step)
                 else:
                     self._sync(f)
+
+    def lr_scale(self, global_micro: int) -> float:
+        self.inner_lr_scale = inner_lr_scale(self.config.inner_lr_scale, global_micro)
+        return self.inner_lr_scale
 
     def is_sync_point(self, step: int) -> bool:
         """The steps an outer update lands (sent τ steps earlier): the ranks wait there anyway."""
@@ -501,6 +522,7 @@ class DiLoCoStrategy(Strategy):
             "outer_lr": self.config.outer_lr,
             "outer_momentum": self.config.outer_momentum,
             "outer_warmup": self.config.outer_warmup,
+            "inner_lr_scale": self.inner_lr_scale,
             "wire_dtype": self.codec.name,
             "fragments": self.config.fragments,
             "overlap_steps": self.overlap,
