@@ -204,8 +204,9 @@ def test_settings_modes_and_the_trainers_schedule():
     short = WanSettings().resolved()
     assert short.budget_s == 150 and short.strategies.split(",") == list(STRATEGIES) and short.targets == ""
     assert {"ideal", "auto"} <= set(short.strategies.split(","))
-    # Every run, the baseline included, gets the trainer's own warm-up and peak lr (not 5 steps).
-    assert (short.warmup_steps, short.lr) == (TrainConfig().warmup_steps, TrainConfig().lr)
+    # Every run, the baseline included, gets the trainer's own warm-up and the preset's peak lr (not 5 steps).
+    assert (short.warmup_steps, short.lr) == (TrainConfig().warmup_steps, TrainConfig(preset="small").peak_lr()) == (20, 2e-3)
+    assert WanSettings(preset="tiny").resolved().lr == 3e-3 and WanSettings(lr=1e-3).resolved().lr == 1e-3
     long = WanSettings(long=True).resolved()
     assert long.budget_s == 900 and long.strategies == ",".join(LONG) and long.targets == DEFAULT_TARGETS
     assert long.ddp_eval_every == 5

@@ -102,6 +102,8 @@ def test_train_end_to_end(tmp_path):
     assert [r["model_sha256"] for r in report["per_rank"]] == [report["model_sha256"]] * 2
     # the run directory
     assert {"config.yaml", "metrics.jsonl", "checkpoints", "logs", "report.json"} <= {p.name for p in run.iterdir()}
+    # the preset's default lr is written down, so a resume keeps it whatever the default becomes
+    assert "\nlr: 0.003\n" in "\n" + (run / "config.yaml").read_text()
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "loss" in l]
     assert [l["step"] for l in steps] == list(range(1, 31)) and all(STEP_KEYS <= set(l) for l in steps)

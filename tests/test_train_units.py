@@ -22,6 +22,22 @@ def test_lr_warmup_then_cosine_to_floor():
     assert lr_at(cfg, 500) == pytest.approx(1e-4)  # past the horizon: the floor
 
 
+def test_the_peak_lr_is_the_presets_unless_set():
+    from vpscluster.errors import UserError
+    from vpscluster.train.presets import DEFAULT_LR, preset_lr
+
+    # small at 3e-3 stalled near val 2.43 in 900-s runs; at 2e-3 it reached 1.68 (BENCHMARKS.md)
+    assert preset_lr("small") == 2e-3 and preset_lr("Tiny") == 3e-3 and preset_lr("125m") == DEFAULT_LR
+    assert build(TrainConfig, {"preset": "small"}).peak_lr() == 2e-3
+    assert build(TrainConfig, {"preset": "small", "lr": 5e-4}).peak_lr() == 5e-4
+    small = build(TrainConfig, {"preset": "small", "warmup_steps": 10, "max_steps": 110})
+    assert lr_at(small, 10) == pytest.approx(2e-3) and lr_at(small, 110) == pytest.approx(2e-4)
+    with pytest.raises(UserError, match="unknown preset"):
+        preset_lr("huge")
+    with pytest.raises(UserError, match="lr must be positive"):
+        build(TrainConfig, {"lr": -1e-3})
+
+
 def test_lr_horizon_independent_of_max_steps_once_fixed():
     a = build(TrainConfig, {"max_steps": 100, "lr_decay_steps": 100})
     b = build(TrainConfig, {"max_steps": 300, "lr_decay_steps": 100})

@@ -13,8 +13,8 @@ then runs, one after the other and each under the same wall-clock training budge
 - `ideal`: the physical limit as a yardstick: plain synchronous `ddp` on the same nodes and CPU
   quotas with the links' shaping removed (veth speed, a datacenter network), put back after.
 
-Every run gets the same learning-rate schedule (the trainer's defaults: peak lr and warm-up
-steps of `TrainConfig`, then flat — the cosine horizon is far beyond any budget), the torch-only
+Every run gets the same learning-rate schedule (the trainer's defaults: the preset's peak lr
+and the warm-up steps of `TrainConfig`, then flat — the cosine horizon is far beyond any budget), the torch-only
 baseline included, so that a step means the same thing in every row.
 
 Compute utilisation is compute / training time per rank (evaluation pauses excluded; the
@@ -88,7 +88,7 @@ class WanSettings:
     diloco_eval_every: int = 0  # 0: H/5 (also for auto, whatever it chooses)
     eval_batches: int = 4
     warmup_steps: int | None = None  # None: the trainer's default (TrainConfig.warmup_steps)
-    lr: float | None = None  # None: the trainer's default (TrainConfig.lr)
+    lr: float | None = None  # None: the trainer's default for the preset (TrainConfig.peak_lr)
     quick: bool = False
     long: bool = False
     targets: str | None = None  # REF@FRACTION,...; None: DEFAULT_TARGETS with --long, no target table otherwise
@@ -112,7 +112,7 @@ class WanSettings:
             strategies=self.strategies or ",".join(LONG if self.long else STRATEGIES),
             ddp_eval_every=self.ddp_eval_every or (LONG_DDP_EVAL_EVERY if self.long else SHORT_DDP_EVAL_EVERY),
             warmup_steps=train.warmup_steps if self.warmup_steps is None else self.warmup_steps,
-            lr=train.lr if self.lr is None else self.lr,
+            lr=TrainConfig(preset=self.preset).peak_lr() if self.lr is None else self.lr,
             targets=self.targets or (DEFAULT_TARGETS if self.long else ""),
         )
         if not self.quick:

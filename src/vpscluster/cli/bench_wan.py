@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per evaluation (default {d.eval_batches})")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                    help="LR warm-up steps for every run, the baseline included (default: the trainer's, 20)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every run (default: the trainer's, 0.003)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every run (default: the trainer's for the preset: 0.002 for small)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
     mode.add_argument("--long", action="store_true",

@@ -60,8 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # the strategy registry: help shows the real ones, never a copy of them.
     from vpscluster.train.config import TrainConfig, config_keys, strategy_choices
 
+    from vpscluster.train.presets import PRESET_LR
+
     d = TrainConfig()
     s = d.strategy
+    preset_lrs = ", ".join(f"{name} {lr:g}" for name, lr in PRESET_LR.items())
     parser.epilog = f"--config FILE.yaml takes these keys: {config_keys()}. Precedence: defaults < --config < flags."
     where = parser.add_argument_group("where to train")
     g = where.add_mutually_exclusive_group()
@@ -80,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train (default {d.max_steps})")
     what.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly, with a checkpoint, after this much training time (per session)")
     what.add_argument("--batch-size", type=int, metavar="N", help="sequences per rank per step (default: the preset's)")
-    what.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr:g}; {d.warmup_steps} warm-up steps, then cosine decay)")
+    what.add_argument("--lr", type=float, help=f"peak learning rate (default: the preset's, {preset_lrs}; {d.warmup_steps} warm-up steps, then cosine decay)")
     what.add_argument("--seed", type=int, help=f"seed for weights and data order (default {d.seed})")
     what.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps (default {d.eval_every})")
     what.add_argument("--checkpoint-every", type=int, metavar="N", help=f"checkpoint every N steps (default {d.checkpoint_every}; always one at the end)")

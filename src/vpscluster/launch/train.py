@@ -140,6 +140,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         run_dir = Path(resume_dir)
     else:
         cfg.lr_decay_steps = cfg.lr_decay_steps or cfg.max_steps
+        cfg.lr = cfg.peak_lr()  # the preset's default written down: a resume keeps it
         run_dir = rundir.fresh_path(cfg.run_dir)
         cfg.run_dir = str(run_dir)
     return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,

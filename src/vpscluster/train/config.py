@@ -195,7 +195,7 @@ class TrainConfig:
     data: str | None = None  # a text file or folder; None = the bundled corpus
     val_fraction: Float = 0.05
     batch_size: Int = 0  # sequences per rank per step; 0 = the preset's default
-    lr: Float = 3e-3
+    lr: Float = 0.0  # peak learning rate; 0 = the preset's default (`presets.preset_lr`)
     min_lr_ratio: Float = 0.1
     warmup_steps: Int = 20
     weight_decay: Float = 0.1
@@ -239,8 +239,8 @@ class TrainConfig:
             raise UserError(f"time_budget must be a positive number of seconds, got {self.time_budget_s}")
         if not 0 < self.val_fraction < 0.5:
             raise UserError(f"val_fraction must be between 0 and 0.5, got {self.val_fraction}")
-        if self.lr <= 0:
-            raise UserError(f"lr must be positive, got {self.lr}")
+        if self.lr < 0:
+            raise UserError(f"lr must be positive (0 = the preset's default), got {self.lr}")
         for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -297,6 +297,11 @@ class TrainConfig:
 
     def decay_steps(self) -> int:
         return self.lr_decay_steps or self.max_steps
+
+    def peak_lr(self) -> float:
+        from vpscluster.train.presets import preset_lr
+
+        return self.lr or preset_lr(self.preset)
 
     def micro_batch(self) -> int:
         from vpscluster.train.presets import get_preset

@@ -73,6 +73,19 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+# The peak learning rate `train` uses when none is given (AdamW, 20 warm-up steps). `small` at
+# 3e-3 stalled near validation loss 2.43 over 900-s runs of the reference scenario; at 2e-3 it
+# reached 1.68 (BENCHMARKS.md, "wan"). The planning-only sizes keep DEFAULT_LR: not measured here.
+DEFAULT_LR = 3e-3
+PRESET_LR: dict[str, float] = {"tiny": 3e-3, "small": 2e-3}
+
+
+def preset_lr(name: str) -> float:
+    """The default peak learning rate for a preset (`PRESET_LR`, else DEFAULT_LR)."""
+    get_preset(name)  # an unknown name: the same one-line error
+    return PRESET_LR.get(name.lower(), DEFAULT_LR)
+
+
 def get_preset(name: str) -> ModelShape:
     try:
         return PRESETS[name.lower()]

@@ -54,13 +54,14 @@ EXPORTERS = "exporters.json"  # where every rank's and node's metrics are served
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to cfg.lr, then cosine decay to min_lr_ratio * lr at decay_steps()."""
+    """Linear warm-up to the peak lr, then cosine decay to min_lr_ratio * peak at decay_steps()."""
+    peak = cfg.peak_lr()
     if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
+        return peak * step / cfg.warmup_steps
     horizon = cfg.decay_steps()
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    floor = peak * cfg.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
@@ -644,4 +645,4 @@ def _adamw(model, cfg: TrainConfig, fused: bool):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None)
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr(), betas=(0.9, 0.95), fused=fused or None)

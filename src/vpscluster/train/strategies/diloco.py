@@ -54,8 +54,9 @@ finished run continues as if it had never stopped.
 
 Inner learning rate: `lr` is the peak lr for the global batch, as for ddp, but each replica's
 AdamW steps on 1/M of it (M = the micro-batches of a global step, one per rank by default). Its
-lr is scaled by 1/sqrt(M) (`inner_lr_scale`; the square-root scaling rule for adaptive optimizers,
-Malladi et al., 2022, arXiv:2205.10287), or by `strategy.inner_lr_scale` when set. On `small`
+lr is scaled by 1/sqrt(M) (`inner_lr_scale`; the learning-rate part of the square-root scaling
+rule for Adam, Malladi et al., 2022, arXiv:2205.10287, which also adjusts the betas and epsilon;
+those stay as set), or by `strategy.inner_lr_scale` when set. On `small`
 with 4 replicas, DiLoCo at lr/2 learned about as much per step as ddp at lr; at lr it fell
 behind (BENCHMARKS.md, "wan").
 
