@@ -354,11 +354,13 @@ def test_inner_lr_is_scaled_by_one_over_sqrt_of_the_replicas_share_of_the_global
     # M micro-batches per global step (one per rank by default): a replica steps on 1/M of it.
     assert [inner_lr_scale(0.0, m) for m in (0, 1, 4, 16)] == [1.0, 1.0, 0.5, 0.25]
     assert inner_lr_scale(0.8, 4) == inner_lr_scale(0.8, 1) == 0.8  # set: used as is
-    strategy = DiLoCoStrategy(StrategyConfig(name="diloco"), DistContext())
-    assert strategy.describe()["inner_lr_scale"] is None  # not known before the loop starts
-    assert strategy.lr_scale(4) == 0.5 and strategy.describe()["inner_lr_scale"] == 0.5
-    assert DiLoCoStrategy(StrategyConfig(name="diloco", inner_lr_scale=1.0), DistContext()).lr_scale(4) == 1.0
-    assert DDPStrategy(StrategyConfig(name="ddp"), DistContext()).lr_scale(4) == 1.0  # ddp steps on the global batch
+    four = DistContext(world_size=4)
+    strategy = DiLoCoStrategy(StrategyConfig(name="diloco"), four)
+    assert strategy.lr_scale() == 0.5 and strategy.describe()["inner_lr_scale"] == 0.5
+    shares = DiLoCoStrategy(StrategyConfig(name="diloco", micro_batches=16), four)  # --micro-batches 16
+    assert shares.lr_scale() == 0.25
+    assert DiLoCoStrategy(StrategyConfig(name="diloco", inner_lr_scale=1.0), four).lr_scale() == 1.0
+    assert DDPStrategy(StrategyConfig(name="ddp"), four).lr_scale() == 1.0  # ddp steps on the global batch
     with pytest.raises(UserError, match="inner_lr_scale"):
         StrategyConfig(name="diloco", inner_lr_scale=-0.5)
 

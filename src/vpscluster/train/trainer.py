@@ -366,7 +366,7 @@ class Trainer:
         local_tokens = micro_tokens = cfg.micro_batch() * self.shape.seq_len
         global_micro = cfg.strategy.micro_batches or self.ctx.world_size
         model, opt, strategy = self.model, self.optimizer, self.strategy
-        lr_scale = strategy.lr_scale(global_micro)
+        lr_scale = strategy.lr_scale()
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
             self.step += 1

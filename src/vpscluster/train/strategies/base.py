@@ -140,9 +140,9 @@ class Strategy(ABC):
         agreement stays a separate one-integer all-reduce right after the gradients')."""
         return True
 
-    def lr_scale(self, global_micro: int) -> float:
-        """Factor on the schedule's lr for this rank's optimizer, given the micro-batches of a
-        global step (`global_micro`). Default 1: the optimizer steps on the global batch (ddp)."""
+    def lr_scale(self) -> float:
+        """Factor on the schedule's lr for this rank's optimizer. Default 1: the optimizer steps
+        on the global batch (ddp)."""
         return 1.0
 
     def finalize(self, step: int) -> None:

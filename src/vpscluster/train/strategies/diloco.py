@@ -232,7 +232,6 @@ class DiLoCoStrategy(Strategy):
         self.steps_since_sync: list[int] = []
         self.tokens_since_sync: list[float] = []
         self.outer_steps = 0  # fragment syncs done on this rank (all fragments together)
-        self.inner_lr_scale: float | None = None  # set by `lr_scale` when the loop starts
         self.fragment_syncs: list[int] = []  # outer steps applied per fragment (the outer warm-up's clock)
         # Outer syncs: started, retried (attempts beyond the first), failed (skipped after retries).
         self.syncs_attempted = 0
@@ -329,9 +328,9 @@ class DiLoCoStrategy(Strategy):
                 else:
                     self._sync(f)
 
-    def lr_scale(self, global_micro: int) -> float:
-        self.inner_lr_scale = inner_lr_scale(self.config.inner_lr_scale, global_micro)
-        return self.inner_lr_scale
+    def lr_scale(self) -> float:
+        """The replicas' inner lr factor: M = the micro-batches of a global step (one per rank)."""
+        return inner_lr_scale(self.config.inner_lr_scale, self.config.micro_batches or self.ctx.world_size)
 
     def is_sync_point(self, step: int) -> bool:
         """The steps an outer update lands (sent τ steps earlier): the ranks wait there anyway."""
@@ -523,7 +522,7 @@ class DiLoCoStrategy(Strategy):
             "outer_lr": self.config.outer_lr,
             "outer_momentum": self.config.outer_momentum,
             "outer_warmup": self.config.outer_warmup,
-            "inner_lr_scale": self.inner_lr_scale,
+            "inner_lr_scale": self.lr_scale(),
             "wire_dtype": self.codec.name,
             "fragments": self.config.fragments,
             "overlap_steps": self.overlap,
