@@ -18,8 +18,10 @@ from vpscluster.cli.output import add_json_flag
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from vpscluster.bench.wan import (DEFAULT_TARGETS, LONG, LONG_BUDGET_S, LONG_DDP_EVAL_EVERY, QUICK, SHORT_BUDGET_S,
                                       SHORT_DDP_EVAL_EVERY, STRATEGIES, WanSettings)
+    from vpscluster.train.presets import preset_lrs_text
 
     d = WanSettings()
+    preset_lrs = preset_lrs_text()
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"sandbox nodes (default {d.nodes})")
     p.add_argument("--bandwidth", default=d.bandwidth, help=f"link rate of every node, tc spelling (default {d.bandwidth})")
     p.add_argument("--cpu", default=d.cpu, help=f"CPU share of one core per node (default {d.cpu})")
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per evaluation (default {d.eval_batches})")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                    help="LR warm-up steps for every run, the baseline included (default: the trainer's, 20)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every run (default: the trainer's for the preset: 0.002 for small)")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate of every run (default: the trainer's for the preset, {preset_lrs})")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} with a 60 s budget and H=25")
     mode.add_argument("--long", action="store_true",

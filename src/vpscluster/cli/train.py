@@ -59,12 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # light: no torch, no pydantic. Defaults, keys and choices are read from the typed config and
     # the strategy registry: help shows the real ones, never a copy of them.
     from vpscluster.train.config import TrainConfig, config_keys, strategy_choices
-
-    from vpscluster.train.presets import PRESET_LR
+    from vpscluster.train.presets import preset_lrs_text
 
     d = TrainConfig()
     s = d.strategy
-    preset_lrs = ", ".join(f"{name} {lr:g}" for name, lr in PRESET_LR.items())
+    preset_lrs = preset_lrs_text()
     parser.epilog = f"--config FILE.yaml takes these keys: {config_keys()}. Precedence: defaults < --config < flags."
     where = parser.add_argument_group("where to train")
     g = where.add_mutually_exclusive_group()

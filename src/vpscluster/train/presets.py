@@ -86,6 +86,11 @@ def preset_lr(name: str) -> float:
     return PRESET_LR.get(name.lower(), DEFAULT_LR)
 
 
+def preset_lrs_text() -> str:
+    """The presets' default peak lrs for help texts, e.g. "tiny 0.003, small 0.002"."""
+    return ", ".join(f"{name} {lr:g}" for name, lr in PRESET_LR.items())
+
+
 def get_preset(name: str) -> ModelShape:
     try:
         return PRESETS[name.lower()]
