@@ -171,4 +171,3 @@ def test_powersgd_state_round_trips(ddp_results):
         assert st["iter"][0] == st["iter"][1] == STEPS
         assert st["restart"] == STEPS + 2  # two plain steps while DDP rebuilds its buckets
         assert st["n_errors"] >= 1 and st["equal"]
-
