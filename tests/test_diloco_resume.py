@@ -38,5 +38,10 @@ def test_resume_mid_round_through_the_trainer_equals_an_uninterrupted_run(cli, t
     assert resumed["model_sha256"] == straight["model_sha256"]
     assert resumed["optimizer_sha256"] == straight["optimizer_sha256"]
     assert resumed["final_val_loss"] == straight["final_val_loss"]
+    # Validation due at steps 4 and 8 ran where the next outer update landed (H = 4, two
+    # fragments: sends every 2 steps, landing τ = 1 later), on the global weights, then at the end.
+    evals = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+             if "val_loss" in line]
+    assert [e["step"] for e in evals] == [0, 5, 9, 12]
     # Both ranks sent pseudo-gradients (counted by the strategy).
     assert all(b > 0 for b in straight["bytes_sent"])

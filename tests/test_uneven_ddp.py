@@ -173,6 +173,7 @@ def test_a_looks_wait_is_booked_as_communication_not_charged_to_the_next_step(tm
 
 
 def _eval_worker(rank: int, world: int, port: int, out_dir: str, strategy: str) -> None:
+    from vpscluster.train.checkpoint import state_hash
     from vpscluster.train.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -182,7 +183,16 @@ def _eval_worker(rank: int, world: int, port: int, out_dir: str, strategy: str) 
     try:
         trainer.build()
         share = list(trainer._eval_share(8))
-        torch.save({"val": trainer.evaluate(), "share": share}, os.path.join(out_dir, f"eval{rank}.pt"))
+        model = trainer.strategy.unwrap()
+        if strategy == "diloco":  # each replica off on its own, as between outer syncs
+            gen = torch.Generator().manual_seed(100 + rank)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        before = state_hash(model.state_dict())
+        val = trainer.evaluate()
+        torch.save({"val": val, "share": share, "restored": state_hash(model.state_dict()) == before,
+                    "training": model.training}, os.path.join(out_dir, f"eval{rank}.pt"))
     finally:
         trainer.close()
 
@@ -190,9 +200,9 @@ def _eval_worker(rank: int, world: int, port: int, out_dir: str, strategy: str) 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "diloco"])
 def test_validation_is_split_by_speed_and_equals_one_rank_evaluating_everything(tmp_path, strategy):
-    """ddp (identical replicas): a 3:1 split of the 8 validation batches (6 and 2), and both ranks
-    get exactly the figure one process computes over all 8. diloco (own replicas between syncs):
-    rank 0 evaluates all of them, rank 1 none (None)."""
+    """A 3:1 split of the 8 validation batches (6 and 2), and both ranks get exactly the figure
+    one process computes over all 8 of the shared weights: ddp's model; diloco's global weights
+    (here the initial ones), not the replicas', which differ on each rank and are left as they were."""
     import torch.multiprocessing as mp
 
     from vpscluster.train.data import load_dataset
@@ -208,8 +218,6 @@ def test_validation_is_split_by_speed_and_equals_one_rank_evaluating_everything(
                   .val_batches(cfg.eval_batches, cfg.micro_batch())]
     assert len(losses) == 8
     alone = sum(losses) / len(losses)
-    if strategy == "ddp":
-        assert [g["share"] for g in got] == [list(range(0, 6)), list(range(6, 8))]
-        assert got[0]["val"] == got[1]["val"] == pytest.approx(alone, rel=1e-6)
-    else:
-        assert got[0]["val"] == pytest.approx(alone, rel=1e-6) and got[1]["val"] is None
+    assert [g["share"] for g in got] == [list(range(0, 6)), list(range(6, 8))]
+    assert got[0]["val"] == got[1]["val"] == pytest.approx(alone, rel=1e-6)
+    assert all(g["restored"] and g["training"] for g in got)

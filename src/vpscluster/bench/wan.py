@@ -85,7 +85,7 @@ class WanSettings:
     strategies: str | None = None  # None: every strategy, or LONG with --long
     sync_every: int = 50
     ddp_eval_every: int | None = None  # None: SHORT_DDP_EVAL_EVERY, or LONG_DDP_EVAL_EVERY with --long
-    diloco_eval_every: int = 0  # 0: H/5 (also for auto, whatever it chooses)
+    diloco_eval_every: int = 0  # 0: H/5 (also for auto, whatever it chooses); runs where an outer update lands
     eval_batches: int = 4
     warmup_steps: int | None = None  # None: the trainer's default (TrainConfig.warmup_steps)
     lr: float | None = None  # None: the trainer's default for the preset (TrainConfig.peak_lr)
@@ -226,6 +226,7 @@ def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
     H = args.sync_every
     extra = [a.replace("{H}", str(H)) for a in STRATEGIES[name]]
     diloco = "diloco" in extra or name == "auto"  # auto: most likely diloco on slow links
+    # diloco: due every H/5 steps, run where the next outer update lands (auto's H may be smaller)
     eval_every = (args.diloco_eval_every or max(1, H // 5)) if diloco else args.ddp_eval_every
     run_dir = out / name
     config = out / f"{name}.config.yaml"

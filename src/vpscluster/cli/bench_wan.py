@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"evaluate every N steps for baseline, ddp and ideal (default {SHORT_DDP_EVAL_EVERY}; "
                         f"{LONG_DDP_EVAL_EVERY} with --long)")
     p.add_argument("--diloco-eval-every", type=int, default=d.diloco_eval_every,
-                   help="evaluate every N steps for diloco and auto (default H/5)")
+                   help="evaluate every N steps for diloco and auto, where the next outer update lands (default H/5)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per evaluation (default {d.eval_batches})")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                    help="LR warm-up steps for every run, the baseline included (default: the trainer's, 20)")

@@ -272,31 +272,26 @@ class Trainer:
                          checkpoint_world_size=point.world_size, shard=point.shard, received=point.received)
 
     # ---- evaluation -----------------------------------------------------------------------
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> float:
         """Validation loss: the mean loss over the same `eval_batches` batches, whoever computes
-        them. Identical replicas (ddp): the batches are split among the ranks by speed (the
-        current shares' speeds, else evenly) and the per-batch losses gathered and summed in batch
-        order, so every rank gets the figure one rank would compute alone, in a fraction of the
-        time. (Every rank evaluating every batch made a 0.15-core node take 4x as long as a
-        0.6-core one for the same figure, and the others waited for it at the next collective.)
-        Separate replicas (diloco between syncs): the figure has always described rank 0's
-        weights, so rank 0 alone evaluates them; the other ranks return None."""
+        them, of the weights every rank shares (`Strategy.eval_weights`: ddp's model, DiLoCo's
+        global weights). The batches are split among the ranks by speed (the current shares'
+        speeds, else evenly) and the per-batch losses gathered and summed in batch order, so
+        every rank gets the figure one rank would compute alone, in a fraction of the time.
+        (Every rank evaluating every batch made a 0.15-core node take 4x as long as a 0.6-core
+        one for the same figure, and the others waited for it at the next collective.)"""
         torch = self._torch
         b = self.cfg.micro_batch()
         n = -(-min(self.cfg.eval_batches * b, self.dataset.num_val_samples) // b)  # as val_batches yields
-        if not self.strategy.replicas_identical and self.ctx.rank != 0:
-            self.exporter.val_loss(float("nan"))  # not measured on this rank
-            return None
-        mine = self._eval_share(n) if self.strategy.replicas_identical else range(n)
-        module = self.strategy.eval_module()
-        module.eval()
+        mine = self._eval_share(n)
         losses: dict[int, float] = {}
-        with torch.no_grad():
+        with self.strategy.eval_weights() as module, torch.no_grad():
+            module.eval()
             for i, (x, y) in enumerate(self.dataset.val_batches(self.cfg.eval_batches, b)):
                 if i in mine:
                     losses[i] = module(x.to(self.ctx.device), y.to(self.ctx.device)).item()
-        module.train()
-        if self.strategy.replicas_identical and self.ctx.group is not None:
+            module.train()
+        if self.ctx.group is not None:
             with self.strategy.comm.timed(0):
                 for part in self._all_gather_object(losses):
                     losses.update(part)
@@ -359,6 +354,7 @@ class Trainer:
         if start_step == 0:
             self.totals.initial_val_loss = self.evaluate()
         val_loss, val_step = self.totals.initial_val_loss, 0
+        eval_due = False  # a validation is due (diloco runs it where the next outer update lands)
         stopped_by = "max_steps"
         session_start = time.perf_counter()
         self._last_sync = (start_step, 0.0)  # (step, seconds into the session) of the last sync point
@@ -429,8 +425,9 @@ class Trainer:
             if last:
                 stopped_by = STOPPED_BY.get(stop, "max_steps")
                 break
-            if self.step % cfg.eval_every == 0:
-                val_loss, val_step = self.evaluate(), self.step
+            eval_due = eval_due or self.step % cfg.eval_every == 0
+            if eval_due and strategy.eval_point(self.step):  # diloco: where an outer update lands
+                val_loss, val_step, eval_due = self.evaluate(), self.step, False
             if self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         t_final = time.perf_counter()

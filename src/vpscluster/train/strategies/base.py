@@ -112,10 +112,6 @@ class Strategy(ABC):
     # gradient (accumulated, synchronised once: ddp); True = each is an inner optimizer step of
     # its own, only the last goes through `step` (diloco).
     micro_batches_are_steps: ClassVar[bool] = False
-    # True = every rank holds the same weights after each step (ddp), so validation batches can
-    # be split among the ranks; False = each rank trains its own replica between syncs (diloco),
-    # and validation describes rank 0's (`Trainer.evaluate`).
-    replicas_identical: ClassVar[bool] = True
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         self.config = config
@@ -156,9 +152,17 @@ class Strategy(ABC):
         """The plain model whose weights are checkpointed, hashed and evaluated."""
         raise NotImplementedError(f"{type(self).__name__}.unwrap")
 
-    def eval_module(self) -> "nn.Module":
-        """The module validation runs on (DiLoCo may prefer its global weights)."""
-        return self.unwrap()
+    def eval_point(self, step: int) -> bool:
+        """May validation run at the end of `step`? Every rank takes part (the batches are split
+        among them and the losses gathered), so it runs where the ranks meet anyway. Default:
+        every step (ddp meets at every step)."""
+        return True
+
+    @contextlib.contextmanager
+    def eval_weights(self) -> "Iterator[nn.Module]":
+        """The module validation runs on, holding weights that are the same on every rank (ddp:
+        the model as it is)."""
+        yield self.unwrap()
 
     def tokens_processed(self, tokens: int) -> None:
         """The loop reports the tokens this rank trained on this step (DiLoCo weights by them)."""
