@@ -78,15 +78,17 @@ def test_bench_wan_runs_baseline_and_diloco_on_a_sandbox(cli, tmp_path):
     if why:
         pytest.skip(f"sandbox unavailable: {why}")
     proc = cli("bench", "wan", "--nodes", "2", "--preset", "tiny", "--budget-s", "6", "--sync-every", "4",
-               "--strategies", "baseline,diloco-int8", "--ddp-eval-every", "2", "--name", f"{TEST_PREFIX}tbw",
+               "--strategies", "baseline", "--row", "dl-int8=--strategy diloco --sync-every 4 --wire-dtype int8",
+               "--ddp-eval-every", "2", "--name", f"{TEST_PREFIX}tbw",
                "--targets", "baseline@0.5,baseline@1,ideal@1", "--out", str(tmp_path / "out"), "--json", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     rows = {r["strategy"]: r for r in doc["rows"]}
-    assert set(rows) == {"baseline", "diloco-int8"}
+    assert set(rows) == {"baseline", "dl-int8"}  # a row of one's own flags (--row) beside the baseline
     for r in rows.values():
         assert r["steps"] >= 1 and r["iface_mb_per_node"] > 0 and r["final_val_loss"] > 0
-    assert rows["diloco-int8"]["counted_mb_per_node"] > 0
+    assert rows["dl-int8"]["counted_mb_per_node"] > 0
+    assert doc["scenario"]["rows"] == {"dl-int8": ["--strategy", "diloco", "--sync-every", "4", "--wire-dtype", "int8"]}
     assert rows["baseline"]["counted_mb_per_node"] is None
     assert doc["scenario"]["warmup_steps"] == 20  # the trainer's schedule for every row
     # The time-to-target table (the ideal row's end to end run is in the smoke run of the report;
@@ -94,9 +96,9 @@ def test_bench_wan_runs_baseline_and_diloco_on_a_sandbox(cli, tmp_path):
     assert [t["name"] for t in doc["targets"]] == ["baseline@0.5", "baseline@1", "ideal@1"]
     assert doc["targets"][1]["val_loss"] == rows["baseline"]["final_val_loss"] and doc["targets"][2]["val_loss"] is None
     targets = {r["strategy"]: r for r in doc["time_to_target"]}
-    assert targets["baseline"]["t1_vs_baseline"] == 1.0 and targets["diloco-int8"]["ran_as"] == "diloco"
+    assert targets["baseline"]["t1_vs_baseline"] == 1.0 and targets["dl-int8"]["ran_as"] == "diloco"
     text = (tmp_path / "out" / "table.md").read_text()
-    assert text.startswith("| strategy") and "→ baseline@1" in text and text.count("| diloco-int8 |") == 3
+    assert text.startswith("| strategy") and "→ baseline@1" in text and text.count("| dl-int8 |") == 3
 
 
 # -- time to target (the long mode) ---------------------------------------------------------
@@ -215,6 +217,21 @@ def test_settings_modes_and_the_trainers_schedule():
     assert quick.strategies == ",".join(QUICK) and quick.budget_s == 60
     with pytest.raises(UserError, match="exclude"):
         WanSettings(quick=True, long=True).resolved()
+
+
+def test_custom_rows_and_their_one_line_errors(cli):
+    from vpscluster.bench.wan import custom_rows
+    from vpscluster.errors import UserError
+
+    assert custom_rows(["auto-lr1=--strategy auto --inner-lr-scale 1", "d5= --strategy diloco --sync-every '5'"]) == {
+        "auto-lr1": ["--strategy", "auto", "--inner-lr-scale", "1"], "d5": ["--strategy", "diloco", "--sync-every", "5"]}
+    for bad in ["auto=--strategy ddp", "x", "x=", "Big=--strategy ddp", "y=--lr 'unclosed"]:
+        with pytest.raises(UserError, match="NAME='TRAIN FLAGS'"):
+            custom_rows([bad])
+    with pytest.raises(UserError, match="NAME='TRAIN FLAGS'"):
+        custom_rows(["a=--strategy ddp", "a=--strategy diloco"])
+    proc = cli("bench", "wan", "--row", "ideal=--strategy ddp", timeout=60)
+    assert proc.returncode != 0 and "--row 'ideal=--strategy ddp'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bad_targets_are_a_one_line_error(cli):

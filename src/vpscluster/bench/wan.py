@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -94,6 +95,7 @@ class WanSettings:
     targets: str | None = None  # REF@FRACTION,...; None: DEFAULT_TARGETS with --long, no target table otherwise
     name: str = "wan"  # the sandbox's name
     out: str | None = None  # results folder; None: bench/results/wan-<UTC time> here
+    rows: tuple[str, ...] = ()  # NAME=TRAIN FLAGS: extra rows, `vpscluster train` with these flags on the shaped links
 
     def resolved(self) -> "WanSettings":
         """Every None filled in. --quick: only the QUICK strategies, a 60 s budget at most and
@@ -120,6 +122,30 @@ class WanSettings:
         return dataclasses.replace(r, strategies=",".join(QUICK), budget_s=min(r.budget_s, QUICK_BUDGET_S), sync_every=25)
 
 
+def custom_rows(specs) -> dict[str, list[str]]:
+    """`--row NAME='TRAIN FLAGS'` (repeatable) -> {name: flags}: extra rows that run `vpscluster
+    train` with these flags on the shaped links, beside the built-in rows (an experiment, e.g. a
+    flag's effect over a long budget, measured against the same baseline and ideal rows). The
+    benchmark's own flags (cluster, budget, run folder, evaluation) come after, so they win."""
+    import re
+
+    from vpscluster.errors import UserError
+
+    rows: dict[str, list[str]] = {}
+    for spec in specs or ():
+        name, sep, flags = spec.partition("=")
+        name = name.strip()
+        try:
+            argv = shlex.split(flags)
+        except ValueError:
+            argv = []
+        if not sep or not argv or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) or name in STRATEGIES or name in rows:
+            raise UserError(f"--row {spec!r}: write NAME='TRAIN FLAGS' with a new lower-case name (not a built-in row) "
+                            "and at least one flag, e.g. --row 'auto-lr1=--strategy auto --inner-lr-scale 1'")
+        rows[name] = argv
+    return rows
+
+
 def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run every strategy on one sandbox and compare; the results document (also results.json).
 
@@ -131,8 +157,10 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
     from vpscluster.train.presets import get_preset
 
     args = settings.resolved()
+    extra_rows = custom_rows(args.rows)
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
+    names += [name for name in extra_rows if name not in names]
     if unknown or not names:
         raise UserError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(STRATEGIES)}")
     if "baseline" not in names:
@@ -192,7 +220,7 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
         "scenario": {"nodes": args.nodes, "bandwidth": args.bandwidth, "cpu": args.cpu, "preset": args.preset,
                      "num_params": shape.num_params(), "budget_s": args.budget_s, "sync_every": args.sync_every,
                      "warmup_steps": args.warmup_steps, "lr": args.lr, "eval_batches": args.eval_batches,
-                     "ddp_eval_every": args.ddp_eval_every, "long": args.long},
+                     "ddp_eval_every": args.ddp_eval_every, "long": args.long, "rows": dict(extra_rows)},
         "machine": _machine(),
         "rows": rows,
         "targets": target_levels,
@@ -224,8 +252,8 @@ def _cli(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedPr
 
 def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
     H = args.sync_every
-    extra = [a.replace("{H}", str(H)) for a in STRATEGIES[name]]
-    diloco = "diloco" in extra or name == "auto"  # auto: most likely diloco on slow links
+    extra = [a.replace("{H}", str(H)) for a in STRATEGIES.get(name) or custom_rows(args.rows)[name]]
+    diloco = "diloco" in extra or "auto" in extra  # auto: most likely diloco on slow links
     # diloco: due every H/5 steps, run where the next outer update lands (auto's H may be smaller)
     eval_every = (args.diloco_eval_every or max(1, H // 5)) if diloco else args.ddp_eval_every
     run_dir = out / name
@@ -531,6 +559,8 @@ def _argv_of(args) -> list[str]:
                  "ddp_eval_every", "targets"):
         if getattr(args, flag) not in (None, ""):
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    for spec in args.rows or ():
+        out += ["--row", shlex.quote(spec)]
     return out
 
 

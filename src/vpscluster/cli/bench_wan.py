@@ -2,7 +2,7 @@
 
     vpscluster bench wan [--nodes 4] [--bandwidth 100mbit] [--cpu 0.45] [--preset small]
                          [--budget-s S] [--strategies baseline,ideal,ddp,...,auto] [--quick | --long]
-                         [--targets REF@FRACTION,...] [--out DIR] [--json]
+                         [--targets REF@FRACTION,...] [--row NAME='TRAIN FLAGS' ...] [--out DIR] [--json]
 
 The benchmark itself is `vpscluster.bench.wan.run_wan`; this module parses and renders.
 """
@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default=d.targets, metavar="REF@FRACTION,...",
                    help=f"target losses: a row's val loss after a fraction of its training time (default with --long: "
                         f"{DEFAULT_TARGETS}); given, the time-to-target table is made in any mode")
+    p.add_argument("--row", dest="rows", action="append", default=[], metavar="NAME='TRAIN FLAGS'",
+                   help="an extra row: `vpscluster train` with these flags on the shaped links, beside the others "
+                        "(repeatable), e.g. --row 'auto-lr1=--strategy auto --inner-lr-scale 1'")
     p.add_argument("--name", default=d.name, help=f"sandbox name (default {d.name})")
     p.add_argument("--out", metavar="DIR", help="results folder (default bench/results/wan-<UTC time> in the current folder)")
     add_json_flag(p)
