@@ -171,3 +171,50 @@ def test_powersgd_state_round_trips(ddp_results):
         assert st["iter"][0] == st["iter"][1] == STEPS
         assert st["restart"] == STEPS + 2  # two plain steps while DDP rebuilds its buckets
         assert st["n_errors"] >= 1 and st["equal"]
+
+
+def _powersgd_buckets_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from vpscluster.train.checkpoint import state_hash
+    from vpscluster.train.config import StrategyConfig
+    from vpscluster.train.model import build_model
+    from vpscluster.train.presets import ModelShape
+    from vpscluster.train.strategies.base import DistContext
+    from vpscluster.train.strategies.ddp import DDPStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    ctx = DistContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"), group=dist.group.WORLD)
+    # A bucket size far below the model's gradients: DDP would make dozens of buckets.
+    strategy = DDPStrategy(StrategyConfig(compress="powersgd", powersgd_rank=1, powersgd_start_step=2, bucket_mb=0.01), ctx)
+    model = strategy.setup(build_model(ModelShape(**SHAPE), seed=0))
+    opt = torch.optim.AdamW(strategy.unwrap().parameters(), lr=3e-3)
+    for step, (_, (x, y)) in enumerate(_batches(rank, world, 12), start=1):
+        model(x, y).backward()
+        strategy.step(opt, step)
+        opt.zero_grad(set_to_none=True)
+    buckets = len(model._get_ddp_logging_data().get("bucket_sizes", "").split(","))
+    torch.save({"sha": state_hash(strategy.unwrap().state_dict()), "buckets": buckets}, os.path.join(out_dir, f"r{rank}.pt"))
+    # The trainer's teardown order (Trainer.close): whatever holds the group (DDP's reducer,
+    # PowerSGD's state) goes first; the group destroyed under them can abort the process at exit
+    # ("terminate called without an active exception", seen once in CI).
+    strategy.close()
+    del model, opt, strategy
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_over_gloo_uses_one_bucket_so_ranks_issue_collectives_in_one_order(tmp_path):
+    """PowerSGD's hook issues collectives from gloo's callback threads; with several buckets the
+    ranks' orders race and gloo fails or mixes tensors. One bucket: 4 ranks agree after 12 steps."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_powersgd_buckets_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    results = [torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in range(4)]
+    assert [r["buckets"] for r in results] == [1, 1, 1, 1]
+    assert len({r["sha"] for r in results}) == 1
