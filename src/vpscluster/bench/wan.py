@@ -158,6 +158,7 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
 
     args = settings.resolved()
     extra_rows = custom_rows(args.rows)
+    row_flags = {**STRATEGIES, **extra_rows}  # name -> `vpscluster train` flags
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     names += [name for name in extra_rows if name not in names]
@@ -192,9 +193,9 @@ def run_wan(settings: WanSettings, say: Callable[[str], None] = lambda line: Non
                     result = _run_baseline(args, info, shape, corpus, out)
                 elif name in UNTHROTTLED:
                     with unthrottled(info, say):
-                        result = _run_train(args, info, name, out)
+                        result = _run_train(args, info, name, row_flags[name], out)
                 else:
-                    result = _run_train(args, info, name, out)
+                    result = _run_train(args, info, name, row_flags[name], out)
             except (RemoteError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
                 # One failed strategy must not cost the others' results: record it and go on.
                 failed[name] = str(e).splitlines()[0][:300]
@@ -250,9 +251,9 @@ def _cli(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedPr
     return proc
 
 
-def _run_train(args, info, name: str, out: Path) -> dict[str, Any]:
+def _run_train(args, info, name: str, flags: list[str], out: Path) -> dict[str, Any]:
     H = args.sync_every
-    extra = [a.replace("{H}", str(H)) for a in STRATEGIES.get(name) or custom_rows(args.rows)[name]]
+    extra = [a.replace("{H}", str(H)) for a in flags]
     diloco = "diloco" in extra or "auto" in extra  # auto: most likely diloco on slow links
     # diloco: due every H/5 steps, run where the next outer update lands (auto's H may be smaller)
     eval_every = (args.diloco_eval_every or max(1, H // 5)) if diloco else args.ddp_eval_every
