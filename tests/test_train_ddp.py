@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import pytest
@@ -200,12 +201,16 @@ def _powersgd_buckets_worker(rank: int, world: int, port: int, out_dir: str) -> 
     buckets = len(model._get_ddp_logging_data().get("bucket_sizes", "").split(","))
     torch.save({"sha": state_hash(strategy.unwrap().state_dict()), "buckets": buckets}, os.path.join(out_dir, f"r{rank}.pt"))
     # The trainer's teardown order (Trainer.close): whatever holds the group (DDP's reducer,
-    # PowerSGD's state) goes first; the group destroyed under them can abort the process at exit
-    # ("terminate called without an active exception", seen once in CI).
+    # PowerSGD's state) goes first. Then the rank leaves as the worker does (worker.py): with
+    # `os._exit`, since the interpreter's exit runs static destructors, and a thread left joinable
+    # there can abort the process ("terminate called without an active exception", twice in CI).
     strategy.close()
     del model, opt, strategy
     gc.collect()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.timeout(120)

@@ -182,20 +182,52 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
 
 
 async def connect(dask: DaskCluster, timeout_s: float):
-    """An asynchronous Dask client, once every worker has joined."""
+    """An asynchronous Dask client, once every worker has joined (state "running").
+
+    A connection the scheduler closes while the client starts or asks (a node starved of CPU
+    misses Dask's handshake; "Stream is closed") is tried again until `timeout_s` has passed;
+    then a one-line `RemoteError` names what was missing."""
     from distributed import Client
 
-    client = await asyncio.wait_for(Client(dask.client_address or dask.scheduler_address, asynchronous=True, timeout=timeout_s,
-                                           set_as_default=False), timeout_s)
+    address = dask.client_address or dask.scheduler_address
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     want = sum(n.slots for n in dask.nodes.values())
+    client, have, last = None, [], ""
     try:
-        await client.wait_for_workers(want, timeout=timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
-        have = sorted(w["name"] for w in client.scheduler_info()["workers"].values())
-        await client.close()
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                if client is None:
+                    client = await asyncio.wait_for(Client(address, asynchronous=True, timeout=left,
+                                                           set_as_default=False), left)
+                info = await asyncio.wait_for(client.scheduler.identity(n_workers=-1), max(0.1, min(10.0, left)))
+                workers = info.get("workers", {}).values()
+                have = sorted(str(w.get("name")) for w in workers if w.get("status") == "running")
+                if len(have) >= want:
+                    return client
+            except (OSError, asyncio.TimeoutError) as e:  # CommClosedError is an OSError
+                last = _one_line(e)
+            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+        if client is None:
+            raise RemoteError(f"could not connect to the Dask scheduler at {address} within {timeout_s:.0f} s "
+                              f"({last or 'timed out'}); see the node logs in {dask.log_dir}")
         raise RemoteError(f"only {len(have)} of {want} Dask workers joined within {timeout_s:.0f} s "
-                          f"({', '.join(map(str, have)) or 'none'}); see the node logs in {dask.log_dir}") from None
-    return client
+                          f"({', '.join(have) or 'none'}); see the node logs in {dask.log_dir}")
+    except BaseException:
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.close(), 10)
+            except Exception:  # gone already; teardown ends the processes
+                pass
+        raise
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 async def shutdown(client, dask: DaskCluster, timeout_s: float = 10.0) -> None:

@@ -190,6 +190,10 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                         busy=(await asyncio.to_thread(_monitor_busy, cluster)) if spec.admission else None)
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
+            except OSError as e:  # Dask's connection lost for good (CommClosedError), a log folder gone
+                text = str(e).strip().splitlines()
+                error = (f"the job stopped: {type(e).__name__}{': ' + text[0] if text else ''}; the finished "
+                         f"partitions are kept in {output}; run the same command again to do the rest")
             finally:
                 if client is not None:
                     await engine.shutdown(client, dask)

@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if code:
-        os._exit(code)  # the watchdog is armed: do not wait for threads stuck in a collective
-    raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Failed: the watchdog is armed, do not wait for threads stuck in a collective. Succeeded:
+    # everything is written; skip the static destructors (see the module's docstring).
+    os._exit(code)
