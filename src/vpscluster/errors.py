@@ -52,3 +52,9 @@ async def unless_interrupted(aw, interrupted, before: str = "anything was starte
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     raise Interrupted(f"interrupted before {before}")
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (just the type when the message is empty)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

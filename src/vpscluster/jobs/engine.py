@@ -17,7 +17,7 @@ import os
 import posixpath
 from dataclasses import dataclass, field
 
-from vpscluster.errors import RemoteError, UserError
+from vpscluster.errors import RemoteError, UserError, one_line
 from vpscluster.launch.commands import LAUNCH_ID_ENV, shell_path
 
 
@@ -209,7 +209,7 @@ async def connect(dask: DaskCluster, timeout_s: float):
                 if len(have) >= want:
                     return client
             except (OSError, asyncio.TimeoutError) as e:  # CommClosedError is an OSError
-                last = _one_line(e)
+                last = one_line(e)
             await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
         if client is None:
             raise RemoteError(f"could not connect to the Dask scheduler at {address} within {timeout_s:.0f} s "
@@ -223,11 +223,6 @@ async def connect(dask: DaskCluster, timeout_s: float):
             except Exception:  # gone already; teardown ends the processes
                 pass
         raise
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 async def shutdown(client, dask: DaskCluster, timeout_s: float = 10.0) -> None:

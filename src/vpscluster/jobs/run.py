@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from vpscluster.cluster import netsafety
-from vpscluster.errors import Interrupted, UserError, unless_interrupted
+from vpscluster.errors import Interrupted, UserError, one_line, unless_interrupted
 
 ON_ERROR = ("fail", "skip")
 OUTPUT_FORMATS = ("jsonl", "parquet")
@@ -191,8 +191,7 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
                     stats = await Dispatcher(client, dask, opts, source, on_event, stop).run()
                     error = stats.error
             except OSError as e:  # Dask's connection lost for good (CommClosedError), a log folder gone
-                text = str(e).strip().splitlines()
-                error = (f"the job stopped: {type(e).__name__}{': ' + text[0] if text else ''}; the finished "
+                error = (f"the job stopped: {one_line(e)}; the finished "
                          f"partitions are kept in {output}; run the same command again to do the rest")
             finally:
                 if client is not None:

@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Callable
 
-from vpscluster.errors import UserError
+from vpscluster.errors import UserError, one_line
 
 
 class RowError(Exception):
@@ -104,11 +104,6 @@ def _call(fn: Callable, rows: list[dict], params: dict) -> list[dict]:
     return out
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
 def run_partition(fn_spec: str, code_dir: str | None, rows: list[dict], where: dict, on_error: str,
                   params: dict | None = None, limits: dict | None = None) -> dict:
     """Run the function over one partition; the result rows and where and how long it ran.
@@ -157,8 +152,8 @@ def compute(fn_spec: str, code_dir: str | None, rows: list[dict], where: dict, o
             at = f"row {i + 1} ({part.where(i)})" if i is not None else f"({part.where()})"
             tb = traceback.extract_tb(e.__traceback__)[-1:]
             line = f" at {os.path.basename(tb[0].filename)}:{tb[0].lineno}" if tb else ""
-            raise RowError(f"partition {part.index} {at}: {_one_line(e)}{line}") from None
-        skipped = [{"row": i + 1, "where": part.where(i), "error": _one_line(e)} for i, e in bad]
+            raise RowError(f"partition {part.index} {at}: {one_line(e)}{line}") from None
+        skipped = [{"row": i + 1, "where": part.where(i), "error": one_line(e)} for i, e in bad]
     return out, skipped
 
 
@@ -275,4 +270,4 @@ def serve() -> None:
         try:
             _send(out, answer)
         except (pickle.PicklingError, TypeError, AttributeError) as e:  # an exception or row pickle cannot carry
-            _send(out, (False, RuntimeError(_one_line(answer[1]) if not answer[0] else f"result rows: {_one_line(e)}")))
+            _send(out, (False, RuntimeError(one_line(answer[1]) if not answer[0] else f"result rows: {one_line(e)}")))
