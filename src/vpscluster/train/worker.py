@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = main()  # its `finally` has flushed both streams and the rank's log
     # Failed: the watchdog is armed, do not wait for threads stuck in a collective. Succeeded:
     # everything is written; skip the static destructors (see the module's docstring).
     os._exit(code)
