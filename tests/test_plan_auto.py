@@ -196,7 +196,8 @@ def test_plan_diloco_fills_in_every_key_the_user_left_open():
     assert slow.wire_dtype == "int8" and fast.wire_dtype == "fp32"
     assert fast.sync_every == sync_rule.H_MIN <= slow.sync_every and 100 % slow.sync_every == 0
     assert slow.planned == sorted(sync_rule.KEYS) and slow.planned_reason.startswith(f"H={slow.sync_every} int8")
-    assert (slow.outer_lr, slow.outer_momentum) == (0.7, 0.9)
+    assert (slow.outer_lr, slow.outer_momentum) == (sync_rule.outer_lr_for(slow.sync_every), 0.9)
+    assert (fast.outer_lr, fast.outer_momentum) == (0.5, 0.9)  # H = 10
     assert slow.outer_warmup == sync_rule.outer_warmup_for(slow.sync_every) >= 1
     cfg.strategy = slow
     cfg.validate()  # checkpoints still fall on outer steps

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vpscluster.plan.sync_rule import (FRACTION, H_MIN, SYNC_EVERY_CHOICES, WIRES, choose_sync, outer_warmup_for,
-                                       sync_bytes)
+from vpscluster.plan.sync_rule import (FRACTION, H_MIN, SYNC_EVERY_CHOICES, WIRES, choose_sync, outer_lr_for,
+                                       outer_warmup_for, sync_bytes)
 
 MBIT = 1e6 / 8
 LINKS_MBIT = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
@@ -20,7 +20,7 @@ def test_reference_scenario_int8_with_a_small_h():
     c = choose_sync(100 * MBIT, 1.7, 10.7e6, 4)
     assert c.wire_dtype == "int8"
     assert c.sync_every == 20 and c.meets_target and c.comm_fraction <= FRACTION
-    assert (c.outer_lr, c.outer_momentum) == (0.7, 0.9) and c.outer_warmup == 5
+    assert (c.outer_lr, c.outer_momentum) == (0.5, 0.9) and c.outer_warmup == 5
     assert "H=20 int8" in c.reason and "100 Mbit/s" in c.reason
 
 
@@ -33,6 +33,7 @@ def test_slower_link_never_gives_a_smaller_h_or_a_wider_wire(params, step_s, wor
         c = choose_sync(mbit * MBIT, step_s, params, world)
         assert c.sync_every in SYNC_EVERY_CHOICES and c.sync_every >= H_MIN
         assert c.outer_warmup == outer_warmup_for(c.sync_every) >= 1
+        assert c.outer_lr == outer_lr_for(c.sync_every) and c.outer_momentum == 0.9
         if prev is not None:
             assert c.sync_every >= prev.sync_every, (mbit, c, prev)
             assert PRECISION[c.wire_dtype] >= PRECISION[prev.wire_dtype], (mbit, c, prev)
@@ -53,6 +54,15 @@ def test_the_sync_is_at_most_the_fraction_of_a_round_and_h_is_the_smallest_that_
     else:  # too slow for the target even at the largest H: int8 at the largest H
         assert c.wire_dtype == "int8" and c.sync_every == max(SYNC_EVERY_CHOICES)
         assert "above" in c.reason
+
+
+def test_the_outer_lr_is_0_5_for_short_rounds_and_diloco_s_0_7_for_long_ones():
+    # Measured at H = 10 (0.5 ahead of 0.3, 0.7 and 1.0); 0.7 is DiLoCo's, tuned at H = 500.
+    assert [outer_lr_for(h) for h in SYNC_EVERY_CHOICES] == [0.5, 0.5, 0.5] + [0.7] * (len(SYNC_EVERY_CHOICES) - 3)
+    assert choose_sync(100 * MBIT, 1.7, 10.7e6, 4, choices=(10,)).outer_lr == 0.5
+    assert choose_sync(100 * MBIT, 1.7, 10.7e6, 4, choices=(100,)).outer_lr == 0.7
+    slower = [choose_sync(mbit * MBIT, 0.5, 1e8, 4) for mbit in sorted(LINKS_MBIT, reverse=True)]
+    assert [c.outer_lr for c in slower] == sorted(c.outer_lr for c in slower)  # never smaller on a slower link
 
 
 def test_fast_links_keep_full_precision_and_slow_links_send_int8():

@@ -17,8 +17,12 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    costs less quality than a 4× larger H (INTELLECT-1 found int8 pseudo-gradients lossless).
 4. H: the smallest allowed value ≥ H_MIN meeting rule 2 with that wire; when none does, the
    largest allowed (the link is too slow for the target; the reason says so).
-5. Outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (DiLoCo's), with an outer warm-up of
-   `outer_warmup` syncs (see `train/strategies/diloco.py`): the outer lr ramps linearly over
+5. Outer optimizer: Nesterov SGD, momentum 0.9, lr `outer_lr_for(H)`: 0.5 for rounds shorter than
+   `OUTER_LR_LONG_H` (50) steps, DiLoCo's 0.7 (tuned at H = 500) from there on. At H = 10 on `small`
+   with 4 replicas, 0.5 was ahead of 0.7, 0.3 and 1.0 at every evaluation past the loss drop, 1.8%
+   behind ddp at equal tokens after 700 steps against 6.3% for 0.7 (BENCHMARKS.md, wan, "The outer
+   lr at H = 10"); where between 10 and 500 the optimum moves to 0.7 is not measured. An outer
+   warm-up of `outer_warmup` syncs (see `train/strategies/diloco.py`): the outer lr ramps linearly over
    the first syncs and the first sync is plain averaging, so a model trained from scratch
    (whose first pseudo-gradients are huge and not in a consistent direction) does not
    overshoot. The warm-up covers about OUTER_WARMUP_STEPS inner steps, at least one sync.
@@ -40,7 +44,9 @@ H_MIN = 10  # below this DiLoCo is DDP with extra steps; no rule picks less
 SYNC_EVERY_CHOICES = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
 WIRES = ("fp32", "bf16", "int8")  # most precise first
 INT8_BLOCK = 1024
-OUTER_LR = 0.7
+OUTER_LR_SHORT = 0.5  # H < OUTER_LR_LONG_H: measured best at H = 10
+OUTER_LR = 0.7  # DiLoCo's, at H = 500
+OUTER_LR_LONG_H = 50
 OUTER_MOMENTUM = 0.9
 OUTER_WARMUP_STEPS = 100  # inner steps the outer warm-up spans (at least one sync)
 # The StrategyConfig keys this rule chooses (each only where the user did not set it).
@@ -83,6 +89,10 @@ class SyncChoice:
                 "outer_momentum": self.outer_momentum, "outer_warmup": self.outer_warmup}
 
 
+def outer_lr_for(sync_every: int) -> float:
+    return OUTER_LR_SHORT if sync_every < OUTER_LR_LONG_H else OUTER_LR
+
+
 def outer_warmup_for(sync_every: int) -> int:
     return max(1, math.ceil(OUTER_WARMUP_STEPS / sync_every))
 
@@ -115,6 +125,6 @@ def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float
     reason = (f"H={h} {wire}: a sync of {sync_bytes(num_params, world_size, wire) / 1e6:.1f} MB per rank "
               f"takes {t:.2f} s at {mbit:.0f} Mbit/s, {share:.1%} of {h} steps of {step_seconds:.2f} s "
               f"({'within' if meets else 'above'} the {fraction:.0%} target); {why_wire}")
-    return SyncChoice(sync_every=h, wire_dtype=wire, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+    return SyncChoice(sync_every=h, wire_dtype=wire, outer_lr=outer_lr_for(h), outer_momentum=OUTER_MOMENTUM,
                       outer_warmup=outer_warmup_for(h), sync_seconds=t, comm_fraction=share, meets_target=meets,
                       reason=reason)
