@@ -19,9 +19,10 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    largest allowed (the link is too slow for the target; the reason says so).
 5. Outer optimizer: Nesterov SGD, momentum 0.9, lr `outer_lr_for(H)`: 0.5 for rounds shorter than
    `OUTER_LR_LONG_H` (50) steps, DiLoCo's 0.7 (tuned at H = 500) from there on. At H = 10 on `small`
-   with 4 replicas, 0.5 was ahead of 0.7, 0.3 and 1.0 at every evaluation past the loss drop, 1.8%
-   behind ddp at equal tokens after 700 steps against 6.3% for 0.7 (BENCHMARKS.md, wan, "The outer
-   lr at H = 10"); where between 10 and 500 the optimum moves to 0.7 is not measured. An outer
+   with 4 replicas, 0.5 was ahead of 0.3, 0.7, 1.0 and plain averaging at every evaluation from the
+   loss drop on, and 2.3% behind ddp at equal tokens after 800 steps against 5.9% for 0.7
+   (BENCHMARKS.md, wan, "Outer lr 0.3, 0.5 and plain averaging at H = 10"); where between 10 and
+   500 the optimum moves to 0.7 is not measured. An outer
    warm-up of `outer_warmup` syncs (see `train/strategies/diloco.py`): the outer lr ramps linearly over
    the first syncs and the first sync is plain averaging, so a model trained from scratch
    (whose first pseudo-gradients are huge and not in a consistent direction) does not
