@@ -152,3 +152,28 @@ def test_plan_uses_cached_step_times_for_compute_and_says_so():
     # Another batch size is another shape: not cached, the FLOP/s model again.
     other = make_plan(PlanRequest(model="tiny", nodes=2, strategy="ddp", tokens=1e6, batch_size=4))
     assert other["step_calibration"] is None and other["compute_seconds"] != pytest.approx(0.40)
+
+
+def test_train_plans_on_the_same_cached_step_times_as_plan():
+    # `train --strategy auto` and DiLoCo's rule (plan.auto.plan_inputs) must see the step `plan`
+    # predicts: the cached measurement, not the FLOP/s model with an assumed efficiency.
+    import time
+
+    from vpscluster.config import build
+    from vpscluster.plan import auto
+    from vpscluster.plan.compute import node_compute
+    from vpscluster.train.config import TrainConfig
+
+    cfg = build(TrainConfig, {"preset": "tiny", "nodes": 2, "strategy": {"name": "diloco"}, "max_steps": 100})
+    model, res, eff = auto.plan_inputs(cfg, None, None)
+    assumed = [node_compute(model, n, eff.value).seconds for n in res.nodes]
+    assert assumed != [pytest.approx(0.40)] * 2
+
+    shape = get_preset("tiny")
+    key = steptime.cache_key(steptime._node_id(local_cluster().nodes[0]), steptime._shape_dict(shape), None, 2,
+                             steptime._torch_version(), world=2)
+    steptime._write_cache({key: {"samples": [0.40, 0.41, 0.39, 0.40], "threads": 1,
+                                 "tokens": shape.batch_size * shape.seq_len, "measured_at_unix": time.time()}})
+    model, res, eff = auto.plan_inputs(cfg, None, None)
+    assert eff.source == "calibrated"
+    assert [node_compute(model, n, eff.value).seconds for n in res.nodes] == [pytest.approx(0.40)] * 2

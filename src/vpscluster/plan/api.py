@@ -18,7 +18,6 @@ from vpscluster.errors import UserError
 from vpscluster.plan import auto, comm, memory
 from vpscluster.plan import steptime
 from vpscluster.plan.calibrate import efficiency_for
-from vpscluster.plan.compute import Efficiency
 from vpscluster.plan.guidance import guidance
 from vpscluster.plan.predict import Prediction, Settings, predict, ring_for, risk_label
 from vpscluster.plan.resources import gather_resources
@@ -104,15 +103,12 @@ def make_plan(req: PlanRequest) -> dict:
             )
         for node, f in zip(res.nodes, req.flops_per_node):
             node.flops = f
-    threads = req.threads_per_rank or _probe_threads(probe)
     step_cal = None
     if req.flops is None and req.flops_per_node is None:  # --flops plans hypothetical compute
-        step_cal = steptime.apply(res, model, cluster, threads=req.threads_per_rank, measure_now=req.calibrate,
-                                  probe=probe)
-    implied = steptime.implied_efficiency(model, res) if step_cal and step_cal.get("covers_all") else None
-    if implied is not None:  # every node timed on this model: no separate efficiency run needed
-        eff = Efficiency(implied, "calibrated")
+        eff, step_cal = steptime.planned_efficiency(res, model, cluster, probe, threads=req.threads_per_rank,
+                                                    calibrate=req.calibrate, probe_threads=_probe_threads(probe))
     else:
+        threads = req.threads_per_rank or _probe_threads(probe)
         eff = efficiency_for(model, res, calibrate=req.calibrate, threads=threads, cluster=cluster,
                              matmul_threads=_probe_threads(probe))
     if step_cal:

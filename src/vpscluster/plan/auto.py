@@ -80,7 +80,7 @@ def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
 def plan_inputs(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None):
     """The model, resources and compute efficiency a training run is planned on. Without `probe`,
     the cluster's last saved probe is used when there is one."""
-    from vpscluster.plan.calibrate import efficiency_for
+    from vpscluster.plan import steptime
     from vpscluster.plan.resources import gather_resources
     from vpscluster.plan.shapes import load_model
 
@@ -98,8 +98,9 @@ def plan_inputs(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | Non
         res = gather_resources(cluster, probe)
     probe_threads = next((n.get("torch_threads") for n in (probe or {}).get("nodes", [])
                           if isinstance(n, dict) and isinstance(n.get("torch_threads"), int)), None)
-    eff = efficiency_for(model, res, calibrate=False, threads=cfg.threads_per_rank or probe_threads,
-                         matmul_threads=probe_threads)
+    # The step times `vpscluster plan --calibrate` cached for this model, as `plan` uses them.
+    eff, _ = steptime.planned_efficiency(res, model, cluster, probe, threads=cfg.threads_per_rank or None,
+                                         probe_threads=probe_threads)
     return model, res, eff
 
 

@@ -334,6 +334,25 @@ def apply(res, model, cluster=None, threads: int | None = None, measure_now: boo
     }
 
 
+def planned_efficiency(res, model, cluster=None, probe: dict | None = None, threads: int | None = None,
+                       calibrate: bool = False, probe_threads: int | None = None):
+    """What a plan computes on: each CPU node's step time on this model (measured now with
+    `calibrate`, else cached; set on `res`), and the efficiency (implied by those step times when
+    every node has one, else `calibrate.efficiency_for`). `vpscluster plan` and `train`'s own
+    planning (`--strategy auto`, DiLoCo's rule) both use it, so they predict the same step.
+    Returns (Efficiency, the plan's `step_calibration` document or None)."""
+    from vpscluster.plan.calibrate import efficiency_for
+    from vpscluster.plan.compute import Efficiency
+
+    step_cal = apply(res, model, cluster, threads=threads, measure_now=calibrate, probe=probe)
+    implied = implied_efficiency(model, res) if step_cal and step_cal.get("covers_all") else None
+    if implied is not None:  # every node timed on this model: no separate efficiency run needed
+        return Efficiency(implied, "calibrated"), step_cal
+    eff = efficiency_for(model, res, calibrate=calibrate, threads=threads or probe_threads, cluster=cluster,
+                         matmul_threads=probe_threads)
+    return eff, step_cal
+
+
 def implied_efficiency(model, res) -> float | None:
     """Training FLOP/s over the probe's matmul FLOP/s implied by the measured step times (median
     over nodes): what `plan.calibrate` estimates, read from the real steps instead."""
