@@ -278,6 +278,7 @@ def _run_train(args, info, name: str, flags: list[str], out: Path) -> dict[str, 
         "compute_utilization_of_wall": report["compute_utilization"],
         "final_val_loss": report["final_val_loss"], "strategy_bytes_sent": report["bytes_sent"],
         "strategy": report.get("strategy_details"), "ran_as": report.get("strategy"), "evals": evals,
+        "replanned": report.get("strategy_replanned"),  # the sync plan re-made on the measured step, if it was
         "links": "unthrottled" if name in UNTHROTTLED else "shaped",
     }
 

@@ -105,6 +105,9 @@ class ProgressView:
             self.console.print(f"step {ev['step']}: step time predicted {pred['step_seconds']:.2f} s, "
                                f"measured {meas['step_seconds']:.2f} s ({err:.0%} off){fixed}", style="dim")
 
+    def _on_replan(self, ev: dict[str, Any]) -> None:
+        self.console.print(f"step {ev['step']}: sync plan re-made: {ev.get('reason')}")
+
     def _on_eval(self, ev: dict[str, Any]) -> None:
         self._val = ev["val_loss"]
         self.console.print(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
@@ -159,6 +162,12 @@ class ProgressView:
             e = (p.get("error") or {}).get("step_seconds")
             rows.insert(-1, ("step time", f"{p['measured']['step_seconds']:.2f} s measured, {p['predicted']['step_seconds']:.2f} s "
                                           f"predicted ({p.get('compute_source')})" + (f", {e:.0%} off" if e is not None else "")))
+        rp = report.get("strategy_replanned")
+        if rp:
+            a = rp.get("after") or {}
+            rows.insert(-1, ("sync plan", f"re-made at step {rp.get('step')}: H={a.get('sync_every')} {a.get('wire_dtype')}, "
+                                          f"outer lr {a.get('outer_lr')} (measured {rp.get('measured_step_seconds', 0):.2f} s "
+                                          f"per step, planned {rp.get('planned_step_seconds', 0):.2f} s)"))
         if report.get("shares"):
             rows.insert(-1, ("shares", f"{':'.join(str(v) for v in report['shares'])} of {report.get('micro_batches')} "
                                        f"micro-batches ({report.get('rebalances', 0)} rebalance(s)"

@@ -17,7 +17,7 @@ from vpscluster.plan import sync_rule
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
-from vpscluster.train.config import strategy_choices
+from vpscluster.train.config import ReplanInputs, strategy_choices
 from vpscluster.train.strategies import STRATEGIES
 
 if TYPE_CHECKING:
@@ -116,13 +116,20 @@ def given_keys(s: "StrategyConfig") -> set[str]:
 def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires) -> "sync_rule.SyncChoice":
     """The sync rule (`plan/sync_rule.py`) on this plan: the slowest node's step, the ring's
     bandwidth and latency, the model's size; `choices`/`wires`: the H values and formats allowed."""
+    step_s, beta, alpha = rule_inputs(model, res, efficiency)
+    return sync_rule.choose_sync(beta, step_s, model.num_params(), res.world_size,
+                                 latency_s=alpha, choices=choices, wires=wires)
+
+
+def rule_inputs(model: ModelSpec, res: Resources, efficiency: float) -> tuple[float, float, float]:
+    """The sync rule's plan quantities: the slowest node's inner step (seconds), the ring's
+    bottleneck bandwidth (bytes/s) and its per-hop latency (seconds)."""
     from vpscluster.plan.compute import node_compute
     from vpscluster.plan.predict import ring_for
 
     step_s = max(node_compute(model, node, efficiency).seconds for node in res.nodes)
     ring = ring_for(res)
-    return sync_rule.choose_sync(ring.beta_bytes_s, step_s, model.num_params(), res.world_size,
-                                 latency_s=ring.alpha_s, choices=choices, wires=wires)
+    return step_s, ring.beta_bytes_s, ring.alpha_s
 
 
 def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency: float,
@@ -139,7 +146,7 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     s = strategy or cfg.strategy
     todo = [k for k in sync_rule.KEYS if k not in given]
     if res.world_size <= 1 or not todo:
-        return dataclasses.replace(s, name="diloco", planned=[], planned_reason=None)
+        return dataclasses.replace(s, name="diloco", planned=[], planned_reason=None, replan=None)
     if "sync_every" in given:
         hs = [s.sync_every]
     else:
@@ -156,8 +163,14 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     chosen = {k: v for k, v in c.settings().items() if k in todo}
     kept = sorted(set(sync_rule.KEYS) & set(given))
     reason = c.reason + (f"; as set: {', '.join(kept)}" if kept else "")
+    step_s, beta, alpha = rule_inputs(model, res, efficiency)
+    # What the ranks need to apply the rule again on the step time they measure (train/replan.py).
+    measured = all(n.step_seconds for n in res.nodes)
+    replan = ReplanInputs(step_seconds=step_s, step_source="measured" if measured else "FLOP/s x efficiency",
+                          bandwidth_bytes_s=beta, latency_s=alpha, num_params=float(model.num_params()),
+                          choices=list(hs), wires=list(wires), keys=sorted(chosen))
     return dataclasses.replace(s, name="diloco", compress="none", **chosen, planned=sorted(chosen),
-                               planned_reason=reason)
+                               planned_reason=reason, replan=replan)
 
 
 def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None,
@@ -185,7 +198,7 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
             reason = f"{reason}; {out.planned_reason}"
             out = dataclasses.replace(out, planned_reason=reason)
         return out, reason
-    out = dataclasses.replace(s, name=c.name, compress=c.compress, planned=[], planned_reason=None)
+    out = dataclasses.replace(s, name=c.name, compress=c.compress, planned=[], planned_reason=None, replan=None)
     if out.fragments > out.sync_every:
         out = dataclasses.replace(out, fragments=1)
     return out, reason

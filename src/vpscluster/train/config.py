@@ -26,6 +26,31 @@ WireDtype = Literal["fp32", "bf16", "int8"]  # diloco: the pseudo-gradient on th
 
 
 @dataclass
+class ReplanInputs:
+    """diloco: the sync rule's inputs other than the step time (`plan/sync_rule.py: choose_sync`),
+    written by the launcher with the plan. The ranks measure their real step in the first steps
+    of each session and, where it is off the plan's `step_seconds` by more than
+    `train/replan.py: TOLERANCE`, apply the rule again on the measured step (`train/replan.py`)."""
+
+    __pydantic_config__ = PYDANTIC_CONFIG
+
+    step_seconds: Float  # the plan's inner step (the slowest rank's compute)
+    step_source: str  # where it came from: "calibrated" (measured step times) or "assumed" (FLOP/s x efficiency)
+    bandwidth_bytes_s: Float  # the ring's bottleneck
+    latency_s: Float
+    num_params: Float
+    choices: list[Int]  # the H values allowed (dividing checkpoint_every, >= 4 outer steps)
+    wires: list[WireDtype]  # most precise first
+    keys: list[str]  # the rule's keys the user left open (only these may change)
+
+    def __post_init__(self) -> None:
+        if self.step_seconds <= 0 or self.bandwidth_bytes_s <= 0 or self.num_params <= 0 or not self.choices \
+                or not self.wires:
+            raise UserError("strategy.replan needs a positive step_seconds, bandwidth_bytes_s and num_params, "
+                            "and at least one H and wire; leave it to the launcher")
+
+
+@dataclass
 class StrategyConfig:
     """How ranks keep their models in agreement (see `train/strategies/`)."""
 
@@ -57,6 +82,9 @@ class StrategyConfig:
     # not set), and its one-line reason; a record, kept in the run's config and report.
     planned: list[str] = field(default_factory=list)
     planned_reason: str | None = None
+    # diloco: the rule's inputs, for the ranks to apply it again on the step time they measure
+    # (`train/replan.py`); set by the launcher with `planned`, None = the plan stands as it is.
+    replan: ReplanInputs | None = None
     # diloco: each outer sync's collectives time out after this (0 = the run's training time-out)
     # and are retried this many times on a fresh process group before the round is skipped.
     sync_timeout_s: Float = 0.0

@@ -2,7 +2,7 @@
 
 One event per line, flushed, in the form
 
-    VPSC_EVENT {"event": "start"|"step"|"eval"|"checkpoint"|"resume"|"end"|"error"|"rebalance"|"checkpoint_failed"|"prediction"|"stopping", ...}
+    VPSC_EVENT {"event": "start"|"step"|"eval"|"checkpoint"|"resume"|"end"|"error"|"rebalance"|"checkpoint_failed"|"prediction"|"replan"|"stopping", ...}
 
 so a launcher reading a worker's merged output (local pipes or SSH) can tell events from
 ordinary log lines without a second channel. `end` carries {"report": {...}}.
@@ -15,7 +15,8 @@ import sys
 from typing import Any, TextIO
 
 PREFIX = "VPSC_EVENT "
-KINDS = ("start", "step", "eval", "checkpoint", "resume", "end", "error", "rebalance", "checkpoint_failed", "prediction", "stopping")
+KINDS = ("start", "step", "eval", "checkpoint", "resume", "end", "error", "rebalance", "checkpoint_failed", "prediction", "replan",
+         "stopping")
 
 
 def format_event(event: str, **fields: Any) -> str:

@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from vpscluster import fsutil
-from vpscluster.train import checkpoint, events, exporter, metrics, prediction, rundir
+from vpscluster.train import checkpoint, events, exporter, metrics, prediction, replan, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.shares import ShareController, even, look_every, offsets, rank_speeds, split
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
+from vpscluster.train.strategies.diloco import RETUNABLE
 
 RECENT_LOSSES = 10
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -189,6 +190,7 @@ class Trainer:
         self.exporters = self._publish_exporters()
         self.prediction = prediction.load(self.run_dir)  # the plan's, written by the launcher
         self._samples: list[tuple[float, float]] = []  # this session's (step_s, comm_s), for it
+        self.replanned: dict[str, Any] | None = None  # this session's re-made sync plan (train/replan.py)
 
     def _publish_exporters(self) -> list[dict[str, Any]]:
         """Every rank's exporter address, gathered; rank 0 writes them to exporters.json."""
@@ -400,8 +402,8 @@ class Trainer:
             )
             self.exporter.step(self.step, loss_value, tokens, local_tokens, step_s, comm_s, nbytes, self._outer_syncs())
             self._samples.append((step_s, comm_s))
-            if self.prediction is not None and len(self._samples) == prediction.WARMUP + prediction.K:
-                self._correct_prediction()
+            if len(self._samples) == prediction.WARMUP + prediction.K and (self.prediction is not None or self._replannable()):
+                self._window_full()
             if self.step % cfg.log_every == 0:
                 self.events.emit(
                     "step", step=self.step, max_steps=cfg.max_steps, loss=loss_value, lr=lr,
@@ -523,16 +525,40 @@ class Trainer:
         self.totals.bytes_sent += nbytes
         self.exporter.communicated(nbytes)
 
-    def _correct_prediction(self) -> None:
+    def _replannable(self) -> bool:
+        """Does this run re-make its sync plan on the measured step (train/replan.py)? DiLoCo with
+        rule inputs from the launcher, on even shares (with uneven ones a loop step is several
+        inner steps: the window would not measure one)."""
+        s = self.cfg.strategy
+        return s.replan is not None and hasattr(self.strategy, "retune") and not s.micro_batches \
+            and self.ctx.world_size > 1
+
+    def _window_full(self) -> None:
         """The correction window is full: every rank's summary gathered once (as communication);
-        rank 0 records the corrected prediction (train/prediction.py)."""
+        rank 0 records the corrected prediction (train/prediction.py), and every rank re-makes
+        the sync plan where the measured step is far off the planned one (train/replan.py)."""
         with self.strategy.comm.timed(0):
             summaries = self._all_gather_object(prediction.rank_summary(self._samples))
         self._book_off_step_comm()
-        if self.ctx.rank == 0:
+        if self.ctx.rank == 0 and self.prediction is not None:
             doc = prediction.compare(self.prediction, summaries, comm_every_step=self.strategy.name == "ddp")
             self.events.emit("prediction", step=self.step, predicted=doc["predicted"], measured=doc["measured"],
                              error=doc["error"], corrected=doc["corrected"])
+        if not self._replannable():
+            return
+        s = self.cfg.strategy
+        step_s = replan.measured_step(summaries)
+        before = {k: getattr(s, k) for k in RETUNABLE}
+        again = replan.plan_again(s.replan, step_s, self.ctx.world_size, before)
+        if again is None:
+            return
+        settings, reason = again
+        self.strategy.retune(settings)  # the same figures on every rank: the same settings, this step
+        self._look_every = look_every(s.rebalance_every, s.sync_every if self.strategy.micro_batches_are_steps else None)
+        self.replanned = {"step": self.step, "planned_step_seconds": s.replan.step_seconds,
+                          "planned_from": s.replan.step_source, "measured_step_seconds": step_s,
+                          "before": before, "after": {k: getattr(s, k) for k in RETUNABLE}, "reason": reason}
+        self.events.emit("replan", **self.replanned)
 
     def build_report(self, val_loss: float, stopped_by: str, start_step: int):
         """Gather every rank's totals; rank 0 returns the report (contract keys first)."""
@@ -577,6 +603,8 @@ class Trainer:
             # DiLoCo's settings the launcher chose from the plan (plan/sync_rule.py) and why.
             "strategy_planned": ({"keys": list(self.cfg.strategy.planned), "reason": self.cfg.strategy.planned_reason}
                                  if self.cfg.strategy.planned else None),
+            # The sync plan re-made on this session's measured step (train/replan.py), or None.
+            "strategy_replanned": self.replanned,
             "sync_failure_rate": self.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,

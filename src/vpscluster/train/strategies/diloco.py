@@ -84,6 +84,8 @@ STATE_FORMAT = 1
 
 
 MAX_FAILED_SYNCS_IN_A_ROW = 3
+# The settings `retune` may change mid-run: the sync rule's (`plan/sync_rule.py: KEYS`).
+RETUNABLE = ("sync_every", "wire_dtype", "outer_lr", "outer_momentum", "outer_warmup")
 
 
 def split_fragments(sizes: list[int], n_fragments: int) -> list[list[int]]:
@@ -240,6 +242,7 @@ class DiLoCoStrategy(Strategy):
         self._failed_in_a_row = 0
         self.sync_group = None  # the syncs' own process group when sync_timeout_s is set (else ctx.group)
         self._pre_finalize_state: dict[str, Any] | None = None
+        self.retuned: dict[str, Any] | None = None  # the settings `retune` switched to, if any
         self._step = 0  # the loop's step, for the sync hash lines
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = ctx.device if ctx.backend == "nccl" else "cpu"
@@ -524,6 +527,27 @@ class DiLoCoStrategy(Strategy):
         self._write_local(f, self.global_flat[f] + progress)
         self.outer_steps += 1
 
+    # -- settings changed mid-run ----------------------------------------------------------------
+
+    def retune(self, settings: dict[str, Any]) -> None:
+        """Switch to other sync settings (`RETUNABLE`) from the next step on; every rank calls it
+        at the same step with the same settings (`train/replan.py`). The syncs in flight are
+        waited for first (their reductions use the old wire), then land as scheduled; the next
+        sync comes at the next step that the new H schedules. The settings go into checkpoints."""
+        unknown = set(settings) - set(RETUNABLE)
+        if unknown:
+            raise ValueError(f"DiLoCo cannot retune {', '.join(sorted(unknown))} mid-run")
+        self._wait_all()
+        for key, value in settings.items():
+            setattr(self.config, key, value)
+        self.config.validate()
+        self.codec = get_codec(self.config.wire_dtype)
+        overlap = min(self.config.overlap_steps, self.config.sync_every - 1) if self.ctx.is_distributed else 0
+        if overlap > 0 and self.sync_group is None:
+            self.sync_group = self._new_sync_group()  # collective: every rank is here at the same step
+        self.overlap = overlap
+        self.retuned = {k: getattr(self.config, k) for k in RETUNABLE}
+
     # -- what the loop reads --------------------------------------------------------------------
 
     def close(self) -> None:
@@ -570,6 +594,7 @@ class DiLoCoStrategy(Strategy):
             "tokens_since_sync": list(self.tokens_since_sync),
             "outer_steps": self.outer_steps,
             "fragment_syncs": list(self.fragment_syncs),
+            "retuned": dict(self.retuned) if self.retuned else None,  # settings re-planned mid-run
             # Overlapped syncs in flight: the reduced Δ when done, else this rank's Δ_r, which a
             # resumed run reduces again (every rank resumes from the same step: same collectives).
             "in_flight": [
@@ -619,6 +644,8 @@ class DiLoCoStrategy(Strategy):
                 f"checkpoint: DiLoCo fragments {state['fragment_numels']} do not match this model's {numels}; "
                 "resume with the same preset and --fragments as the checkpointed run"
             )
+        if state.get("retuned"):  # re-planned in an earlier session: go on with those settings
+            self.retune({k: v for k, v in state["retuned"].items() if k in RETUNABLE})
         self.global_flat = [g.to("cpu", copy=True) for g in state["global"]]
         self.momentum = [m.to("cpu", copy=True) for m in state["momentum"]]
         self.steps_since_sync = [int(n) for n in state["steps_since_sync"]]

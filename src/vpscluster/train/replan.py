@@ -1,0 +1,57 @@
+"""DiLoCo's sync rule applied again on the step time the run measures.
+
+The launcher plans H, the wire format and the outer optimizer (`plan/sync_rule.py`) on a
+predicted inner step: a step time `vpscluster plan --calibrate` measured and cached, or else the
+probe's FLOP/s times an assumed efficiency, which can be off by 2-3x on a CPU node (bench wan,
+2026-12-04: 5.48 s planned, 2.03 s measured; the rule picked bf16 at H = 10 where the real step
+asked for int8 at H = 20, and utilisation fell to 94%).
+
+So the ranks measure: after the prediction's warm-up and correction window
+(`train/prediction.py`: steps 4-8 of each session) they hold every rank's median compute per
+step, gathered once. The slowest rank's is the real inner step. When it is off the plan's by
+more than `TOLERANCE` (either way), every rank applies the same rule to the same figures
+(`plan_again`, pure) and so switches to the same settings at the same step; only the keys the
+user left open (`ReplanInputs.keys`) change. Within the tolerance the plan stands, so a run
+never flips between two settings on noise.
+
+The switch (`DiLoCoStrategy.retune`) waits for the syncs in flight, then the next outer sync
+comes at the next multiple of the new H. The settings are kept in the strategy's checkpoint,
+so a resumed run starts from them (and measures again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vpscluster.plan import sync_rule
+
+TOLERANCE = 0.25  # the measured step may differ this much (relative) from the plan's before it is re-made
+
+
+def measured_step(summaries: list[dict[str, Any] | None]) -> float | None:
+    """The slowest rank's median compute per step in the correction window (None: none measured)."""
+    times = [s["window"]["compute_median_s"] for s in summaries
+             if s and s.get("window") and s["window"].get("compute_median_s")]
+    return max(times) if times else None
+
+
+def plan_again(inputs, step_s: float, world_size: int, current: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """The rule's settings on the measured step `step_s` and the one-line reason, or None when
+    the plan stands (the step is within TOLERANCE of the plan's, or the rule chooses what runs).
+
+    `inputs`: `train.config.ReplanInputs`; `current`: the strategy's settings now (its
+    sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup). Only `inputs.keys` change."""
+    if not inputs or not inputs.keys or step_s is None or step_s <= 0 or world_size <= 1:
+        return None
+    off = step_s / inputs.step_seconds - 1.0
+    if abs(off) <= TOLERANCE:
+        return None
+    c = sync_rule.choose_sync(inputs.bandwidth_bytes_s, step_s, inputs.num_params, world_size,
+                              latency_s=inputs.latency_s, choices=tuple(inputs.choices), wires=tuple(inputs.wires))
+    new = {k: v for k, v in c.settings().items() if k in inputs.keys and current.get(k) != v}
+    if not new:
+        return None
+    was = f"H={current.get('sync_every')} {current.get('wire_dtype')}"
+    reason = (f"measured {step_s:.2f} s per inner step against {inputs.step_seconds:.2f} s planned "
+              f"({inputs.step_source}, {off:+.0%}): {was} -> {c.reason}")
+    return new, reason
