@@ -84,4 +84,5 @@ def test_train_prints_the_planned_choice_and_its_reason(tmp_path):
                 "--run-dir", str(tmp_path / "run"), timeout=120)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert "strategy diloco: H=" in text and "target" in text
+    # Why: the sync's share of a round against the 5% target, or hidden behind the overlap.
+    assert "strategy diloco: H=" in text and ("target" in text or "hidden behind" in text)

@@ -58,6 +58,16 @@ def test_far_off_the_plan_the_rule_is_applied_to_the_measured_step():
     assert slower["sync_every"] == 10
 
 
+def test_the_overlap_counts_as_the_launcher_planned_it():
+    from vpscluster.train import replan
+
+    # With τ = 1 (the default) the measured 2.03 s hides int8's 1.37-s sync at H = 10: from the
+    # plan's H = 10 bf16 (hidden behind 5.48 s) only the wire changes.
+    new, reason = replan.plan_again(_inputs(), 2.03, 4, {**CURRENT, "wire_dtype": "bf16"}, overlap_steps=1)
+    assert new == {"wire_dtype": "int8"} and "H=10 bf16 -> H=10 int8" in reason and "hidden behind 1" in reason
+    assert replan.plan_again(_inputs(), 2.03, 4, CURRENT, overlap_steps=1) is None  # already what the rule wants
+
+
 def test_only_the_keys_left_open_change():
     from vpscluster.train import replan
 

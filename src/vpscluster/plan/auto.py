@@ -113,12 +113,17 @@ def given_keys(s: "StrategyConfig") -> set[str]:
     return {k for k in sync_rule.KEYS if getattr(s, k) != getattr(d, k)}
 
 
-def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires) -> "sync_rule.SyncChoice":
+def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires,
+                overlap_steps: int | None = None) -> "sync_rule.SyncChoice":
     """The sync rule (`plan/sync_rule.py`) on this plan: the slowest node's step, the ring's
-    bandwidth and latency, the model's size; `choices`/`wires`: the H values and formats allowed."""
+    bandwidth and latency, the model's size; `choices`/`wires`: the H values and formats allowed;
+    `overlap_steps`: τ (None: the strategy's default)."""
+    from vpscluster.train.config import StrategyConfig
+
     step_s, beta, alpha = rule_inputs(model, res, efficiency)
+    tau = StrategyConfig().overlap_steps if overlap_steps is None else overlap_steps
     return sync_rule.choose_sync(beta, step_s, model.num_params(), res.world_size,
-                                 latency_s=alpha, choices=choices, wires=wires)
+                                 latency_s=alpha, choices=choices, wires=wires, overlap_steps=tau)
 
 
 def rule_inputs(model: ModelSpec, res: Resources, efficiency: float) -> tuple[float, float, float]:
@@ -159,7 +164,7 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
         hs = ([h for h in sync_rule.SYNC_EVERY_CHOICES if fits(h)] or [h for h in range(1, limit + 1) if fits(h)]
               or [s.sync_every])
     wires = (s.wire_dtype,) if "wire_dtype" in given else sync_rule.WIRES
-    c = sync_choice(model, res, efficiency, hs, wires)
+    c = sync_choice(model, res, efficiency, hs, wires, s.overlap_steps)
     chosen = {k: v for k, v in c.settings().items() if k in todo}
     kept = sorted(set(sync_rule.KEYS) & set(given))
     reason = c.reason + (f"; as set: {', '.join(kept)}" if kept else "")

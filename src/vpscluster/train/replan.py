@@ -35,19 +35,22 @@ def measured_step(summaries: list[dict[str, Any] | None]) -> float | None:
     return max(times) if times else None
 
 
-def plan_again(inputs, step_s: float, world_size: int, current: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+def plan_again(inputs, step_s: float, world_size: int, current: dict[str, Any],
+               overlap_steps: int = 0) -> tuple[dict[str, Any], str] | None:
     """The rule's settings on the measured step `step_s` and the one-line reason, or None when
     the plan stands (the step is within TOLERANCE of the plan's, or the rule chooses what runs).
 
     `inputs`: `train.config.ReplanInputs`; `current`: the strategy's settings now (its
-    sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup). Only `inputs.keys` change."""
+    sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup); `overlap_steps`: the
+    strategy's τ, as the launcher planned with it. Only `inputs.keys` change."""
     if not inputs or not inputs.keys or step_s is None or step_s <= 0 or world_size <= 1:
         return None
     off = step_s / inputs.step_seconds - 1.0
     if abs(off) <= TOLERANCE:
         return None
     c = sync_rule.choose_sync(inputs.bandwidth_bytes_s, step_s, inputs.num_params, world_size,
-                              latency_s=inputs.latency_s, choices=tuple(inputs.choices), wires=tuple(inputs.wires))
+                              latency_s=inputs.latency_s, choices=tuple(inputs.choices), wires=tuple(inputs.wires),
+                              overlap_steps=overlap_steps)
     new = {k: v for k, v in c.settings().items() if k in inputs.keys and current.get(k) != v}
     if not new:
         return None

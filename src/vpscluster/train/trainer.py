@@ -549,7 +549,7 @@ class Trainer:
         s = self.cfg.strategy
         step_s = replan.measured_step(summaries)
         before = {k: getattr(s, k) for k in RETUNABLE}
-        again = replan.plan_again(s.replan, step_s, self.ctx.world_size, before)
+        again = replan.plan_again(s.replan, step_s, self.ctx.world_size, before, s.overlap_steps)
         if again is None:
             return
         settings, reason = again
