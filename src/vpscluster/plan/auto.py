@@ -164,11 +164,12 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
         hs = ([h for h in sync_rule.SYNC_EVERY_CHOICES if fits(h)] or [h for h in range(1, limit + 1) if fits(h)]
               or [s.sync_every])
     wires = (s.wire_dtype,) if "wire_dtype" in given else sync_rule.WIRES
-    c = sync_choice(model, res, efficiency, hs, wires, s.overlap_steps)
+    step_s, beta, alpha = rule_inputs(model, res, efficiency)
+    c = sync_rule.choose_sync(beta, step_s, model.num_params(), res.world_size, latency_s=alpha, choices=hs,
+                              wires=wires, overlap_steps=s.overlap_steps)
     chosen = {k: v for k, v in c.settings().items() if k in todo}
     kept = sorted(set(sync_rule.KEYS) & set(given))
     reason = c.reason + (f"; as set: {', '.join(kept)}" if kept else "")
-    step_s, beta, alpha = rule_inputs(model, res, efficiency)
     # What the ranks need to apply the rule again on the step time they measure (train/replan.py).
     measured = all(n.step_seconds for n in res.nodes)
     replan = ReplanInputs(step_seconds=step_s, step_source="measured" if measured else "FLOP/s x efficiency",

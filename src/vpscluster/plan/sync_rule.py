@@ -23,8 +23,9 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
 3. Wire: the most precise format for which the smallest H worth running (`H_MIN`) already meets
    rule 2 — fp32 on fast links, then bf16; otherwise int8: on a slow link cutting the bytes 4×
    costs less quality than a 4× larger H (INTELLECT-1 found int8 pseudo-gradients lossless).
-   A smaller H learns more per token: in the sandbox, H = 20 int8 ended 2.7 points further from
-   ideal DDP at equal tokens than H = 10 bf16 (bench wan wanl14 against wanl13, 900 s each).
+   A smaller H learns more per token: in the sandbox, H = 20 int8 ended +12.6% from ideal DDP at
+   equal tokens, against +9.8% for H = 10 bf16 and +8.8% for H = 10 int8 (bench wan wanl14,
+   wanl13, wanl12: 900 s, one run each).
 4. H: the smallest allowed value ≥ H_MIN meeting rule 2 with that wire; when none does, the
    largest allowed (the link is too slow for the target; the reason says so).
 5. Outer optimizer: Nesterov SGD, momentum 0.9, lr `outer_lr_for(H)`: 0.5 for rounds shorter than

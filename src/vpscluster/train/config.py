@@ -35,7 +35,7 @@ class ReplanInputs:
     __pydantic_config__ = PYDANTIC_CONFIG
 
     step_seconds: Float  # the plan's inner step (the slowest rank's compute)
-    step_source: str  # where it came from: "calibrated" (measured step times) or "assumed" (FLOP/s x efficiency)
+    step_source: str  # where it came from: "measured" (plan --calibrate's step times) or "FLOP/s x efficiency"
     bandwidth_bytes_s: Float  # the ring's bottleneck
     latency_s: Float
     num_params: Float

@@ -3,8 +3,8 @@
 The launcher plans H, the wire format and the outer optimizer (`plan/sync_rule.py`) on a
 predicted inner step: a step time `vpscluster plan --calibrate` measured and cached, or else the
 probe's FLOP/s times an assumed efficiency, which can be off by 2-3x on a CPU node (bench wan,
-2026-12-04: 5.48 s planned, 2.03 s measured; the rule picked bf16 at H = 10 where the real step
-asked for int8 at H = 20, and utilisation fell to 94%).
+2026-12-05: 5.48 s planned, 2.03 s measured; the rule picked bf16 at H = 10 where the real step
+asked for int8, and utilisation fell to 94%).
 
 So the ranks measure: after the prediction's warm-up and correction window
 (`train/prediction.py`: steps 4-8 of each session) they hold every rank's median compute per
