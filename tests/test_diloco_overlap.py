@@ -303,31 +303,29 @@ def _budget_rank(rank, world, port, run_dir, tau):
         trainer.close()
 
 
-def _budget_entry(rank, world, port, run_dir, tau, queue):
+def _trainer_entry(fn, rank, world, port, args, queue):
     import traceback
 
     try:
-        queue.put((rank, "ok", _budget_rank(rank, world, port, run_dir, tau)))
+        queue.put((rank, "ok", fn(rank, world, port, *args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-@pytest.mark.slow  # a few seconds on a quiet machine; start-up (spawn, imports, data) dominates
-@pytest.mark.parametrize("tau", [0, 1])
-def test_time_budget_stops_every_rank_at_the_same_sync_point(tmp_path, tau):
+def run_trainer_ranks(fn, world: int, *args) -> list:
+    """Run fn(rank, world, port, *args) in `world` spawned processes that set up torch.distributed
+    themselves (as the Trainer does, from RANK/MASTER_PORT); the results in rank order."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    procs = [ctx.Process(target=_budget_entry, args=(r, 2, port, str(run_dir), tau, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_trainer_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
     try:
-        for _ in range(2):
+        for _ in range(world):
             rank, status, value = queue.get(timeout=300)
             if status != "ok":
                 pytest.fail(f"rank {rank} failed:\n{value}")
@@ -337,6 +335,15 @@ def test_time_budget_stops_every_rank_at_the_same_sync_point(tmp_path, tau):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    return [results[r] for r in range(world)]
+
+
+@pytest.mark.slow  # a few seconds on a quiet machine; start-up (spawn, imports, data) dominates
+@pytest.mark.parametrize("tau", [0, 1])
+def test_time_budget_stops_every_rank_at_the_same_sync_point(tmp_path, tau):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    results = run_trainer_ranks(_budget_rank, 2, str(run_dir), tau)
     report = results[0]["report"]
     stop = results[0]["step"]
     assert report["stopped_by"] == "time_budget"

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from conftest import free_port
+from test_diloco_overlap import run_trainer_ranks
 
 
 def _inputs(**over):
@@ -137,37 +137,8 @@ def _rank(rank, world, port, run_dir, max_steps, resume):
         trainer.close()
 
 
-def _entry(rank, world, port, run_dir, max_steps, resume, queue):
-    import traceback
-
-    try:
-        queue.put((rank, "ok", _rank(rank, world, port, run_dir, max_steps, resume)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-
-
 def _run(run_dir, max_steps, resume):
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, 2, port, str(run_dir), max_steps, resume, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(2):
-            rank, status, value = queue.get(timeout=300)
-            if status != "ok":
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results[0], results[1]
+    return tuple(run_trainer_ranks(_rank, 2, str(run_dir), max_steps, resume))
 
 
 @pytest.mark.slow  # two short runs of 2 ranks; start-up dominates
