@@ -231,6 +231,40 @@ def test_auto_choosing_diloco_uses_the_sync_rule():
     assert strategy.planned_reason == reason
 
 
+def test_an_egress_quota_in_the_cluster_file_bounds_the_plan():
+    from vpscluster.config import build
+    from vpscluster.plan import sync_rule
+    from vpscluster.plan.compute import tokens_per_rank_step
+    from vpscluster.train.config import TrainConfig
+
+    month = 30 * 86400
+    cfg = _diloco_cfg()  # 2,000 steps: far shorter than the month, so the run may send the whole quota
+    model = load_model("small")
+    int8_every_step = sync_rule.sync_bytes(model.num_params(), 4, "int8") * cfg.max_steps  # per rank
+    quota = int8_every_step / 50 * 1.02  # room for H = 50 int8 over the run, not for H = 25
+    free = auto.plan_diloco(cfg, *_inputs(cfg, 1000.0), given=set())
+    model, res, eff = auto.plan_inputs(cfg, cluster_of(quota=(quota, month)), probe_doc(bandwidth_mbit=1000.0))
+    capped = auto.plan_diloco(cfg, model, res, eff.value, given=set())
+    assert (free.sync_every, free.wire_dtype) == (10, "fp32")
+    assert (capped.sync_every, capped.wire_dtype) == (50, "int8") and "egress quota allows" in capped.planned_reason
+    assert capped.outer_lr == sync_rule.outer_lr_for(50)
+    # `plan`'s own check agrees: over the run, H = 50 int8 keeps the quota and H = 25 does not.
+    tokens = cfg.max_steps * tokens_per_rank_step(model) * 4
+    assert not predict(model, res, Settings("diloco", sync_every=50, wire_dtype="int8"), tokens, eff.value).quota_exceeded
+    assert predict(model, res, Settings("diloco", sync_every=25, wire_dtype="int8"), tokens, eff.value).quota_exceeded
+    # The ranks re-plan within the same quota (train/replan.py).
+    r = capped.replan
+    assert r.egress_quotas == [[quota, month]] * 4 and r.run_steps == cfg.max_steps
+    # auto: plain DDP is faster on 10 Gbit/s links but would use up the quota, so DiLoCo runs.
+    auto_cfg = build(TrainConfig, {"preset": "small", "strategy": {"name": "auto"}, "max_steps": 2000,
+                                   "checkpoint_every": 100, "cluster": "c.yaml"})
+    fast = probe_doc(bandwidth_mbit=10000.0)
+    assert auto.choose_for_training(auto_cfg, cluster_of(), fast, given=set())[0].name == "ddp"
+    strategy, reason = auto.choose_for_training(auto_cfg, cluster_of(quota=(quota, month)), fast, given=set())
+    assert (strategy.name, strategy.sync_every, strategy.wire_dtype) == ("diloco", 50, "int8")
+    assert reason.startswith("diloco H=50 int8: plain DDP would use up n0's egress quota after")
+
+
 def _inputs(cfg, mbit):
     model, res, eff = auto.plan_inputs(cfg, cluster_of(), probe_doc(bandwidth_mbit=mbit))
     return model, res, eff.value

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vpscluster.plan.sync_rule import (FRACTION, H_MIN, OVERLAP_HEADROOM, SYNC_EVERY_CHOICES, WIRES, choose_sync,
-                                       outer_lr_for, outer_warmup_for, sync_bytes, sync_seconds)
+from vpscluster.plan.sync_rule import (FRACTION, H_MIN, OVERLAP_HEADROOM, SYNC_EVERY_CHOICES, WIRES, EgressBudget,
+                                       choose_sync, outer_lr_for, outer_warmup_for, sync_bytes, sync_seconds)
 
 MBIT = 1e6 / 8
 LINKS_MBIT = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
@@ -117,3 +117,73 @@ def test_the_sandbox_cases_the_headroom_rests_on():
     assert (c.sync_every, c.wire_dtype, c.hidden) == (10, "int8", True)
     # Without overlap the same step needs H = 20 for int8 to stay under 5%.
     assert choose_sync(bw, 2.07, params, 4, latency_s=0.001).sync_every == 20
+
+
+# -- rule 6: egress quotas ---------------------------------------------------------------------
+
+MONTH = 30 * 86400
+
+
+def _per_step_quota(per_step: float, step_s: float) -> EgressBudget:
+    """A quota that allows `per_step` bytes per rank per inner step over a run longer than its period."""
+    return EgressBudget(((per_step * MONTH / step_s, MONTH),))
+
+
+def test_the_quotas_allowance_is_spread_over_the_run_or_the_period_whichever_is_shorter():
+    q = EgressBudget(((2e12, MONTH), (5e12, MONTH)))  # the tightest node counts
+    assert q.per_step(2.0) == pytest.approx(2e12 * 2.0 / MONTH)  # run length unknown: the whole period
+    short = EgressBudget(((2e12, MONTH),), run_steps=1000)  # a 2,000-s run may send the quota in it
+    assert short.per_step(2.0) == pytest.approx(2e12 / 1000)
+    capped = EgressBudget(((2e12, MONTH),), run_steps=10**9, run_seconds=3600.0)  # a time budget ends it sooner
+    assert capped.per_step(2.0) == pytest.approx(2e12 * 2.0 / 3600)
+
+
+def test_an_egress_quota_compresses_the_wire_first_then_grows_h():
+    # 1 Gbit/s, `small`, 2.07 s steps, τ = 1: every wire hides at H = 10, so the rule sends fp32.
+    params, step_s, bw = 10.7e6, 2.07, 1000 * MBIT
+    free = choose_sync(bw, step_s, params, 4, overlap_steps=1)
+    assert (free.sync_every, free.wire_dtype, free.egress_bound) == (10, "fp32", False)
+    int8_h10 = sync_bytes(params, 4, "int8") / 10  # bytes per rank per inner step
+    cases = [(1000.0, 10, "fp32"), (2.5, 10, "bf16"), (1.5, 10, "int8"), (1.0, 10, "int8"), (0.9, 20, "int8"),
+             (0.45, 25, "int8"), (0.2, 50, "int8"), (0.05, 200, "int8")]
+    for allows, h, wire in cases:
+        c = choose_sync(bw, step_s, params, 4, overlap_steps=1, egress=_per_step_quota(allows * int8_h10, step_s))
+        assert (c.sync_every, c.wire_dtype) == (h, wire), allows
+        assert sync_bytes(params, 4, c.wire_dtype) / c.sync_every <= allows * int8_h10 * (1 + 1e-9)
+        assert c.egress_bound == (allows < 4.0), allows
+        assert c.outer_lr == outer_lr_for(h) and c.outer_warmup == outer_warmup_for(h)
+        if c.egress_bound:
+            assert "egress quota allows" in c.reason and "runs out" not in c.reason
+    # Nothing keeps the quota: the largest H in int8, and the reason says the quota runs out.
+    c = choose_sync(bw, step_s, params, 4, overlap_steps=1, egress=_per_step_quota(1e-4 * int8_h10, step_s))
+    assert (c.sync_every, c.wire_dtype) == (max(SYNC_EVERY_CHOICES), "int8") and "quota runs out" in c.reason
+
+
+def test_the_quota_keeps_what_the_user_fixed_and_a_quota_with_room_changes_nothing():
+    params, step_s, bw = 10.7e6, 2.07, 100 * MBIT
+    base = choose_sync(bw, step_s, params, 4, overlap_steps=1)
+    roomy = choose_sync(bw, step_s, params, 4, overlap_steps=1, egress=_per_step_quota(1e9, step_s))
+    assert roomy == base and choose_sync(bw, step_s, params, 4, overlap_steps=1, egress=EgressBudget(())) == base
+    tight = _per_step_quota(0.1 * sync_bytes(params, 4, "int8") / 10, step_s)
+    fixed_h = choose_sync(bw, step_s, params, 4, overlap_steps=1, choices=(10,), egress=tight)
+    assert fixed_h.sync_every == 10 and fixed_h.wire_dtype == "int8" and "quota runs out" in fixed_h.reason
+    fixed_wire = choose_sync(bw, step_s, params, 4, overlap_steps=1, wires=("bf16",), egress=tight)
+    assert fixed_wire.wire_dtype == "bf16" and fixed_wire.sync_every == 200
+
+
+@pytest.mark.parametrize("params", MODELS)
+@pytest.mark.parametrize("tau", [0, 1])
+@pytest.mark.parametrize("mbit", [20, 100, 1000, 10000])
+def test_a_tighter_quota_never_gives_a_smaller_h_or_more_bytes(params, tau, mbit):
+    # (The wire may widen again: once H must grow, the new H takes the most precise wire that fits.)
+    step_s, world = 0.5, 4
+    prev = choose_sync(mbit * MBIT, step_s, params, world, overlap_steps=tau)
+    full = sync_bytes(params, world, "fp32") / H_MIN
+    for share in (2.0, 1.0, 0.6, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01, 0.001):  # looser to tighter
+        c = choose_sync(mbit * MBIT, step_s, params, world, overlap_steps=tau,
+                        egress=_per_step_quota(share * full, step_s))
+        sent, before = (sync_bytes(params, world, x.wire_dtype) / x.sync_every for x in (c, prev))
+        assert c.sync_every >= prev.sync_every and sent <= before * (1 + 1e-9), (share, c)
+        if c.egress_bound and "runs out" not in c.reason:
+            assert sent <= share * full * (1 + 1e-9)
+        prev = c

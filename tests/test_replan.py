@@ -68,6 +68,25 @@ def test_the_overlap_counts_as_the_launcher_planned_it():
     assert replan.plan_again(_inputs(), 2.03, 4, CURRENT, overlap_steps=1) is None  # already what the rule wants
 
 
+def test_the_egress_quota_holds_on_the_measured_step():
+    from vpscluster.plan import sync_rule
+    from vpscluster.train import replan
+
+    # A run as long as the quota's period sends per second: a step 2.7x faster than planned sends
+    # 2.7x the bytes per day, so the quota that H = 10 int8 kept on the plan's step needs H = 25.
+    month = 30 * 86400
+    per_step = sync_rule.sync_bytes(10844160.0, 4, "int8") / 10
+    quota = 1.2 * per_step * month / 5.48
+    inputs = _inputs(egress_quotas=[[quota, month]] * 4)
+    new, reason = replan.plan_again(inputs, 2.03, 4, CURRENT, overlap_steps=1)
+    assert new["sync_every"] == 25 and "egress quota allows" in reason
+    assert replan.plan_again(_inputs(), 2.03, 4, CURRENT, overlap_steps=1) is None  # without it, H = 10 stays
+    from vpscluster.errors import UserError
+
+    with pytest.raises(UserError, match="egress_quotas"):
+        _inputs(egress_quotas=[[quota]])
+
+
 def test_only_the_keys_left_open_change():
     from vpscluster.train import replan
 

@@ -121,7 +121,7 @@ def make_plan(req: PlanRequest) -> dict:
         tokens = CHINCHILLA_TOKENS_PER_PARAM * model.num_params()
         assumptions.append(f"tokens: {tokens:.3g} ({CHINCHILLA_TOKENS_PER_PARAM} per parameter, compute-optimal); set --tokens")
 
-    rule = _sync_rule(req, model, res, eff.value)
+    rule = _sync_rule(req, model, res, eff.value, tokens)
     base = Settings(compress=req.compress, powersgd_rank=req.powersgd_rank, bucket_mb=req.bucket_mb,
                     sync_every=req.sync_every or (rule.sync_every if rule else _STRATEGY.sync_every),
                     wire_dtype=req.wire_dtype or (rule.wire_dtype if rule else _STRATEGY.wire_dtype),
@@ -132,6 +132,8 @@ def make_plan(req: PlanRequest) -> dict:
     if rule is not None:
         options.append(dataclasses.replace(base, name="diloco", compress="none"))
     auto_pred, auto_reason, _ = auto.choose(model, res, tokens, eff.value, options)
+    if auto_pred.settings.name == "diloco" and rule is not None:  # and why this H and wire, as `train` says it
+        auto_reason = f"{auto_reason}; {rule.reason}"
     if req.strategy == AUTO:
         chosen, reason = auto_pred, auto_reason
     else:
@@ -172,17 +174,20 @@ def make_plan(req: PlanRequest) -> dict:
     return doc
 
 
-def _sync_rule(req: PlanRequest, model, res, efficiency: float):
-    """The sync rule's DiLoCo H and wire for this plan (what `train --strategy diloco` would run);
-    a value the request sets is kept. None with one rank or without a usable link figure."""
+def _sync_rule(req: PlanRequest, model, res, efficiency: float, tokens: float):
+    """The sync rule's DiLoCo H and wire for this plan (what `train --strategy diloco` would run),
+    for a run of `tokens` (the egress quotas' share); a value the request sets is kept. None with
+    one rank or without a usable link figure."""
     from vpscluster.plan import sync_rule
+    from vpscluster.plan.compute import tokens_per_rank_step
 
     if res.world_size <= 1:
         return None
     choices = [req.sync_every] if req.sync_every else [h for h in sync_rule.SYNC_EVERY_CHOICES if h >= req.fragments]
     try:
         return auto.sync_choice(model, res, efficiency, choices or [req.fragments],
-                                (req.wire_dtype,) if req.wire_dtype else sync_rule.WIRES)
+                                (req.wire_dtype,) if req.wire_dtype else sync_rule.WIRES,
+                                run_steps=math.ceil(tokens / (tokens_per_rank_step(model) * res.world_size)))
     except ValueError:  # no bandwidth figure (an unmeasured, unadvertised link)
         return None
 

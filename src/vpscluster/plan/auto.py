@@ -2,7 +2,8 @@
 
 Every candidate (DDP plain / bf16 / PowerSGD; DiLoCo over H and wire precisions) is predicted
 on the same resources. Candidates that do not fit in memory are dropped (unless none fits), so
-are those whose quality risk is high. Among the rest, the one with the least quality risk whose
+are those that would use up a node's egress quota within the run (unless all would) and those
+whose quality risk is high. Among the rest, the one with the least quality risk whose
 time to train is within `TOLERANCE` of the fastest wins: DDP when communication is a small share
 of its step (nothing is gained by leaving it), DiLoCo with the smallest sufficient H when
 communication dominates. The reason is one line with the numbers behind it.
@@ -53,6 +54,7 @@ def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
         chosen = next(p for p in preds if p.settings.name == "ddp" and p.settings.compress == "none")
         return chosen, "one rank: nothing to synchronise, plain training", preds
     pool = [p for p in preds if p.fits] or preds
+    pool = [p for p in pool if not p.quota_exceeded] or pool
     pool = [p for p in pool if p.quality_risk <= MAX_RISK] or pool
     fastest = pool[0]
     near = [p for p in pool if p.time_to_train_seconds <= fastest.time_to_train_seconds * (1 + TOLERANCE)]
@@ -68,6 +70,11 @@ def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
         return (f"ddp: communication is only {share:.0%} of a DDP step "
                 f"({ddp.comm_seconds:.2f} s exposed of {ddp.step_seconds:.2f} s), so nothing is gained by syncing less{mem}")
     speedup = ddp.time_to_train_seconds / chosen.time_to_train_seconds
+    if ddp.quota_exceeded and not chosen.quota_exceeded:
+        first = min(ddp.quota_exceeded, key=lambda n: n.egress_exceeded_after_s)
+        return (f"{chosen.settings.label()}: plain DDP would use up {first.name}'s egress quota after "
+                f"{first.egress_exceeded_after_s / 3600:.1f} h of the run; {chosen.settings.label()} keeps every "
+                f"quota (utilization {chosen.compute_utilization:.0%} vs {ddp.compute_utilization:.0%}){mem}")
     if chosen.settings.name == "ddp":
         return (f"{chosen.settings.label()}: plain DDP waits on the network for {share:.0%} of each step; "
                 f"compression is {speedup:.1f}x faster to the token target at {risk_label(chosen.quality_risk)} quality risk{mem}")
@@ -114,16 +121,26 @@ def given_keys(s: "StrategyConfig") -> set[str]:
 
 
 def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires,
-                overlap_steps: int | None = None) -> "sync_rule.SyncChoice":
+                overlap_steps: int | None = None, run_steps: int = 0) -> "sync_rule.SyncChoice":
     """The sync rule (`plan/sync_rule.py`) on this plan: the slowest node's step, the ring's
-    bandwidth and latency, the model's size; `choices`/`wires`: the H values and formats allowed;
-    `overlap_steps`: τ (None: the strategy's default)."""
+    bandwidth and latency, the model's size, the nodes' egress quotas over `run_steps` inner
+    steps; `choices`/`wires`: the H values and formats allowed; `overlap_steps`: τ (None: the
+    strategy's default)."""
     from vpscluster.train.config import StrategyConfig
 
     step_s, beta, alpha = rule_inputs(model, res, efficiency)
     tau = StrategyConfig().overlap_steps if overlap_steps is None else overlap_steps
     return sync_rule.choose_sync(beta, step_s, model.num_params(), res.world_size,
-                                 latency_s=alpha, choices=choices, wires=wires, overlap_steps=tau)
+                                 latency_s=alpha, choices=choices, wires=wires, overlap_steps=tau,
+                                 egress=egress_budget(res, run_steps))
+
+
+def egress_budget(res: Resources, run_steps: int = 0, run_seconds: float = 0.0) -> "sync_rule.EgressBudget | None":
+    """The nodes' egress quotas as the sync rule takes them (rule 6): each node's quota shared by
+    its ranks; None when no node has one."""
+    quotas = tuple((n.egress_quota_bytes / max(1, n.ranks), n.egress_quota_period_s) for n in res.nodes
+                   if n.egress_quota_bytes and n.egress_quota_period_s)
+    return sync_rule.EgressBudget(quotas, run_steps, run_seconds) if quotas else None
 
 
 def rule_inputs(model: ModelSpec, res: Resources, efficiency: float) -> tuple[float, float, float]:
@@ -165,8 +182,9 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
               or [s.sync_every])
     wires = (s.wire_dtype,) if "wire_dtype" in given else sync_rule.WIRES
     step_s, beta, alpha = rule_inputs(model, res, efficiency)
+    egress = egress_budget(res, cfg.max_steps, cfg.time_budget_s or 0.0)
     c = sync_rule.choose_sync(beta, step_s, model.num_params(), res.world_size, latency_s=alpha, choices=hs,
-                              wires=wires, overlap_steps=s.overlap_steps)
+                              wires=wires, overlap_steps=s.overlap_steps, egress=egress)
     chosen = {k: v for k, v in c.settings().items() if k in todo}
     kept = sorted(set(sync_rule.KEYS) & set(given))
     reason = c.reason + (f"; as set: {', '.join(kept)}" if kept else "")
@@ -174,7 +192,9 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     measured = all(n.step_seconds for n in res.nodes)
     replan = ReplanInputs(step_seconds=step_s, step_source="measured" if measured else "FLOP/s x efficiency",
                           bandwidth_bytes_s=beta, latency_s=alpha, num_params=float(model.num_params()),
-                          choices=list(hs), wires=list(wires), keys=sorted(chosen))
+                          choices=list(hs), wires=list(wires), keys=sorted(chosen),
+                          egress_quotas=[list(q) for q in egress.quotas] if egress else [],
+                          run_steps=cfg.max_steps, run_seconds=cfg.time_budget_s or 0.0)
     return dataclasses.replace(s, name="diloco", compress="none", **chosen, planned=sorted(chosen),
                                planned_reason=reason, replan=replan)
 

@@ -38,6 +38,17 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    the first syncs and the first sync is plain averaging, so a model trained from scratch
    (whose first pseudo-gradients are huge and not in a consistent direction) does not
    overshoot. The warm-up covers about OUTER_WARMUP_STEPS inner steps, at least one sync.
+6. Egress quotas (the cluster file's `egress_quota`, e.g. 20TB/month): the bytes a rank sends
+   per inner step, sync_bytes / H, may not exceed what the tightest node's quota allows
+   (`EgressBudget.per_step`: its share per rank, spread over the run or the quota's period,
+   whichever is shorter, as `plan` checks it). Rules 2-4 choose for learning per token; where
+   that choice would use up a quota, the wire is compressed first (int8 before a larger H, as in
+   rule 3), then H grows: the smallest H, and at it the most precise wire, that keeps every
+   quota. When none does, the largest allowed H in the last wire, and the reason says the
+   quota runs out. A quota is the one signal that trades learning per token for bytes: without
+   one the rule sends what hides behind the overlap (bench wan: H = 10 int8 sent 39x fewer bytes
+   per token than DDP in wanl15; H = 50 int8 sent 176x fewer in wanl10 but took 2.2x the ideal
+   row's time to the baseline's first target).
 
 The step time is the plan's guess until the run measures it: the ranks apply this rule again on
 the slowest rank's measured step after their first steps when it is far off the plan's
@@ -70,6 +81,27 @@ OVERLAP_HEADROOM = 0.8  # an overlapped sync this share of its τ steps long (or
 KEYS = ("sync_every", "wire_dtype", "outer_lr", "outer_momentum", "outer_warmup")
 
 
+@dataclass(frozen=True)
+class EgressBudget:
+    """Rule 6's inputs: every node's egress quota as (bytes each of its ranks may send, the
+    quota's period in seconds), and how long the run is, in inner steps and, when a time budget
+    is set, seconds (0: not known)."""
+
+    quotas: tuple[tuple[float, float], ...]
+    run_steps: int = 0
+    run_seconds: float = 0.0
+
+    def per_step(self, step_seconds: float) -> float:
+        """The most one rank may send per inner step and keep every quota: within one period
+        the run sends for min(run, period) seconds."""
+        run = math.inf
+        if self.run_steps > 0:
+            run = self.run_steps * step_seconds
+        if self.run_seconds > 0:
+            run = min(run, self.run_seconds)
+        return min(b * step_seconds / min(run, period) for b, period in self.quotas)
+
+
 def wire_bytes_per_param(wire: str) -> float:
     return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[wire]
 
@@ -100,6 +132,7 @@ class SyncChoice:
     meets_target: bool  # hidden, or comm_fraction <= FRACTION
     reason: str
     hidden: bool = False  # the sync fits behind the overlap's steps (rule 2)
+    egress_bound: bool = False  # an egress quota moved the wire or H (rule 6)
 
     def settings(self) -> dict:
         """The StrategyConfig keys this rule sets."""
@@ -117,12 +150,14 @@ def outer_warmup_for(sync_every: int) -> int:
 
 def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float, world_size: int,
                 latency_s: float = 0.0, choices: tuple[int, ...] | list[int] = SYNC_EVERY_CHOICES,
-                fraction: float = FRACTION, wires: tuple[str, ...] = WIRES, overlap_steps: int = 0) -> SyncChoice:
+                fraction: float = FRACTION, wires: tuple[str, ...] = WIRES, overlap_steps: int = 0,
+                egress: EgressBudget | None = None) -> SyncChoice:
     """H, wire and outer optimizer for DiLoCo on this plan (see the module's rule).
 
     `choices`: the H values allowed (e.g. those dividing checkpoint_every; one value when the user
     fixed H); `wires`: the formats allowed, most precise first (one when the user fixed it);
-    `overlap_steps`: τ, the steps an outer sync runs behind (0 = blocking; capped at H - 1)."""
+    `overlap_steps`: τ, the steps an outer sync runs behind (0 = blocking; capped at H - 1);
+    `egress`: the nodes' egress quotas (rule 6; None or no quotas: no limit)."""
     if bandwidth_bytes_s <= 0 or step_seconds <= 0 or num_params <= 0:
         raise ValueError("bandwidth, step time and model size must be positive")
     allowed = sorted(h for h in set(choices) if h >= 1) or [H_MIN]
@@ -140,6 +175,15 @@ def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float
 
     wire = next((w for w in wires[:-1] if meets(w, worth[0])), wires[-1])
     h = next((h for h in worth if meets(wire, h)), worth[-1])
+    allowance = egress.per_step(step_seconds) if egress and egress.quotas else None
+
+    def within(wire: str, h: int) -> bool:  # rule 6
+        return allowance is None or sync_bytes(num_params, world_size, wire) / h <= allowance * (1 + 1e-9)
+
+    bound = not within(wire, h)
+    if bound:  # the smallest H, then the most precise wire, at least as far as rules 2-4 went
+        pairs = [(x, w) for x in worth if x >= h for w in wires[wires.index(wire):]]
+        h, wire = next(((x, w) for x, w in pairs if within(w, x)), (worth[-1], wires[-1]))
     t = seconds(wire)
     share = t / (h * step_seconds)
     hid = hidden(wire, h)
@@ -152,8 +196,13 @@ def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float
     tau = min(overlap_steps, h - 1)
     cost = (f"hidden behind {tau} overlapped step{'s' if tau > 1 else ''} of {step_seconds:.2f} s" if hid else
             f"{share:.1%} of {h} steps of {step_seconds:.2f} s ({'within' if ok else 'above'} the {fraction:.0%} target)")
-    reason = (f"H={h} {wire}: a sync of {sync_bytes(num_params, world_size, wire) / 1e6:.1f} MB per rank "
+    sent = sync_bytes(num_params, world_size, wire)
+    if bound:
+        why_wire = (f"the egress quota allows {allowance / 1e6:.3g} MB per rank per inner step and H={h} {wire} "
+                    + (f"sends {sent / h / 1e6:.3g}" if within(wire, h) else
+                       f"still sends {sent / h / 1e6:.3g}: the quota runs out before the run ends"))
+    reason = (f"H={h} {wire}: a sync of {sent / 1e6:.1f} MB per rank "
               f"takes {t:.2f} s at {mbit:.0f} Mbit/s, {cost}; {why_wire}")
     return SyncChoice(sync_every=h, wire_dtype=wire, outer_lr=outer_lr_for(h), outer_momentum=OUTER_MOMENTUM,
                       outer_warmup=outer_warmup_for(h), sync_seconds=t, comm_fraction=share, meets_target=ok,
-                      reason=reason, hidden=hid)
+                      reason=reason, hidden=hid, egress_bound=bound)

@@ -42,12 +42,20 @@ class ReplanInputs:
     choices: list[Int]  # the H values allowed (dividing checkpoint_every, >= 4 outer steps)
     wires: list[WireDtype]  # most precise first
     keys: list[str]  # the rule's keys the user left open (only these may change)
+    # Rule 6: each node's egress quota as [bytes per rank, period seconds], and the run's length
+    # in inner steps and (with a time budget) seconds; 0 = not known.
+    egress_quotas: list[list[Float]] = field(default_factory=list)
+    run_steps: Int = 0
+    run_seconds: Float = 0.0
 
     def __post_init__(self) -> None:
         if self.step_seconds <= 0 or self.bandwidth_bytes_s <= 0 or self.num_params <= 0 or not self.choices \
                 or not self.wires:
             raise UserError("strategy.replan needs a positive step_seconds, bandwidth_bytes_s and num_params, "
                             "and at least one H and wire; leave it to the launcher")
+        if any(len(q) != 2 or min(q) <= 0 for q in self.egress_quotas) or self.run_steps < 0 or self.run_seconds < 0:
+            raise UserError("strategy.replan.egress_quotas needs [bytes per rank, period seconds] pairs, both "
+                            "positive; leave it to the launcher")
 
 
 @dataclass

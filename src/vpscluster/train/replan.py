@@ -50,7 +50,7 @@ def plan_again(inputs, step_s: float, world_size: int, current: dict[str, Any],
         return None
     c = sync_rule.choose_sync(inputs.bandwidth_bytes_s, step_s, inputs.num_params, world_size,
                               latency_s=inputs.latency_s, choices=tuple(inputs.choices), wires=tuple(inputs.wires),
-                              overlap_steps=overlap_steps)
+                              overlap_steps=overlap_steps, egress=egress_of(inputs))
     new = {k: v for k, v in c.settings().items() if k in inputs.keys and current.get(k) != v}
     if not new:
         return None
@@ -58,3 +58,9 @@ def plan_again(inputs, step_s: float, world_size: int, current: dict[str, Any],
     reason = (f"measured {step_s:.2f} s per inner step against {inputs.step_seconds:.2f} s planned "
               f"({inputs.step_source}, {off:+.0%}): {was} -> {c.reason}")
     return new, reason
+
+
+def egress_of(inputs) -> sync_rule.EgressBudget | None:
+    """The launcher's egress quotas and run length, as the rule takes them (None: no quota)."""
+    quotas = tuple((float(b), float(p)) for b, p in inputs.egress_quotas)
+    return sync_rule.EgressBudget(quotas, inputs.run_steps, inputs.run_seconds) if quotas else None
