@@ -75,6 +75,35 @@ def test_train_cluster_completes_and_learns(sandbox3, cli, tmp_path):
     assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
 
 
+def test_diloco_keeps_the_egress_quota_written_in_the_cluster_file(sandbox3, cli, tmp_path):
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.config import build
+    from vpscluster.plan import auto
+    from vpscluster.train.config import TrainConfig
+
+    # 40 steps of `tiny` on 3 ranks at H = 10: 4 syncs of 1.39 MB per rank in int8, 2.8 MB in
+    # bf16, 5.6 MB in fp32: 5.6, 11.1 and 22.3 MB over the run. 8 MB a month fits int8 only.
+    doc = yaml.safe_load(Path(sandbox3.cluster_file).read_text())
+    for node in doc["nodes"]:
+        node["egress_quota"] = "8MB/month"
+    quota_file = tmp_path / "quota.yaml"
+    quota_file.write_text(yaml.safe_dump(doc))
+    cfg = build(TrainConfig, {"preset": "tiny", "strategy": {"name": "diloco"}, "max_steps": 40,
+                              "cluster": str(quota_file)})
+    model, res, eff = auto.plan_inputs(cfg, load_cluster(sandbox3.cluster_file), None)
+    free = auto.plan_diloco(cfg, model, res, eff.value, given=set())
+    assert free.sync_every == 10 and free.wire_dtype in ("fp32", "bf16")  # without the quota
+    r = cli("train", "--cluster", str(quota_file), "--preset", "tiny", "--strategy", "diloco", "--max-steps", "40",
+            "--eval-every", "20", "--run-dir", str(tmp_path / "run"), "--json", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    d = report["strategy_details"]
+    assert (d["sync_every"], d["wire_dtype"], d["outer_syncs"]) == (10, "int8", 4)
+    assert "egress quota allows" in report["strategy_planned"]["reason"]
+    # What each rank sent in its collectives stays within its node's quota.
+    assert len(report["bytes_sent"]) == 3 and all(0 < b <= 8e6 for b in report["bytes_sent"]), report["bytes_sent"]
+
+
 def test_plain_ddp_script_runs_unchanged_with_identical_weights(sandbox3, cli, tmp_path):
     run_dir = tmp_path / "run"
     r = cli("run", "--cluster", sandbox3.cluster_file, "--json", "--run-dir", str(run_dir), "--sync", str(SCRIPTS),
