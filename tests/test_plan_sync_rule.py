@@ -182,6 +182,7 @@ def test_a_tighter_quota_never_gives_a_smaller_h_or_more_bytes(params, tau, mbit
     for share in (2.0, 1.0, 0.6, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01, 0.001):  # looser to tighter
         c = choose_sync(mbit * MBIT, step_s, params, world, overlap_steps=tau,
                         egress=_per_step_quota(share * full, step_s))
+        assert c.meets_target or not prev.meets_target, (share, c)  # the quota never costs rule 2's target
         sent, before = (sync_bytes(params, world, x.wire_dtype) / x.sync_every for x in (c, prev))
         assert c.sync_every >= prev.sync_every and sent <= before * (1 + 1e-9), (share, c)
         if c.egress_bound and "runs out" not in c.reason:

@@ -17,6 +17,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "uneven": ("vpscluster.cli.bench_uneven", "balanced shares vs an even split on uneven (and changing) sandbox CPUs"),
     "exporters": ("vpscluster.cli.bench_exporters", "tokens/s with and without the Prometheus exporters, side by side"),
     "faults": ("vpscluster.cli.bench_faults", "a scripted schedule of faults during a DiLoCo and a DDP run vs fault-free runs"),
+    "overlap": ("vpscluster.cli.bench_overlap", "DiLoCo's overlapped sync against the step: utilisation as the link slows"),
     "torchft": ("vpscluster.cli.bench_torchft", "torchft's per-step quorum on gloo/CPU: a replica killed mid-run, then back"),
 }
 

@@ -44,11 +44,12 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    whichever is shorter, as `plan` checks it). Rules 2-4 choose for learning per token; where
    that choice would use up a quota, the wire is compressed first (int8 before a larger H, as in
    rule 3), then H grows: the smallest H, and at it the most precise wire, that keeps every
-   quota. When none does, the largest allowed H in the last wire, and the reason says the
-   quota runs out. A quota is the one signal that trades learning per token for bytes: without
-   one the rule sends what hides behind the overlap (bench wan: H = 10 int8 sent 39x fewer bytes
-   per token than DDP in wanl15; H = 50 int8 sent 176x fewer in wanl10 but took 2.2x the ideal
-   row's time to the baseline's first target).
+   quota (and rule 2's target, where rules 2-4 met it). When none does, the largest allowed H
+   in the last wire, and the reason says the quota runs out. A quota is the one signal that
+   trades learning per token for bytes: without one the rule sends what hides behind the
+   overlap (bench wan: H = 10 int8 sent 39x fewer bytes per token than DDP in wanl15; H = 50
+   int8 sent 176x fewer in wanl10 but took 2.2x the ideal row's time to the baseline's first
+   target).
 
 The step time is the plan's guess until the run measures it: the ranks apply this rule again on
 the slowest rank's measured step after their first steps when it is far off the plan's
@@ -181,9 +182,10 @@ def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float
         return allowance is None or sync_bytes(num_params, world_size, wire) / h <= allowance * (1 + 1e-9)
 
     bound = not within(wire, h)
-    if bound:  # the smallest H, then the most precise wire, at least as far as rules 2-4 went
+    if bound:  # the smallest H, then the most precise wire, from rules 2-4's choice on; rule 2 kept where it was met
         pairs = [(x, w) for x in worth if x >= h for w in wires[wires.index(wire):]]
-        h, wire = next(((x, w) for x, w in pairs if within(w, x)), (worth[-1], wires[-1]))
+        met = meets(wire, h)
+        h, wire = next(((x, w) for x, w in pairs if within(w, x) and (meets(w, x) or not met)), (worth[-1], wires[-1]))
     t = seconds(wire)
     share = t / (h * step_seconds)
     hid = hidden(wire, h)

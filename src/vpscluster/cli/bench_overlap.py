@@ -1,0 +1,50 @@
+"""`vpscluster bench overlap`: how long an overlapped DiLoCo sync may be before compute waits.
+
+    vpscluster bench overlap [--rows int8@100mbit,int8@80mbit,...] [--sync-every H]
+                             [--overlap-steps TAU] [--budget-s S] [--out DIR] [--json]
+
+The benchmark itself is `vpscluster.bench.overlap.run_overlap`; this module parses and renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vpscluster.cli.bench import settings_arguments, settings_from
+from vpscluster.cli.output import add_json_flag
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from vpscluster.bench.overlap import OverlapSettings
+
+    helps = {
+        "rows": "WIRE@RATE per row: the pseudo-gradients' wire format and every node's link rate",
+        "nodes": "sandbox nodes", "cpu": "CPU share of one core per node", "preset": "model preset",
+        "sync_every": "DiLoCo H", "overlap_steps": "τ: inner steps an outer sync runs behind",
+        "budget_s": "training seconds per row", "name": "sandbox name",
+        "out": "results folder (default bench/results/overlap-<UTC time>)",
+    }
+    settings_arguments(p, OverlapSettings, helps)
+    add_json_flag(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from vpscluster.bench.overlap import COLUMNS, OverlapSettings, cell, run_overlap
+    from vpscluster.cli.output import console, emit_json
+
+    con = console(args.json)
+    doc = run_overlap(settings_from(args, OverlapSettings), say=lambda line: con.print(Text(line), soft_wrap=True))
+    if args.json:
+        emit_json(doc)
+    else:
+        t = Table(title=f"bench overlap: the sync rule counts a sync hidden up to {doc['headroom']:.0%} of τ steps")
+        for _, header, _ in COLUMNS:
+            t.add_column(header, justify="left" if header == "row" else "right")
+        for r in doc["rows"]:
+            t.add_row(*(cell(r, k, f) for k, _, f in COLUMNS))
+        con.print(t)
+        con.print(f"results: {doc['results_dir']}")
+    return 1 if any(r.get("failed") for r in doc["rows"]) else 0
