@@ -93,7 +93,7 @@ def run_overlap(settings: OverlapSettings, say: Callable[[str], None] = lambda l
             name = f"{wire}-{rate}"
             mbit = parse_rate_mbit(rate, "--rows")
             for node in info.nodes:
-                sandbox.set_rate(s.name, node.name, mbit)
+                sandbox.set_rate(s.name, node.name, rate)
             say(f"{name}: training ({s.budget_s:g} s budget; log {out / name}.log)")
             flags = ["--strategy", "diloco", "--sync-every", "{H}", "--wire-dtype", wire,
                      "--overlap-steps", str(s.overlap_steps)]
