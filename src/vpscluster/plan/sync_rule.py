@@ -14,12 +14,13 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    That keeps compute utilization ≥ ~95% without overlap. With τ steps of overlap (the default
    τ = 1: the sync runs in the background and lands τ steps late) a sync that fits in
    `OVERLAP_HEADROOM` (80%) of τ steps is hidden and costs nothing: sync ≤ 0.8 · τ · step meets
-   the target at any H. Measured in the sandbox (bench wan, 0.45-core nodes, 2.03-s steps, τ = 1):
-   int8's 1.37-s sync (0.67 of a step) at H = 10 left 99% utilisation; bf16's 2.72-s sync (1.34
-   steps) at H = 10 left 94%, worse than the 2.5% exposure a partial overlap predicts (the
-   sync's own CPU work shares the node's quota), so a sync longer than the headroom counts
-   whole, as without overlap. The 80% lies between the two measured cases; it is not measured
-   itself.
+   the target at any H. Measured (`vpscluster bench overlap`, BENCHMARKS.md: the reference
+   nodes, H = 10, τ = 1, the link slowed row by row; two runs): with the sync at its link rate
+   0.62-0.64 of a step utilisation was 98.1-98.4%, at 0.77-0.82 97.6%, at 0.91-0.96 96.1-96.6%,
+   at 1.06-1.13 92.9-93.3%, at 1.20-1.29 (bf16) 93.2-93.9%. So 95% holds to about one step; past
+   it the loss is worse than the exposed remainder predicts (the sync's own CPU work shares the
+   node's quota: its thread was busy ~1.35x the link-rate time), and a longer sync counts whole,
+   as without overlap. 0.8 keeps ~97.5%, with room for a step or link figure that is off.
 3. Wire: the most precise format for which the smallest H worth running (`H_MIN`) already meets
    rule 2 — fp32 on fast links, then bf16; otherwise int8: on a slow link cutting the bytes 4×
    costs less quality than a 4× larger H (INTELLECT-1 found int8 pseudo-gradients lossless).
