@@ -43,8 +43,8 @@ The rule (DiLoCo, Douillard et al. 2023; int8 pseudo-gradients as in INTELLECT-1
    per inner step, sync_bytes / H, may not exceed what the tightest node's quota allows
    (`EgressBudget.per_step`: its share per rank, spread over the run or the quota's period,
    whichever is shorter, as `plan` checks it). Rules 2-4 choose for learning per token; where
-   that choice would use up a quota, the wire is compressed first (int8 before a larger H, as in
-   rule 3), then H grows: the smallest H, and at it the most precise wire, that keeps every
+   that choice would use up a quota, the wire is compressed first (bf16, int8: before a larger
+   H, as in rule 3), then H grows: the smallest H, and at it the most precise wire, that keeps every
    quota (and rule 2's target, where rules 2-4 met it). When none does, the largest allowed H
    in the last wire, and the reason says the quota runs out. A quota is the one signal that
    trades learning per token for bytes: without one the rule sends what hides behind the

@@ -293,6 +293,7 @@ def set_link(name: str, node: str, up: bool) -> None:
 
 def set_rate(name: str, node: str, bandwidth: str | float) -> float:
     """Change a node's shaped rate while it runs (a link that degrades); returns the new Mbit/s.
+    `bandwidth`: a rate as tc writes it (`20mbit`), or a number of bits per second.
 
     The cluster file keeps its advertised_bandwidth: as with a real provider, what a node is
     advertised at and what it delivers can differ, and the probe is there to notice.
