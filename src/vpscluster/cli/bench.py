@@ -43,3 +43,17 @@ def settings_arguments(p: argparse.ArgumentParser, settings_cls: type, helps: di
 def settings_from(args: argparse.Namespace, settings_cls: type) -> Any:
     """The scenario's settings dataclass, filled from the parsed flags of the same names."""
     return settings_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_cls)})
+
+
+def rich_table(title: str, rows: list[dict[str, Any]], columns, cell_fn, left: tuple[str, ...] = ()) -> Any:
+    """A benchmark's rows as a rich Table: `columns` are (key, header, format) triples (as for
+    `bench.table.markdown`), `cell_fn(row, key, fmt)` formats one value; headers in `left` are
+    left-aligned, the others (figures) right-aligned."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for _, header, _ in columns:
+        t.add_column(header, justify="left" if header in left else "right")
+    for r in rows:
+        t.add_row(*(cell_fn(r, k, f) for k, _, f in columns))
+    return t

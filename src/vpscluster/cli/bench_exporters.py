@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from vpscluster.cli.bench import settings_arguments, settings_from
+from vpscluster.cli.bench import rich_table, settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -27,7 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
     from rich.text import Text
 
     from vpscluster.bench.exporters import COLUMNS, ExporterSettings, run_exporters
@@ -40,12 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(doc)
     else:
-        t = Table(title="bench exporters: the same run with and without exporters")
-        for _, header, _ in COLUMNS:
-            t.add_column(header, justify="left" if header in ("run", "exporters") else "right")
-        for r in doc["rows"]:
-            t.add_row(*(cell(r, k, f, name_key="run") for k, _, f in COLUMNS))
-        con.print(t)
+        con.print(rich_table("bench exporters: the same run with and without exporters", doc["rows"], COLUMNS,
+                             lambda r, k, f: cell(r, k, f, name_key="run"), left=("run", "exporters")))
         sm = doc["summary"]
         if "cost_pct" in sm:
             con.print(f"exporters cost {sm['cost_pct']:+.2f}% of tokens/s (spread {sm['spread_on_pct']:.1f}% with, "

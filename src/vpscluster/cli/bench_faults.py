@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from vpscluster.cli.bench import settings_arguments, settings_from
+from vpscluster.cli.bench import rich_table, settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -33,7 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
     from rich.text import Text
 
     from vpscluster.bench.faults import FAULT_COLUMNS, RUN_COLUMNS, FaultSettings, cell, run_faults
@@ -49,11 +48,6 @@ def run(args: argparse.Namespace) -> int:
         for title, columns, rows in (("bench faults: each fault", FAULT_COLUMNS, [r for r in doc["rows"] if "fault" in r]),
                                      ("bench faults: each run against its fault-free twin", RUN_COLUMNS,
                                       [r for r in doc["rows"] if "fault" not in r])):
-            t = Table(title=title)
-            for _, header, _ in columns:
-                t.add_column(header, justify="left" if header in ("run", "fault", "node") else "right")
-            for r in rows:
-                t.add_row(*(cell(r, k, f) for k, _, f in columns))
-            con.print(t)
+            con.print(rich_table(title, rows, columns, cell, left=("run", "fault", "node")))
         con.print(f"results: {doc['results_dir']}")
     return 1 if bad else 0

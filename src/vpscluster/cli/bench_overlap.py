@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from vpscluster.cli.bench import settings_arguments, settings_from
+from vpscluster.cli.bench import rich_table, settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -29,7 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
     from rich.text import Text
 
     from vpscluster.bench.overlap import COLUMNS, OverlapSettings, cell, run_overlap
@@ -40,11 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(doc)
     else:
-        t = Table(title=f"bench overlap: the sync rule counts a sync hidden up to {doc['headroom']:.0%} of τ steps")
-        for _, header, _ in COLUMNS:
-            t.add_column(header, justify="left" if header == "row" else "right")
-        for r in doc["rows"]:
-            t.add_row(*(cell(r, k, f) for k, _, f in COLUMNS))
-        con.print(t)
+        con.print(rich_table(f"bench overlap: the sync rule counts a sync hidden up to {doc['headroom']:.0%} of τ steps",
+                             doc["rows"], COLUMNS, cell, left=("row",)))
         con.print(f"results: {doc['results_dir']}")
     return 1 if any(r.get("failed") for r in doc["rows"]) else 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from vpscluster.cli.bench import settings_arguments, settings_from
+from vpscluster.cli.bench import rich_table, settings_arguments, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -32,7 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
     from rich.text import Text
 
     from vpscluster.bench.uneven import COLUMNS, UnevenSettings, cell, run_uneven
@@ -45,11 +44,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(doc)
     else:
-        t = Table(title="bench uneven: same wall-clock budget per run")
-        for _, header, _ in COLUMNS:
-            t.add_column(header, justify="left" if header == "run" else "right")
-        for r in doc["rows"]:
-            t.add_row(*(cell(r, k, f) for k, _, f in COLUMNS))
-        con.print(t)
+        con.print(rich_table("bench uneven: same wall-clock budget per run", doc["rows"], COLUMNS, cell, left=("run",)))
         con.print(f"results: {doc['results_dir']}")
     return 1 if failed else 0

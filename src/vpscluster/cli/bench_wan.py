@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from vpscluster.cli.bench import settings_from
+from vpscluster.cli.bench import rich_table, settings_from
 from vpscluster.cli.output import add_json_flag
 
 
@@ -79,30 +79,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_table(con, rows) -> None:
-    from rich.table import Table
-
     from vpscluster.bench.wan import COLUMNS, cell
 
-    t = Table(title="bench wan: same wall-clock budget per strategy")
-    for _, header, _ in COLUMNS:
-        t.add_column(header, justify="left" if header == "strategy" else "right")
-    for r in rows:
-        t.add_row(*(cell(r, k, f) for k, _, f in COLUMNS))
-    con.print(t)
+    con.print(rich_table("bench wan: same wall-clock budget per strategy", rows, COLUMNS, cell, left=("strategy",)))
 
 
 def print_target_table(con, levels, rows) -> None:
-    from rich.table import Table
     from rich.text import Text
 
     from vpscluster.bench.wan import FIGURE_COLUMNS, cell, target_columns, target_legend
 
     for title, columns in (("bench wan: figures against the ideal row", FIGURE_COLUMNS),
                            ("bench wan: time to target, s (÷ base / × ideal)", target_columns(levels))):
-        t = Table(title=title)
-        for _, header, _ in columns:
-            t.add_column(header, justify="left" if header in ("strategy", "ran as") else "right")
-        for r in rows:
-            t.add_row(*(cell(r, k, f) for k, _, f in columns))
-        con.print(t)
+        con.print(rich_table(title, rows, columns, cell, left=("strategy", "ran as")))
     con.print(Text(target_legend(levels)), soft_wrap=True)
