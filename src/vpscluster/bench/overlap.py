@@ -14,18 +14,21 @@ latency), the measured compute per inner step, their ratio (what the rule compar
 headroom), the sync thread's measured busy time per sync, and compute utilisation
 (compute / (compute + communication) per rank; also of wall time, start-up included).
 Results: `out` (default bench/results/overlap-<time>/): results.json, table.md, each row's files.
+`benchmarks_block(doc, command)` is the overlap block of BENCHMARKS.md (its front table and the
+rows), which `vpscluster bench overlap --update-benchmarks` writes between the page's markers.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from vpscluster.bench import table
+from vpscluster.bench import page, table
 from vpscluster.bench.wan import BIG_STEPS, WanSettings, _machine, _run_train
 from vpscluster.plan import sync_rule
 
@@ -36,6 +39,8 @@ COLUMNS: table.Columns = [
     ("hidden", "rule: hidden", "{}"), ("busy_s", "busy s/sync", "{:.2f}"), ("steps", "steps", "{}"),
     ("tokens_per_s", "tok/s", "{:.0f}"), ("util", "util", "{:.1%}"), ("util_wall", "util of wall", "{:.1%}"),
 ]
+# Issue 16's compute-utilisation target, which a sync within the rule's headroom must keep.
+UTIL_TARGET = 0.95
 
 
 @dataclass
@@ -85,6 +90,7 @@ def run_overlap(settings: OverlapSettings, say: Callable[[str], None] = lambda l
                       diloco_eval_every=BIG_STEPS, strategies="baseline").resolved()
     out = Path(s.out or Path("bench") / "results" / time.strftime("overlap-%Y%m%d-%H%M%S", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    started, load_start = time.time(), os.getloadavg()[0]
     say(f"sandbox {s.name}: {s.nodes} nodes, CPU {s.cpu} each; DiLoCo H={s.sync_every}, τ={s.overlap_steps}")
     info = sandbox.up(s.name, nodes=s.nodes, bandwidth=rows[0][1], cpu=s.cpu, progress=lambda m: say(f"  {m}"))
     results: list[dict[str, Any]] = []
@@ -125,7 +131,9 @@ def run_overlap(settings: OverlapSettings, say: Callable[[str], None] = lambda l
     doc = {
         "command": "vpscluster bench overlap " + " ".join(f"--{k.replace('_', '-')} {getattr(s, k)}" for k in (
             "rows", "nodes", "cpu", "preset", "sync_every", "overlap_steps", "budget_s")),
-        "headroom": sync_rule.OVERLAP_HEADROOM, "machine": _machine(), "rows": results, "results_dir": str(out),
+        "headroom": sync_rule.OVERLAP_HEADROOM, "machine": {**_machine(), "os": page.os_name()}, "rows": results,
+        "results_dir": str(out), "started": started, "ended": time.time(),
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     (out / "table.md").write_text(markdown_table(results) + "\n")
@@ -138,3 +146,36 @@ def cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     return table.markdown(rows, COLUMNS, cell)
+
+
+def front_row(doc: dict[str, Any], command: str) -> tuple[str, ...]:
+    """The overlap row of BENCHMARKS.md's front table: utilisation per sync length, and whether
+    every row the rule counts as hidden kept `UTIL_TARGET`."""
+    headroom = doc.get("headroom", sync_rule.OVERLAP_HEADROOM)
+    rows = doc["rows"]
+    ok = [r for r in rows if not r.get("failed")]
+    result = "; ".join(f"{r['row']} failed" if r.get("failed") else f"{r['row']} {r['util']:.1%} at {r['ratio']:.2f}"
+                       for r in rows)
+    result = "utilisation (at the sync's length ÷ τ steps): " + (result or "no rows")
+    within = [r for r in ok if r["ratio"] <= headroom]
+    low = [r for r in within if r["util"] < UTIL_TARGET]
+    if not ok:
+        met = "—: no row finished"
+    elif not within:
+        met = f"—: no row's sync within the {headroom:.0%} headroom"
+    elif low:
+        met = "**missed**: " + ", ".join(f"{r['row']} ({r['ratio']:.2f} of a step) gave {r['util']:.1%}" for r in low)
+    else:
+        met = f"**met**: every row within the {headroom:.0%} headroom kept ≥ {UTIL_TARGET:.0%}"
+    if ok and len(ok) < len(rows):
+        met += f" ({len(rows) - len(ok)} row(s) failed)"
+    target = (f"none of its own: at the rule's {headroom:.0%} headroom, utilisation ≥ {UTIL_TARGET:.0%} "
+              "(issue 16's target)")
+    load = doc.get("load_average") or {}
+    machine = page.machine_line(doc.get("machine") or {}, (load["start"], load["end"]) if load else None)
+    return (target, result, met, page.utc_span(doc["started"], doc["ended"]), f"`{command}`", machine)
+
+
+def benchmarks_block(doc: dict[str, Any], command: str) -> str:
+    """What `--update-benchmarks` writes between BENCHMARKS.md's overlap markers."""
+    return page.table([front_row(doc, command)]) + "\n\n" + markdown_table(doc["rows"])
