@@ -78,7 +78,8 @@ class LocalFiles:
 
     def summary(self, label: str) -> str:
         """One line: what goes to the nodes, what was left out and why."""
-        line = f"{label} {self.root}: {len(self.manifest)} files ({_size(self.size_bytes)}) to the nodes"
+        n = len(self.manifest)
+        line = f"{label} {self.root}: {n} file{'' if n == 1 else 's'} ({_size(self.size_bytes)}) to the nodes"
         if self.secrets:
             line += f"; left out as possible secrets: {_some(self.secrets)}"
         if self.skipped:
