@@ -123,11 +123,15 @@ class OutputLock:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(self._fd)
             raise UserError(f"--output {folder}: another batch job ({holder}) is writing there; wait for it "
                             "to end, or choose another --output folder") from None
+        except OSError as e:  # a file system without locks (some network mounts)
+            os.close(self._fd)
+            raise UserError(f"--output {folder}: cannot lock it ({e.strerror or e}); choose an --output folder "
+                            "on a local disk") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
