@@ -255,7 +255,13 @@ def test_a_second_job_on_the_same_output_is_refused_while_the_first_writes(cli, 
         (tmp_path / "gate").touch()
         out_first, err_first = first.communicate(timeout=120)
     finally:
-        first.kill()
+        (tmp_path / "gate").touch()
+        if first.poll() is None:  # a failed assertion above: stop it as a user would, so it tears down
+            first.send_signal(signal.SIGINT)
+            try:
+                first.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                first.kill()
     lines = second.stderr.strip().splitlines()
     assert second.returncode != 0 and len(lines) == 1, second.stderr
     assert f"another batch job (pid {first.pid} on" in lines[0] and "--output" in lines[0], lines[0]
