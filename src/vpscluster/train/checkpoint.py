@@ -43,6 +43,7 @@ one every node happens to hold.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -117,8 +118,11 @@ def load_shard(data: bytes | Path, where: str | Path) -> dict[str, Any]:
     import torch
 
     source = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; 2.4: process-wide
+    if scoped is None:
+        torch.serialization.add_safe_globals(_safe_globals())
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        with scoped(_safe_globals()) if scoped is not None else contextlib.nullcontext():
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         import re
