@@ -67,6 +67,17 @@ FNS = textwrap.dedent('''
         time.sleep(0.3)
         return score(rows)
 
+    def gated(rows):
+        # Every partition but the first waits (up to 60 s) until the test opens the gate.
+        if rows[0]["id"] != 0:
+            deadline = time.time() + 60
+            while not os.path.exists(os.path.join(os.environ["FLAKY_DIR"], "gate")) and time.time() < deadline:
+                time.sleep(0.05)
+        return score(rows)
+
+    def with_token(rows, token):
+        return [{"id": r["id"], "token_ok": token == "s3cret-Value"} for r in rows]
+
     def hang(rows):
         # The partition holding id 12 hangs: only its first attempt (HANG_ONCE set), or every one.
         if any(r["id"] == 12 for r in rows):
@@ -219,6 +230,74 @@ def test_interrupted_job_rerun_skips_finished_partitions(cli, code, tmp_path):
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert digest(outputs(out)) == digest(serial(code, "score", rows))
     assert len(list(out.glob("part-*"))) == 20
+    # The manifest lists every partition of the output, the earlier run's too (its records).
+    listed = json.loads((out / "_manifest.json").read_text())["partitions_list"]
+    assert [p["index"] for p in listed] == list(range(20))
+    assert {p["file"] for p in listed if p.get("resumed")} == set(first)
+    assert all(p["node"] and p["rows_out"] == 10 for p in listed)
+
+
+def test_a_second_job_on_the_same_output_is_refused_while_the_first_writes(cli, code, tmp_path):
+    """Two jobs on one --output: the second is refused in one line (naming the first), so it
+    cannot delete the first's temporary files; the first finishes every partition."""
+    data = make_input(tmp_path / "in.jsonl", 60)
+    out = tmp_path / "out"
+    argv = ["batch", "--fn", "batchfns:gated", "--input", str(data), "--output", str(out), "--partition-rows", "10",
+            "--code", str(code), "--workers-per-node", "2", "--json"]
+    env = {**os.environ, "FLAKY_DIR": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-m", "vpscluster", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (out / "part-00000.jsonl").exists() and first.poll() is None:
+            time.sleep(0.05)
+        second = cli(*argv, timeout=60, env={"FLAKY_DIR": str(tmp_path)})  # the first waits at the gate meanwhile
+        (tmp_path / "gate").touch()
+        out_first, err_first = first.communicate(timeout=120)
+    finally:
+        (tmp_path / "gate").touch()
+        if first.poll() is None:  # a failed assertion above: stop it as a user would, so it tears down
+            first.send_signal(signal.SIGINT)
+            try:
+                first.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                first.kill()
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode != 0 and len(lines) == 1, second.stderr
+    assert f"another batch job (pid {first.pid} on" in lines[0] and "--output" in lines[0], lines[0]
+    assert first.returncode == 0, err_first
+    assert json.loads(out_first)["partitions_done"] == 6
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert digest(outputs(out)) == digest(serial(code, "score", rows))
+    assert not list(out.glob(".part-*.tmp"))
+
+
+def test_param_values_are_not_written_to_the_output_folder(code, tmp_path):
+    """`--param` values reach the function but land in `_job.json` / `_manifest.json` only as
+    digests (a value may be a token); the same value resumes, another is another job; an output
+    folder an earlier version wrote (values verbatim) still resumes, and loses the value."""
+    data = make_input(tmp_path / "in.jsonl", 20)
+    out = tmp_path / "out"
+
+    def job(token):
+        return run_batch(BatchSpec(fn="batchfns:with_token", input=str(data), output=str(out), partition_rows=10,
+                                   code_dir=str(code), params={"token": token}), local_cluster())
+
+    r = job("s3cret-Value")
+    assert r.ok, r.error
+    assert [row["token_ok"] for row in outputs(out)] == [True] * 20
+    on_disk = "".join(p.read_text() for p in out.iterdir() if p.is_file())
+    assert "s3cret-Value" not in on_disk
+    record = json.loads((out / "_job.json").read_text())
+    assert record["params"]["token"].startswith("sha256:")
+    assert json.loads((out / "_manifest.json").read_text())["job"] == record
+
+    assert job("s3cret-Value").partitions_resumed == 2  # the same job: nothing recomputed
+    with pytest.raises(Exception, match="holds the results of another job"):
+        job("another-value")
+    (out / "_job.json").write_text(json.dumps({**record, "params": {"token": "s3cret-Value"}}))  # as written before
+    assert job("s3cret-Value").partitions_resumed == 2
+    assert "s3cret-Value" not in (out / "_job.json").read_text() + (out / "_manifest.json").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

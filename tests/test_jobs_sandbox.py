@@ -99,9 +99,13 @@ def batch_argv(info, code, data, out, *extra):
 def test_outputs_equal_serial_on_three_nodes(sb, cli, code, tmp_path):
     rows = make_input(tmp_path / "in.jsonl", 300)
     out = tmp_path / "out"
+    (code / ".env").write_text("API_TOKEN=s3cret\n")  # beside the module: never sent, and said so
+    (code / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
     r = cli("batch", "--cluster", sb.cluster_file, "--fn", "batchfns:score", "--input", str(tmp_path / "in.jsonl"),
             "--output", str(out), "--code", str(code), "--partition-rows", "10", "--json", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    said = " ".join(r.stderr.split())  # the console wraps long lines
+    assert f"sync code: {code}: 1 file (" in said and "left out as possible secrets: .env, id_ed25519" in said, said
     doc = json.loads(r.stdout)
     assert doc["partitions_done"] == 30 and doc["rows_out"] == 300
     assert set(doc["nodes"]) == {"node-1", "node-2", "node-3"}

@@ -239,3 +239,32 @@ def test_train_from_copied_code_and_data_when_nothing_is_shared(sandbox3, tmp_pa
         # The workers imported the copy (Python cached its bytecode there), not the launcher's tree.
         assert list(Path(n.workdir, "code", "src", "vpscluster", "train", "__pycache__").glob("worker.*.pyc"))
     assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
+
+
+def test_run_ships_the_script_but_not_the_secrets_beside_it(sandbox3, tmp_path):
+    """`vpscluster run` from a folder holding an SSH key, an env file, a .ssh/ and a PEM key beside
+    the script, nothing shared (as on real VPS nodes): the script reaches every node and runs,
+    none of the secrets does, and one line says what was left out."""
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.launch.pipeline import launch
+    from vpscluster.launch.run import script_job
+
+    proj = tmp_path / f"proj-{tmp_path.name}"
+    (proj / ".ssh").mkdir(parents=True)
+    (proj / ".ssh" / "config").write_text("Host *\n")
+    (proj / "show.py").write_text("import os\nprint('FILES', sorted(os.listdir('.')), flush=True)\n")
+    for name, text in (("id_ed25519", "-----BEGIN OPENSSH PRIVATE KEY-----"), (".env", "TOKEN=s3cret"),
+                       ("key.pem", "-----BEGIN PRIVATE KEY-----")):
+        (proj / name).write_text(text + "\n")
+    lines = []
+    job = script_job(load_cluster(sandbox3.cluster_file), ["python", "show.py"], sync=str(proj),
+                     run_dir=str(tmp_path / "run"), say=lines.append)
+    job.detect_shared = False
+    result = launch(job)
+    assert result.ok, (result.error, lines[-20:])
+    said = [line for line in lines if line.startswith(f"sync code: {proj}: ")]
+    assert len(said) == 1 and said[0].startswith(f"sync code: {proj}: 1 file (") and \
+        said[0].endswith("left out as possible secrets: .env, .ssh/, id_ed25519, key.pem"), lines
+    for n, outcome in zip(sandbox3.nodes, result.nodes):
+        assert sorted(os.listdir(Path(n.workdir, "code", proj.name))) == ["show.py"]
+        assert "FILES ['show.py']" in Path(outcome.log).read_text()

@@ -104,3 +104,36 @@ def test_symlinked_files_travel_as_their_content(tmp_path):
     r = asyncio.run(sync_dir(executor(), str(src), str(dest), detect_shared=False))
     assert r.changed == 1
     assert not (dest / "link.txt").is_symlink() and (dest / "link.txt").read_text() == "real content"
+
+
+def secrets_beside_a_script(root):
+    """A project folder as users have them: the script, and keys and env files beside it."""
+    root.mkdir(parents=True)
+    (root / "train.py").write_text("print('hi')\n")
+    (root / "id_map.py").write_text("IDS = {}\n")  # code named id_*: shipped
+    (root / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (root / "id_ed25519.pub").write_text("ssh-ed25519 AAAA\n")
+    (root / ".env").write_text("API_TOKEN=s3cret\n")
+    (root / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\n")
+    (root / ".ssh").mkdir()
+    (root / ".ssh" / "config").write_text("Host *\n")
+    (root / "conf").mkdir()
+    (root / "conf" / "tls.key").write_text("k")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref")
+    return root
+
+
+def test_secrets_beside_the_script_never_reach_the_node_and_the_line_says_so(tmp_path):
+    from vpscluster.launch.sync import scan
+
+    src = secrets_beside_a_script(tmp_path / "proj")
+    dest = tmp_path / "node" / "code" / "proj"
+    files = scan(str(src))
+    r = asyncio.run(sync_dir(executor(), str(src), str(dest), detect_shared=False))
+    assert (r.shared, r.files) == (False, 2)
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*")) == ["id_map.py", "train.py"]
+    line = files.summary("sync code:")
+    assert line.splitlines() == [line] and line.startswith(f"sync code: {src}: 2 files (")
+    assert "left out as possible secrets: .env, .ssh/, conf/tls.key, id_ed25519, id_ed25519.pub, key.pem" in line
+    assert "left out as caches, version control or runs: .git/" in line

@@ -113,18 +113,42 @@ def test_tree_hash_and_unpack_round_trip(tmp_path):
     assert doc[str(src)] == doc[str(dest)] == local_manifest(str(src))
 
 
-def test_unpack_refuses_a_path_outside_the_destination(tmp_path):
+def _escaping_archive(path: Path) -> Path:
     import io
 
-    archive = tmp_path / "evil.tar"
-    with tarfile.open(archive, "w") as t:
+    with tarfile.open(path, "w") as t:
+        info = tarfile.TarInfo("ok.txt")  # a good member first: it must not be written either
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"ok"))
         info = tarfile.TarInfo("../escaped.txt")
         info.size = 3
         t.addfile(info, io.BytesIO(b"bad"))
-    if not hasattr(tarfile, "data_filter"):
-        pytest.skip("this Python's tarfile has no data filter")
+    return path
+
+
+def test_unpack_refuses_a_path_outside_the_destination_in_one_line(tmp_path):
+    archive = _escaping_archive(tmp_path / "evil.tar")
     out = run("unpack", str(archive), str(tmp_path / "dest"))
-    assert out.returncode != 0 and not (tmp_path / "escaped.txt").exists()
+    assert out.returncode == 1 and not (tmp_path / "escaped.txt").exists()
+    assert not (tmp_path / "dest" / "ok.txt").exists()  # refused whole, before the first member
+    assert len(out.stderr.strip().splitlines()) == 1 and "'../escaped.txt' refused" in out.stderr, out.stderr
+
+
+def test_unpack_refuses_on_a_python_without_the_data_filter(tmp_path):
+    """A node whose Python's tarfile predates the "data" filter: simulated by that very thing
+    (a sitecustomize removes `tarfile.data_filter` before the program runs), not by touching unpack."""
+    site = tmp_path / "oldpython"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import tarfile\ndel tarfile.data_filter\n")
+    archive = _escaping_archive(tmp_path / "evil.tar")
+    cmd = nodeside.command(sys.executable, "unpack", str(archive), str(tmp_path / "dest"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"})
+    assert out.returncode == 1 and not (tmp_path / "escaped.txt").exists() and not (tmp_path / "dest").exists()
+    line = out.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    version = ".".join(map(str, sys.version_info[:3]))
+    assert f"Python {version} cannot unpack safely" in line and "3.11.4" in line, line
 
 
 def _sleeper(env_extra: dict) -> subprocess.Popen:

@@ -187,3 +187,46 @@ def test_a_rank_without_the_step_receives_it_from_a_holder(tmp_path):
     assert checkpoint.step_dir(back, 10).exists()  # nothing moved aside: the step is fine, just not here
     point = checkpoint.find_and_load(back, Collectives(1, 2, 0, gather))  # rank 1: rank 0 warns
     assert (point.step, point.received) == (10, False)
+
+
+class _RunsCode:
+    """Pickles as a call to exec: what a hostile shard would hold."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_shard_that_would_run_code_is_refused_in_one_line_and_nothing_runs(tmp_path):
+    marker = tmp_path / "code-ran"
+    # A consistent checkpoint (manifest and sha256 match): whoever wrote the shard wrote both.
+    checkpoint.save(tmp_path / "ck", 4, {"model": {"w": torch.zeros(2)}, "x": _RunsCode(marker)}, Collectives(), keep=3)
+    with pytest.raises(checkpoint.UnsafeCheckpoint) as e:
+        checkpoint.find_and_load(tmp_path / "ck", Collectives())
+    assert not marker.exists()
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "rank-00000.pt: refused, it names exec" in msg, msg
+    # the same refusal where a shard is received from another rank (bytes, not a file)
+    with pytest.raises(checkpoint.UnsafeCheckpoint, match="received from rank 1"):
+        checkpoint.load_shard(checkpoint.shard_path(tmp_path / "ck", 4, 0).read_bytes(),
+                              "step 4, rank 0's shard (received from rank 1)")
+    assert not marker.exists()
+
+
+def test_plain_state_and_numpy_random_state_load_with_weights_only(tmp_path):
+    """What the strategies save (PowerSGD keeps a numpy RandomState's state, an ndarray of
+    uint32) loads under weights_only."""
+    import numpy as np
+
+    rng = np.random.RandomState(3)
+    payload = {"model": {"w": torch.randn(3)}, "rng": {"torch": torch.get_rng_state()},
+               "strategy": {"powersgd": {"iter": 5, "rng": rng.get_state(), "error_dict": {0: torch.ones(4)}}},
+               "totals": {"tokens": 12, "loss": 1.5, "name": "x", "none": None}, "recent": [1.0, 2.0], "t": (1, 2)}
+    checkpoint.save(tmp_path, 2, payload, Collectives(), keep=3)
+    got = checkpoint.find_and_load(tmp_path, Collectives()).payload
+    again = np.random.RandomState()
+    again.set_state(got["strategy"]["powersgd"]["rng"])
+    assert again.randint(0, 2**31, 5).tolist() == rng.randint(0, 2**31, 5).tolist()
+    assert got["totals"] == payload["totals"] and got["t"] == (1, 2) and torch.equal(got["model"]["w"], payload["model"]["w"])

@@ -21,14 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--example", metavar="NAME", help="a bundled job instead of --fn: sentiment, perplexity")
     p.add_argument("--checkpoint", metavar="RUN_DIR", help="--example perplexity: a `vpscluster train` run directory")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a keyword argument for the function (repeatable; values are strings)")
+                   help="a keyword argument for the function (repeatable; values are strings; "
+                        "_job.json and _manifest.json keep a digest of each value, never the value)")
     p.add_argument("--rows", type=int, default=1_000_000, metavar="N",
                    help="rows of generated input for --example when --input is not given (default 1000000)")
     p.add_argument("--input", metavar="PATH", help="a JSONL, CSV, Parquet or text file, or a folder of them")
     p.add_argument("--output", required=True, metavar="DIR",
                    help="one file per partition, written once; re-running skips finished partitions")
     p.add_argument("--code", metavar="DIR", help="the folder holding --fn's module, sent to every node "
-                   "(default: the current folder)")
+                   "(default: the current folder); likely secrets in it (id_*, *.pem, *.key, .env, .ssh/ ...) "
+                   "are never sent")
     p.add_argument("--partition-rows", type=int, default=10_000, metavar="N", help="rows per partition (default 10000)")
     p.add_argument("--retries", type=int, default=2, metavar="R", help="attempts after a failed one (default 2)")
     p.add_argument("--task-timeout", type=float, metavar="S",

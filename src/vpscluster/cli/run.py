@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, metavar="FILE", help="the cluster file (cluster.yaml)")
     p.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                    help="processes per node (default: one per GPU, or one)")
-    p.add_argument("--sync", metavar="DIR", help="folder sent to every node and run from (default: the current one)")
+    p.add_argument("--sync", metavar="DIR", help="folder sent to every node and run from (default: the current one); "
+                   "likely secrets in it (id_*, *.pem, *.key, .env, .ssh/ ...) are never sent")
     p.add_argument("--run-dir", metavar="DIR", help="where logs go on this machine (default: runs/run-<time>)")
     p.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run nothing")
     p.add_argument("--force", action="store_true", help="start even when the probe finds blocking problems")

@@ -72,9 +72,12 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     import vpscluster
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.pipeline import SyncItem, local_side
-    from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch.sync import scan, sync_dir
 
     by_name = {ex.node.name: ex for ex in executors}
+    user_files = scan(code_dir)  # the user's folder less its caches and secrets (id_*, *.pem, .env, .ssh/ ...)
+    if not all(ex.node.local for ex in executors):
+        say(user_files.summary("sync code:"))
     workdirs = await pf.resolve_workdirs(executors, timeout_s)
     endpoints = pf.node_endpoints(cluster)  # the overlay's addresses once provisioned, as train and run
     package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
@@ -93,7 +96,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
         pkg = await sync_dir(ex, package_dir, posixpath.join(wd, "code/src/vpscluster"), timeout_s=max(timeout_s, 300.0),
                              say=say)
         user = await sync_dir(ex, code_dir, posixpath.join(wd, "code/batch", os.path.basename(code_dir.rstrip("/")) or "code"),
-                              timeout_s=max(timeout_s, 300.0), say=say)
+                              timeout_s=max(timeout_s, 300.0), manifest=user_files.manifest, say=say)
         code_dirs[node.name] = user.remote_path
         pythonpath[node.name] = f"{user.remote_path}:{posixpath.dirname(pkg.remote_path)}"
         for key, path in (ship or {}).items():

@@ -143,6 +143,7 @@ def perplexity(rows: list[dict], checkpoint: str, preset: str) -> list[dict]:
 
     import torch
 
+    from vpscluster.train.checkpoint import load_shard
     from vpscluster.train.data import encode
     from vpscluster.train.model import build_model
     from vpscluster.train.presets import get_preset
@@ -150,7 +151,7 @@ def perplexity(rows: list[dict], checkpoint: str, preset: str) -> list[dict]:
     if checkpoint not in _models:  # once per worker process
         shape = get_preset(preset)
         model = build_model(shape, seed=0)
-        payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        payload = load_shard(Path(checkpoint), checkpoint)  # plain data only: no code from the file runs
         model.load_state_dict(payload["model"])
         model.eval()
         _models[checkpoint] = model

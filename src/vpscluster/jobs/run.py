@@ -108,23 +108,33 @@ def run_batch(spec: BatchSpec, cluster, on_event: Callable[[dict], None] = lambd
     return asyncio.run(_run(spec, cluster, on_event, say))
 
 
-def job_record(spec: BatchSpec, files) -> dict:
-    """What makes a job the same job (for skipping finished partitions on a re-run)."""
+def job_record(spec: BatchSpec, files, *, verbatim: bool = False) -> dict:
+    """What makes a job the same job (for skipping finished partitions on a re-run).
+
+    `--param` values are recorded by digest, never as given: the record lands in `_job.json`
+    and `_manifest.json`, which outlive the job and travel with its results, and a value may
+    be a token or a password. The digest still tells one job from another. (`verbatim`: the
+    record as earlier versions wrote it, so their output folders are still resumed.)"""
     inputs = [{"path": f.path, "rows": f.rows, "size_bytes": f.size_bytes, "mtime_ns": f.mtime_ns} for f in files]
     params = {**spec.params, **{k: os.path.abspath(v) for k, v in spec.ship.items()}}
     # --on-error is not part of it: a job stopped by a bad row can go on with `--on-error skip`
     # (the finished partitions had no failing row).
+    shown = params if verbatim else {k: param_digest(k, v) for k, v in params.items()}
     return {"fn": spec.fn, "inputs": inputs, "partition_rows": spec.partition_rows, "format": spec.output_format,
-            "params": params,
+            "params": shown,
             "id": hashlib.sha256(json.dumps([spec.fn, inputs, spec.partition_rows, params]).encode()).hexdigest()[:16]}
 
 
+def param_digest(key: str, value: str) -> str:
+    """A parameter's value as the job record keeps it: equal values, equal digests; no value."""
+    data = json.dumps([key, value]).encode()  # json: any text, even undecodable command-line bytes
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
+
+
 async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
-    from vpscluster.cluster.inventory import open_executors
     from vpscluster.jobs import engine
-    from vpscluster.jobs.dispatch import Dispatcher, DispatchOptions
-    from vpscluster.jobs.inputs import find_inputs, plan_partitions, read_partitions
-    from vpscluster.jobs.outputs import LOG_DIR, MANIFEST, prepare_output, write_atomic
+    from vpscluster.jobs.inputs import find_inputs, plan_partitions
+    from vpscluster.jobs.outputs import OutputLock, check_output
     from vpscluster.jobs.task import load_function
 
     # check: everything a user can get wrong, before anything starts.
@@ -141,7 +151,26 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
     files = find_inputs(spec.input)
     partitions = plan_partitions(files, spec.partition_rows)
     output = os.path.abspath(spec.output)
-    resumed = prepare_output(output, job_record(spec, files), spec.output_format, len(partitions))
+    check_output(output, job_record(spec, files), earlier=[job_record(spec, files, verbatim=True)])
+    lock = OutputLock(output)  # one job per folder: refused in one line while another writes there
+    try:
+        return await _job(spec, cluster, on_event, say, code_dir, gpu, files, partitions, output)
+    finally:
+        lock.release()
+
+
+async def _job(spec, cluster, on_event, say, code_dir, gpu, files, partitions, output) -> BatchResult:
+    """The job, its output folder locked: start Dask, dispatch, the manifest, teardown."""
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.jobs import engine
+    from vpscluster.jobs.dispatch import Dispatcher, DispatchOptions
+    from vpscluster.jobs.inputs import read_partitions
+    from vpscluster.jobs.outputs import LOG_DIR, MANIFEST, earlier_partitions, part_name, prepare_output, write_atomic
+
+    record = job_record(spec, files)
+    resumed = prepare_output(output, record, spec.output_format, len(partitions),
+                             earlier=[job_record(spec, files, verbatim=True)])
+    before = earlier_partitions(output, record["id"])  # what an earlier run of this job recorded
     todo = len(partitions) - len(resumed)
     source = read_partitions(files, partitions, skip=resumed)
     # Parse the first partition now: a malformed input is a user's error before any node is touched.
@@ -222,8 +251,12 @@ async def _run(spec: BatchSpec, cluster, on_event, say) -> BatchResult:
         error=error, interrupted=interrupted, teardown_error=teardown_error, moved=stats.moved,
         load_source=",".join(sorted(stats.load_sources)),
     )
-    manifest = {**result.to_dict(), "job": job_record(spec, files),
-                "partitions_list": sorted(stats.partitions, key=lambda p: p["index"])}
+    # Every partition of the output: this run's, and those an earlier run finished (its records
+    # where its manifest has them, else what the plan knows).
+    earlier = [{**before.get(i, {"index": i, "file": part_name(i, spec.output_format), "rows_in": partitions[i].rows}),
+                "resumed": True} for i in sorted(resumed)]
+    manifest = {**result.to_dict(), "job": record,
+                "partitions_list": sorted(stats.partitions + earlier, key=lambda p: p["index"])}
     write_atomic(os.path.join(output, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
     if interrupted:
         raise Interrupted(f"interrupted: {stats.done} of {todo} partitions finished and kept in {output}; "

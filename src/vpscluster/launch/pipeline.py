@@ -252,7 +252,10 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     # sync: code and data, by content hash.
     synced: dict[str, dict[str, str]] = {n: {} for n in states}
     for item in job.syncs:
-        root, manifest = local_side(item)
+        files = local_files(item)
+        if os.path.isdir(item.local_path) and not _all_local(job) and not _is_own_package(files.root):
+            job.say(files.summary(f"sync {item.key}:"))  # what goes, and what was left out (secrets)
+        root, manifest = files.root, files.manifest
         results = await unless_interrupted(asyncio.gather(*(
             sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
                      timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say,
@@ -404,14 +407,28 @@ def _culprit(first_failed: str, outcomes: dict[str, NodeOutcome]) -> str:
 
 def local_side(item: SyncItem) -> tuple[str, dict[str, str]]:
     """(local root, manifest): a single file is its folder with a one-file manifest."""
-    from vpscluster.launch.sync import file_hash, local_manifest
+    files = local_files(item)
+    return files.root, files.manifest
+
+
+def local_files(item: SyncItem):
+    """The item as it is shipped (`sync.LocalFiles`): a folder less its caches and secrets, or
+    a single file (named by the user, so sent whatever its name)."""
+    from vpscluster.launch.sync import LocalFiles, file_hash, scan
 
     path = os.path.abspath(item.local_path)
     if os.path.isdir(path):
-        return path, local_manifest(path)
+        return scan(path)
     if not os.path.isfile(path):
         raise UserError(f"{item.local_path}: no such file or folder to send to the nodes")
-    return os.path.dirname(path), {os.path.basename(path): file_hash(path)}
+    return LocalFiles(os.path.dirname(path), {os.path.basename(path): file_hash(path)}, os.path.getsize(path), [], [])
+
+
+def _is_own_package(root: str) -> bool:
+    """vpscluster's own package folder (synced for every launch; not worth a line)."""
+    import vpscluster
+
+    return os.path.realpath(root) == os.path.realpath(os.path.dirname(vpscluster.__file__))
 
 
 def _remote_of(item: SyncItem, result) -> str:

@@ -1,7 +1,7 @@
 """`vpscluster run`: any torchrun-compatible script, unchanged, on every node of a cluster.
 
 The script's directory (the current one, or `--sync DIR`) is synced to each node's workdir
-under `code/<folder name>`, the script runs from there with the node's own interpreter, and
+under `code/<folder name>` (less caches and likely secrets: see `launch.sync`), the script runs from there with the node's own interpreter, and
 torchrun gives it RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as usual, so a
 script written for `torchrun` on one machine (env:// init, DistributedSampler, DDP) needs no
 change.

@@ -9,11 +9,18 @@ round trip on a high-latency link, whatever the number of files) and are unpacke
 
 Where the node already sees the same content at the same absolute path (the launching machine
 itself, a shared file system, the sandbox), nothing is copied and that path is used as is.
+
+What is never shipped: build output, caches, environments, version control and earlier runs
+(`EXCLUDED_DIRS`, `EXCLUDED_SUFFIXES`), and files that usually hold secrets (`SECRET_DIRS`,
+`is_secret`: SSH keys `id_*`, `*.pem`, `*.key`, `.env`, `.ssh/`, ...), so running from a home
+or project folder does not copy its keys to every node. `scan` says what goes and what was
+left out, and why, in one line (`LocalFiles.summary`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import os
 import posixpath
@@ -29,6 +36,11 @@ from vpscluster.nodeside.tree_hash import file_hash
 EXCLUDED_DIRS = {".git", ".hg", "__pycache__", ".venv", "venv", "node_modules", ".pytest_cache",
                  ".mypy_cache", ".ruff_cache", "runs", ".tox", "build", "dist"}
 EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".egg-info")
+# Never shipped either: what usually holds credentials. A script that needs one on the nodes
+# gets it there another way (the node's own secret store, an environment variable).
+SECRET_DIRS = {".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store"}
+SECRET_FILES = ("*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", ".env", ".env.*", "*.env",
+                ".netrc", ".pgpass", ".git-credentials", ".pypirc", "credentials.json", "*.kdbx")
 MAX_FILES = 20_000
 MAX_BYTES = 8 * 2**30
 
@@ -46,26 +58,86 @@ class SyncResult:
         return dict(self.__dict__)
 
 
-def local_manifest(root: str) -> dict[str, str]:
-    """{relative posix path: sha256} for every file under `root` that is shipped."""
+def is_secret(name: str) -> bool:
+    """A file name that usually holds a credential. `id_*` is an SSH key's name (`id_ed25519`,
+    `id_rsa.pub`, `id_work`): one without an extension or ending `.pub`, so `id_map.py` is code."""
+    if name.startswith("id_") and ("." not in name or name.endswith(".pub")):
+        return True
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in SECRET_FILES)
+
+
+@dataclass
+class LocalFiles:
+    """A folder as it is shipped: the manifest, and what was left out."""
+
+    root: str
+    manifest: dict[str, str]  # relative posix path -> sha256
+    size_bytes: int
+    secrets: list[str]  # relative paths never sent (a folder ends in "/")
+    skipped: list[str]  # caches, version control, environments, earlier runs (folders end in "/")
+
+    def summary(self, label: str) -> str:
+        """One line: what goes to the nodes, what was left out and why."""
+        n = len(self.manifest)
+        line = f"{label} {self.root}: {n} file{'' if n == 1 else 's'} ({_size(self.size_bytes)}) to the nodes"
+        if self.secrets:
+            line += f"; left out as possible secrets: {_some(self.secrets)}"
+        if self.skipped:
+            line += f"; left out as caches, version control or runs: {_some(self.skipped)}"
+        return line
+
+
+def _some(paths: list[str], most: int = 6) -> str:
+    return ", ".join(paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def scan(root: str) -> LocalFiles:
+    """Every file under `root` that is shipped, hashed, and what is left out (see the module's note)."""
     if not os.path.isdir(root):
         raise UserError(f"{root}: not a directory to sync")
     out: dict[str, str] = {}
+    secrets: list[str] = []
+    skipped: list[str] = []
     total_bytes = 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and not d.endswith(EXCLUDED_SUFFIXES))
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        rel = (lambda name: name) if rel_dir == "." else (lambda name: f"{rel_dir}/{name}")
+        keep = []
+        for d in sorted(dirnames):
+            if d in SECRET_DIRS:
+                secrets.append(rel(d) + "/")
+            elif d in EXCLUDED_DIRS or d.endswith(EXCLUDED_SUFFIXES):
+                skipped.append(rel(d) + "/")
+            else:
+                keep.append(d)
+        dirnames[:] = keep
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
             if name.endswith(EXCLUDED_SUFFIXES) or not os.path.isfile(path):
                 continue
+            if is_secret(name):
+                secrets.append(rel(name))
+                continue
             total_bytes += os.path.getsize(path)
-            out[os.path.relpath(path, root).replace(os.sep, "/")] = file_hash(path)
+            out[rel(name)] = file_hash(path)
             if len(out) > MAX_FILES or total_bytes > MAX_BYTES:
                 raise UserError(
                     f"{root} holds more than {MAX_FILES} files or {MAX_BYTES / 2**30:.0f} GiB; "
                     "pass --sync DIR with just the code the run needs"
                 )
-    return out
+    return LocalFiles(root, out, total_bytes, sorted(secrets), sorted(skipped))
+
+
+def local_manifest(root: str) -> dict[str, str]:
+    """{relative posix path: sha256} for every file under `root` that is shipped."""
+    return scan(root).manifest
 
 
 def changed_files(local: dict[str, str], remote: dict[str, str]) -> list[str]:

@@ -22,6 +22,13 @@ corrupt checkpoint costs one warning line and the previous good one is used; the
 directories newer than the chosen step are renamed aside (`*.abandoned-<time>`), never deleted,
 so the resumed run does not overwrite evidence.
 
+Loading runs no code from the file: shards load with `torch.load(weights_only=True)`, which
+rebuilds only tensors, numbers, strings and containers, plus the numpy arrays that PowerSGD's
+random state holds (`SAFE_GLOBALS`). A shard naming anything else (a class, a function: what
+a pickle's `__reduce__` would call) is refused in one line (`UnsafeCheckpoint`), so resuming
+a run folder from someone else cannot run their code. The sha256 manifest does not help there:
+whoever wrote the shard wrote its manifest too.
+
 Resuming on another number of ranks (a node died and the run goes on without it, or one was
 added): a checkpoint taken with W ranks serves a run of W' ranks. Each rank then loads a shard
 held on its own disk (the one of its old rank when a node keeps its place; any intact one, by
@@ -36,6 +43,7 @@ one every node happens to hold.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -46,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from vpscluster.errors import UserError
 from vpscluster.fsutil import write_atomic
 
 MANIFEST = "manifest.json"
@@ -82,6 +91,48 @@ class Collectives:
     all_gather_object: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])
     # (obj, src) -> src's obj on every rank; None: no rank can receive a checkpoint it lacks.
     broadcast_object: Callable[[Any, int], Any] | None = None
+
+
+class UnsafeCheckpoint(UserError):
+    """A shard that names something other than plain data: not loaded, nothing in it ran."""
+
+
+def _safe_globals() -> list:
+    """What a shard may name besides torch's own plain types: numpy arrays (PowerSGD's
+    `RandomState.get_state()`), rebuilt from their bytes, never a call to arbitrary code."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    return [np.ndarray, np.dtype, _reconstruct,
+            *{type(np.dtype(t)) for t in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]}]
+
+
+def load_shard(data: bytes | Path, where: str | Path) -> dict[str, Any]:
+    """A shard's payload (`data`: its bytes, or its path), tensors on the CPU. Raises
+    `UnsafeCheckpoint` (one line naming `where` and what it names) for anything but plain data."""
+    import pickle
+
+    import torch
+
+    source = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; 2.4: process-wide
+    if scoped is None:
+        torch.serialization.add_safe_globals(_safe_globals())
+    try:
+        with scoped(_safe_globals()) if scoped is not None else contextlib.nullcontext():
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        import re
+
+        named = re.search(r"GLOBAL (\S+)", str(e))  # torch's message names the first global it refused
+        what = named.group(1) if named else "something other than plain data"
+        raise UnsafeCheckpoint(
+            f"checkpoint {where}: refused, it names {what}, which is not plain data (tensors, numbers, "
+            "strings, numpy arrays); loading it could run code from whoever wrote it, so it was not loaded "
+            "(resume only run folders you or vpscluster wrote)") from None
 
 
 class CheckpointFailed(Exception):
@@ -196,8 +247,6 @@ class ResumePoint:
 
 def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | None = None) -> ResumePoint:
     """The newest checkpoint valid on every rank, loaded for this rank (collective: call on all)."""
-    import torch
-
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
     checks = {s: check_step(root, s, coll.rank, coll.local_rank, coll.world_size) for s in _list_steps(root)}
     everyone = coll.all_gather_object({s: (c.problem, c.world_size) for s, c in checks.items()})
@@ -249,10 +298,10 @@ def find_and_load(root: Path, coll: Collectives, warn: Callable[[str], None] | N
         got = coll.broadcast_object((sent, check.shard if coll.rank == src else None), src)
         if check is None:
             data, shard = got
-            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            payload = load_shard(data, f"step {chosen}, rank {shard}'s shard (received from rank {src})")
             return ResumePoint(chosen, payload, skipped, taken, shard, recut=True, received=True)
-    data = shard_path(root, chosen, check.shard).read_bytes()
-    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    path = shard_path(root, chosen, check.shard)
+    payload = load_shard(path.read_bytes(), path)
     return ResumePoint(chosen, payload, skipped, taken, check.shard, recut=lacking or taken != coll.world_size)
 
 
