@@ -44,7 +44,7 @@ from typing import Any
 
 from vpscluster import fsutil
 from vpscluster.errors import UserError
-from vpscluster.train import checkpoint, events, exporter, metrics, prediction, replan, rundir
+from vpscluster.train import checkpoint, diskfull, events, exporter, metrics, prediction, replan, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.shares import ShareController, even, look_every, offsets, rank_speeds, split
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
@@ -201,8 +201,18 @@ class Trainer:
             return []
         found = [e for e in self._all_gather_object(self.exporter.endpoint()) if e]
         if self.ctx.rank == 0:
-            fsutil.write_json(self.run_dir / EXPORTERS, {"exporters": found})
+            self._write_json(self.run_dir / EXPORTERS, {"exporters": found})
         return found
+
+    def _write_json(self, path: Path, doc: dict[str, Any]) -> None:
+        """Rank 0's run files (report.json, exporters.json): a full disk leaves the file out (one
+        warning line; the `end` event still carries the report) instead of ending the run."""
+        try:
+            fsutil.write_json(path, doc)
+        except OSError as e:
+            if not diskfull.is_disk_full(e):
+                raise
+            print(f"warning: cannot write {path}: {e.strerror}; training goes on", file=sys.stderr, flush=True)
 
     def _outer_syncs(self) -> int | None:
         return getattr(self.strategy, "outer_steps", None)  # DiLoCo counts its outer syncs
@@ -480,7 +490,7 @@ class Trainer:
             self.save_checkpoint()
         report = self.build_report(val_loss, stopped_by, start_step)
         if report is not None:
-            fsutil.write_json(self.run_dir / rundir.REPORT, report)
+            self._write_json(self.run_dir / rundir.REPORT, report)
             self.events.emit("end", report=report)
         return report
 
@@ -600,6 +610,8 @@ class Trainer:
                 "exporter_cpu_seconds": self.exporter.cpu_seconds(),  # None without exporters
                 "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict()),
                 "prediction_summary": prediction.rank_summary(self._samples),
+                # Log and metrics lines a full disk refused on this rank (train/diskfull.py).
+                "log_lines_dropped": diskfull.DROPPED.count,
                 # Which environment ran this rank (a provisioned venv shows here).
                 "python": sys.executable, "torch": _torch_version()}
         per_rank = self._all_gather_object(mine)
@@ -637,11 +649,14 @@ class Trainer:
             # The sync plan re-made on this session's measured step (train/replan.py), or None.
             "strategy_replanned": self.replanned,
             "sync_failure_rate": self.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs
+            # Log, metrics and event lines dropped because a node's disk was full, all ranks together.
+            "log_lines_dropped": sum(r["log_lines_dropped"] for r in per_rank),
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,
             "per_rank": [
                 {"rank": i, **{k: r[k] for k in ("compute_seconds", "comm_seconds", "wall_seconds", "bytes_sent", "collective_busy_seconds",
-                                           "exporter_cpu_seconds", "model_sha256", "python", "torch")}}
+                                           "exporter_cpu_seconds", "model_sha256", "python", "torch",
+                                           "log_lines_dropped")}}
                 for i, r in enumerate(per_rank)
             ],
             "model_sha256": mine["model_sha256"],
