@@ -41,6 +41,14 @@ With inner updates that do not depend on the weights the pseudo-gradients, and s
 later (tests/test_diloco_overlap.py checks this). τ is capped at H − 1, so a fragment is never
 sent again before its update has landed. τ = 0 is the blocking sync, run on the loop's thread.
 
+Agreement: a sync attempt can fail on one rank and succeed on another (a collective that
+completes on rank 0 while rank 1's time-out fires), so no rank decides alone. After every attempt
+the ranks all-reduce a success flag (MIN, on a group of their own with the loop's time-out,
+`_agree`): the outer update is applied only where the attempt succeeded on every rank; otherwise
+every rank retries on a fresh group, or skips the round and keeps its pre-sync state, alike. An
+agreement that fails itself stops the run. The trainer compares `replica_sha256` (θ_global, m,
+the outer steps) across ranks before every checkpoint (`trainer.check_replicas`).
+
 Resume: the state holds θ_global, m, and per fragment the outer steps applied (the warm-up's
 clock) and the steps and tokens since its last sync,
 so a run resumed mid-round continues exactly. With overlap, `state_dict` does not wait for the
