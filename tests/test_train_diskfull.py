@@ -30,7 +30,7 @@ def test_the_rank_log_tee_drops_and_counts_what_a_full_disk_refuses(dropped, cap
     print("warning: checkpoint failed; training goes on", file=tee, flush=True)
     print("step 2", file=tee, flush=True)
     assert shown.getvalue() == "warning: checkpoint failed; training goes on\nstep 2\n"  # the stream still gets it
-    assert dropped.count == 4  # each print is two writes (the text, the newline)
+    assert dropped.count == 2  # two lines (each print is two writes: the text, then the newline)
     warned = capfd.readouterr().err
     assert warned.count("dropped while the disk is full") == 1, warned  # one line, on the real stderr
 

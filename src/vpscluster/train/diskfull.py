@@ -29,16 +29,17 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 class _Dropped:
-    """Writes dropped in this process (all files together); warns once on the real stderr."""
+    """Lines dropped in this process (all files together); warns once on the real stderr."""
 
     def __init__(self) -> None:
         self.count = 0
         self._lock = threading.Lock()
         self._warned = False
 
-    def add(self, what: str, e: OSError) -> None:
+    def add(self, what: str, e: OSError, lines: int) -> None:
+        """`lines`: the line ends in the text dropped (a print's text and its newline are two writes)."""
         with self._lock:
-            self.count += 1
+            self.count += lines
             if self._warned:
                 return
             self._warned = True
@@ -83,7 +84,7 @@ class AppendFile:
                         os.ftruncate(self._fd, before)
                     except OSError:
                         pass
-                DROPPED.add(f"cannot write {self.path}", e)
+                DROPPED.add(f"cannot write {self.path}", e, data.count(b"\n"))
                 return False
 
     def close(self) -> None:

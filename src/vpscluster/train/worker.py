@@ -46,7 +46,7 @@ class _Tee:
         except OSError as e:
             if not diskfull.is_disk_full(e):
                 raise
-            diskfull.DROPPED.add("cannot write the rank's output", e)
+            diskfull.DROPPED.add("cannot write the rank's output", e, text.count("\n"))
         self.log.write(text)  # unbuffered; drops and counts what a full disk refuses
         return len(text)
 
@@ -56,7 +56,7 @@ class _Tee:
         except OSError as e:
             if not diskfull.is_disk_full(e):
                 raise
-            diskfull.DROPPED.add("cannot write the rank's output", e)
+            diskfull.DROPPED.add("cannot write the rank's output", e, 0)  # its lines were counted when written
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
