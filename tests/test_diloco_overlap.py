@@ -355,10 +355,10 @@ def test_time_budget_stops_every_rank_at_the_same_sync_point(tmp_path, tau):
     talked = [line["step"] for line in lines if line.get("bytes_sent") and line["step"] > 1]
     assert talked and all((s - tau) % H_BUDGET == 0 for s in talked), talked
     # The loop's thread issued one budget all-reduce per sync point (plus, without overlap, the
-    # blocking syncs' token all-reduce; with it, finalize's blocking sync of the last step's
-    # progress), never one per step.
+    # blocking syncs' token all-reduce and their agreement on the outcome; with it, finalize's
+    # blocking sync of the last step's progress and its agreement), never one per step.
     sync_points = stop // H_BUDGET
-    expected = sync_points * 2 if tau == 0 else sync_points + 1
+    expected = sync_points * 3 if tau == 0 else sync_points + 2
     for r in (0, 1):
         assert results[r]["all_reduces"] == expected, (r, results[r]["all_reduces"], expected, stop)
     assert [p["model_sha256"] for p in report["per_rank"]] == [report["model_sha256"]] * 2

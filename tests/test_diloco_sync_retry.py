@@ -1,6 +1,7 @@
 """DiLoCo outer syncs with a time-out and retry: a rank frozen (SIGSTOP) for longer than the sync
 time-out makes the sync time out, it is retried on a fresh process group once the rank is back,
-and the run finishes; the report counts syncs attempted, retried and failed (sync_failure_rate).
+and the run finishes with identical replicas on every rank; the report counts syncs attempted,
+retried and failed (sync_failure_rate).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def test_frozen_rank_costs_a_retry_not_the_run(tmp_path, retries):
     report = json.loads(out)
     d = report["strategy_details"]
     assert report["steps"] == 40
+    # The replicas end identical, not only the counters right: every rank's final weights hash alike
+    # (and the checkpoint at the end compared the ranks' replicated state before it was written).
+    hashes = [r["model_sha256"] for r in report["per_rank"]]
+    assert len(hashes) == 2 and len(set(hashes)) == 1, hashes
     if retries:
         assert d["syncs_attempted"] >= 8 and d["syncs_retried"] >= 1 and d["syncs_failed"] == 0, d
         assert report["sync_failure_rate"] == 0.0

@@ -1,6 +1,9 @@
 """A node's disk fills during training (`sandbox fault disk-full`): the checkpoints taken while
 it is full fail on every rank alike and training goes on; the previous checkpoint is intact,
-and once the disk has room again (`clear`) the run checkpoints and finishes normally.
+and once the disk has room again (`clear`) the run checkpoints and finishes normally. On rank 0's
+node (its log, metrics and report live there) the lines that find the disk full are dropped and
+counted (`log_lines_dropped` in the report) and the training goes on as well. One sandbox serves
+the module.
 """
 
 from __future__ import annotations
@@ -40,39 +43,86 @@ def wait_until(pred, proc, timeout_s: float) -> None:
     assert pred(), f"launcher: {proc.poll()}"
 
 
-def test_disk_full_during_checkpoints_keeps_training(tmp_path):
-    from vpscluster.cluster.sandbox import faults
-
+@pytest.fixture(scope="module")
+def sandbox2():
+    """One 2-node sandbox for the module's tests (each clears its faults when done)."""
     factory = SandboxFactory()
     try:
-        info = factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
-        run_dir = tmp_path / "run"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
-             "--max-steps", "60", "--checkpoint-every", "5", "--eval-every", "1000", "--run-dir", str(run_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            wait_until(lambda: events(run_dir, "checkpoint"), proc, 300)
-            # The node without rank 0 (rank 0 writes the run's metrics; this one only its shards).
-            rank0 = next(n.name for n in info.nodes if re.search(rf" {n.name}/0 ", (run_dir / "logs" / f"{n.name}.log").read_text()))
-            victim = next(n for n in info.nodes if n.name != rank0)
-            faults.inject(info.name, victim.name, "disk-full")
-            wait_until(lambda: events(run_dir, "checkpoint_failed"), proc, 120)
-            ckpts = Path(victim.workdir, "runs", run_dir.name, "checkpoints")
-            intact = sorted(p.name for p in ckpts.iterdir() if (p / "manifest.json").exists())
-            assert intact, "the checkpoint from before the disk filled is gone"
-            faults.clear(info.name)
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-2000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            faults.clear(info.name)
-        failed = events(run_dir, "checkpoint_failed")
-        assert failed and "No space left" in failed[0]["reason"]
-        report = json.loads((run_dir / "report.json").read_text())
-        assert report["steps"] == 60
-        assert any(e["step"] == 60 for e in events(run_dir, "checkpoint"))  # room again: the final one is there
+        yield factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
     finally:
         factory.close()
+
+
+def rank0_node(info, run_dir: Path) -> str:
+    return next(n.name for n in info.nodes if re.search(rf" {n.name}/0 ", (run_dir / "logs" / f"{n.name}.log").read_text()))
+
+
+def test_disk_full_during_checkpoints_keeps_training(tmp_path, sandbox2):
+    from vpscluster.cluster.sandbox import faults
+
+    info = sandbox2
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
+         "--max-steps", "60", "--checkpoint-every", "5", "--eval-every", "1000", "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_until(lambda: events(run_dir, "checkpoint"), proc, 300)
+        # The node without rank 0 (rank 0 writes the run's metrics; this one only its shards).
+        rank0 = rank0_node(info, run_dir)
+        victim = next(n for n in info.nodes if n.name != rank0)
+        faults.inject(info.name, victim.name, "disk-full")
+        wait_until(lambda: events(run_dir, "checkpoint_failed"), proc, 120)
+        ckpts = Path(victim.workdir, "runs", run_dir.name, "checkpoints")
+        intact = sorted(p.name for p in ckpts.iterdir() if (p / "manifest.json").exists())
+        assert intact, "the checkpoint from before the disk filled is gone"
+        faults.clear(info.name)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        faults.clear(info.name)
+    failed = events(run_dir, "checkpoint_failed")
+    assert failed and "No space left" in failed[0]["reason"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["steps"] == 60
+    assert any(e["step"] == 60 for e in events(run_dir, "checkpoint"))  # room again: the final one is there
+
+
+def test_disk_full_on_rank0s_node_keeps_training(tmp_path, sandbox2):
+    # Rank 0 writes the run's metrics, its log (every printed line, the "training goes on"
+    # warning too) and report.json on its node: with that disk full, what cannot be written is
+    # dropped and counted, and the training finishes.
+    from vpscluster.cluster.sandbox import faults
+
+    info = sandbox2
+    run_dir = tmp_path / "run-rank0-full"  # its own folder on the nodes (runs/<name>)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
+         "--max-steps", "40", "--checkpoint-every", "5", "--eval-every", "1000", "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_until(lambda: events(run_dir, "checkpoint"), proc, 300)
+        victim = next(n for n in info.nodes if n.name == rank0_node(info, run_dir))
+        faults.inject(info.name, victim.name, "disk-full")
+        wait_until(lambda: events(run_dir, "checkpoint_failed"), proc, 120)
+        full_at = events(run_dir, "checkpoint_failed")[0]["step"]
+        # Training goes on while the disk stays full: a further checkpoint fails as well.
+        wait_until(lambda: any(e["step"] > full_at for e in events(run_dir, "checkpoint_failed")), proc, 120)
+        faults.clear(info.name)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        faults.clear(info.name)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["steps"] == 40
+    assert report["log_lines_dropped"] > 0, report
+    rank0 = next(r for r in report["per_rank"] if r["rank"] == 0)
+    assert rank0["log_lines_dropped"] > 0, report["per_rank"]
+    node_log = (run_dir / "logs" / f"{victim.name}.log").read_text(errors="replace")
+    assert "lines are dropped while the disk is full" in node_log  # the one warning, on the real stderr

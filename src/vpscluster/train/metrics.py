@@ -42,9 +42,14 @@ class Totals:
 
 
 class MetricsLog:
+    """Appends whole lines, unbuffered: a crash loses at most the line being written, and a line
+    the disk has no room for is dropped and counted (`diskfull`), the training goes on."""
+
     def __init__(self, path: Path) -> None:
+        from vpscluster.train.diskfull import AppendFile
+
         self.path = Path(path)
-        self._f = self.path.open("a", buffering=1)  # line-buffered: a crash loses at most a line
+        self._f = AppendFile(self.path)
 
     def log(self, **fields: Any) -> None:
         self._f.write(json.dumps(fields, separators=(",", ":")) + "\n")

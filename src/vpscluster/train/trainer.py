@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from vpscluster import fsutil
-from vpscluster.train import checkpoint, events, exporter, metrics, prediction, replan, rundir
+from vpscluster.errors import UserError
+from vpscluster.train import checkpoint, diskfull, events, exporter, metrics, prediction, replan, rundir
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.shares import ShareController, even, look_every, offsets, rank_speeds, split
 from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
@@ -86,9 +87,10 @@ def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device, group=group)
 
 
-def end_startup(ctx: DistContext, train_collective_s: float) -> None:
-    """Start-up is over: from now on a collective of `ctx.group` that waits longer than
-    `train_collective_s` fails (a dead or stuck peer) instead of the start-up time-out."""
+def end_startup(ctx: DistContext, train_collective_s: float, groups: list | tuple = ()) -> None:
+    """Start-up is over: from now on a collective of `ctx.group` (and of `groups`, a strategy's
+    own, `Strategy.collective_groups`) that waits longer than `train_collective_s` fails (a dead
+    or stuck peer) instead of the start-up time-out."""
     if ctx.group is None:
         return
     from torch.distributed import distributed_c10d
@@ -97,7 +99,8 @@ def end_startup(ctx: DistContext, train_collective_s: float) -> None:
     # it keeps the start-up time-out (slower to notice a dead peer, never wrong).
     set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is not None:
-        set_timeout(timedelta(seconds=train_collective_s), ctx.group)
+        for group in (ctx.group, *groups):
+            set_timeout(timedelta(seconds=train_collective_s), group)
 
 
 def _torch_version() -> str:
@@ -198,8 +201,18 @@ class Trainer:
             return []
         found = [e for e in self._all_gather_object(self.exporter.endpoint()) if e]
         if self.ctx.rank == 0:
-            fsutil.write_json(self.run_dir / EXPORTERS, {"exporters": found})
+            self._write_json(self.run_dir / EXPORTERS, {"exporters": found})
         return found
+
+    def _write_json(self, path: Path, doc: dict[str, Any]) -> None:
+        """Rank 0's run files (report.json, exporters.json): a full disk leaves the file out (one
+        warning line; the `end` event still carries the report) instead of ending the run."""
+        try:
+            fsutil.write_json(path, doc)
+        except OSError as e:
+            if not diskfull.is_disk_full(e):
+                raise
+            print(f"warning: cannot write {path}: {e.strerror}; training goes on", file=sys.stderr, flush=True)
 
     def _outer_syncs(self) -> int | None:
         return getattr(self.strategy, "outer_steps", None)  # DiLoCo counts its outer syncs
@@ -234,7 +247,34 @@ class Trainer:
             "share_window": list(self._window),
         }
 
+    def check_replicas(self) -> None:
+        """Every rank holds the same replicated state (`Strategy.replica_sha256`: ddp's weights,
+        diloco's global weights and momentum): one sha256 per rank, all-gathered. Run before
+        every checkpoint, so a checkpoint never holds replicas that differ.
+
+        On a mismatch the run stops (ReplicasDiverged, a `replicas_diverged` event) and this
+        checkpoint is not written: the previous one was compared alike, so `--resume` (or the
+        recovery loop, with --max-restarts) goes on from replicas that agree. Restoring in place
+        would repeat what a resume does (every rank's model, optimizer, sampler and strategy state)
+        with less checking, and going on would train and save replicas that have parted ways."""
+        if self.ctx.group is None:
+            return
+        with self.strategy.comm.timed((self.ctx.world_size - 1) * (8 + 96)):
+            digests = self._all_gather_object(self.strategy.replica_sha256())
+        self._book_off_step_comm()
+        if len(set(digests)) == 1:
+            return
+        self.events.emit("replicas_diverged", step=self.step, sha256=digests)
+        by_digest: dict[str, list[int]] = {}
+        for rank, d in enumerate(digests):
+            by_digest.setdefault(d, []).append(rank)
+        parts = "; ".join(f"ranks {', '.join(map(str, r))}: {d[:12]}" for d, r in by_digest.items())
+        raise ReplicasDiverged(
+            f"step {self.step}: the replicas differ across ranks ({parts}); the checkpoint of this step is not "
+            f"written and the run stops: continue from the last checkpoint with vpscluster train --resume {self.run_dir}")
+
     def save_checkpoint(self) -> None:
+        self.check_replicas()
         root = self.run_dir / rundir.CHECKPOINTS
         t0 = time.perf_counter()
         try:
@@ -342,7 +382,7 @@ class Trainer:
         cfg, torch = self.cfg, self._torch
         if resume:
             self.resume()
-        end_startup(self.ctx, cfg.timeouts.train_collective_s)
+        end_startup(self.ctx, cfg.timeouts.train_collective_s, self.strategy.collective_groups())
         # From here a stop saves a checkpoint; before (rendezvous, start-up) it ends the rank at once.
         self.install_stop_handler()
         start_step = self.step
@@ -434,7 +474,8 @@ class Trainer:
                 self.save_checkpoint()
         t_final = time.perf_counter()
         if stopped_by == "stop_requested":  # a stuck peer must not hold the stop past its grace
-            end_startup(self.ctx, min(cfg.timeouts.train_collective_s, cfg.timeouts.stop_grace_s))
+            end_startup(self.ctx, min(cfg.timeouts.train_collective_s, cfg.timeouts.stop_grace_s),
+                        self.strategy.collective_groups())
             self.events.emit("stopping", step=self.step)
         strategy.finalize(self.step)
         # A last sync (DiLoCo ending mid-round) is communication too: count it, and its time.
@@ -449,7 +490,7 @@ class Trainer:
             self.save_checkpoint()
         report = self.build_report(val_loss, stopped_by, start_step)
         if report is not None:
-            fsutil.write_json(self.run_dir / rundir.REPORT, report)
+            self._write_json(self.run_dir / rundir.REPORT, report)
             self.events.emit("end", report=report)
         return report
 
@@ -569,6 +610,8 @@ class Trainer:
                 "exporter_cpu_seconds": self.exporter.cpu_seconds(),  # None without exporters
                 "model_sha256": checkpoint.state_hash(self.strategy.unwrap().state_dict()),
                 "prediction_summary": prediction.rank_summary(self._samples),
+                # Log and metrics lines a full disk refused on this rank (train/diskfull.py).
+                "log_lines_dropped": diskfull.DROPPED.count,
                 # Which environment ran this rank (a provisioned venv shows here).
                 "python": sys.executable, "torch": _torch_version()}
         per_rank = self._all_gather_object(mine)
@@ -606,11 +649,14 @@ class Trainer:
             # The sync plan re-made on this session's measured step (train/replan.py), or None.
             "strategy_replanned": self.replanned,
             "sync_failure_rate": self.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs
+            # Log, metrics and event lines dropped because a node's disk was full, all ranks together.
+            "log_lines_dropped": sum(r["log_lines_dropped"] for r in per_rank),
             "backend": self.ctx.backend,
             "threads_per_rank": self.threads,
             "per_rank": [
                 {"rank": i, **{k: r[k] for k in ("compute_seconds", "comm_seconds", "wall_seconds", "bytes_sent", "collective_busy_seconds",
-                                           "exporter_cpu_seconds", "model_sha256", "python", "torch")}}
+                                           "exporter_cpu_seconds", "model_sha256", "python", "torch",
+                                           "log_lines_dropped")}}
                 for i, r in enumerate(per_rank)
             ],
             "model_sha256": mine["model_sha256"],
@@ -653,6 +699,10 @@ class Trainer:
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class ReplicasDiverged(UserError):
+    """The ranks' replicated state differs at a checkpoint (`Trainer.check_replicas`)."""
 
 
 STOP_REQUESTED = 2

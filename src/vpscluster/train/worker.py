@@ -28,23 +28,35 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
+from vpscluster.train import diskfull
+
 LEAVE_AFTER_FAILURE_S = 5.0
 
 
 class _Tee:
-    """Writes to the original stream and to the rank's log file."""
+    """Writes to the original stream and to the rank's log file. A full disk (the log's, or the
+    stream's when it is a file) drops the text there and counts it (`diskfull`): training goes on."""
 
-    def __init__(self, stream: TextIO, log: TextIO) -> None:
+    def __init__(self, stream: TextIO, log: diskfull.AppendFile) -> None:
         self.stream, self.log = stream, log
 
     def write(self, text: str) -> int:
-        self.stream.write(text)
-        self.log.write(text)
+        try:
+            self.stream.write(text)
+        except OSError as e:
+            if not diskfull.is_disk_full(e):
+                raise
+            diskfull.DROPPED.add("cannot write the rank's output", e, text.count("\n"))
+        self.log.write(text)  # unbuffered; drops and counts what a full disk refuses
         return len(text)
 
     def flush(self) -> None:
-        self.stream.flush()
-        self.log.flush()
+        try:
+            self.stream.flush()
+        except OSError as e:
+            if not diskfull.is_disk_full(e):
+                raise
+            diskfull.DROPPED.add("cannot write the rank's output", e, 0)  # its lines were counted when written
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
@@ -63,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     rank = int(os.environ.get("RANK", "0"))
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log = (run_dir / "logs" / f"rank-{rank}.log").open("a", buffering=1)
+    log = diskfull.AppendFile(run_dir / "logs" / f"rank-{rank}.log")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
 
     from vpscluster.errors import UserError

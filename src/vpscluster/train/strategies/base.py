@@ -184,5 +184,18 @@ class Strategy(ABC):
         """Settings that matter for the report (e.g. compression, H)."""
         return {"name": self.name}
 
+    def replica_sha256(self) -> str:
+        """A sha256 of the state every rank must hold alike at a checkpoint (ddp: the model's
+        weights; diloco: the global weights and outer momentum, its replicas differ mid-round).
+        The loop compares it across ranks before every checkpoint (`trainer.save_checkpoint`)."""
+        from vpscluster.train.checkpoint import state_hash
+
+        return state_hash(self.unwrap().state_dict())
+
+    def collective_groups(self) -> list:
+        """Process groups of the strategy's own whose time-out follows the loop's collectives
+        (`trainer.end_startup` lowers it with the default group's). Default: none."""
+        return []
+
     def close(self) -> None:
         """Release hooks and threads."""

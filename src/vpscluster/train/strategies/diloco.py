@@ -41,6 +41,14 @@ With inner updates that do not depend on the weights the pseudo-gradients, and s
 later (tests/test_diloco_overlap.py checks this). τ is capped at H − 1, so a fragment is never
 sent again before its update has landed. τ = 0 is the blocking sync, run on the loop's thread.
 
+Agreement: a sync attempt can fail on one rank and succeed on another (a collective that
+completes on rank 0 while rank 1's time-out fires), so no rank decides alone. After every attempt
+the ranks all-reduce a success flag (MIN, on a group of their own with the loop's time-out,
+`_agree`): the outer update is applied only where the attempt succeeded on every rank; otherwise
+every rank retries on a fresh group, or skips the round and keeps its pre-sync state, alike. An
+agreement that fails itself stops the run. The trainer compares `replica_sha256` (θ_global, m,
+the outer steps) across ranks before every checkpoint (`trainer.check_replicas`).
+
 Resume: the state holds θ_global, m, and per fragment the outer steps applied (the warm-up's
 clock) and the steps and tokens since its last sync,
 so a run resumed mid-round continues exactly. With overlap, `state_dict` does not wait for the
@@ -241,6 +249,11 @@ class DiLoCoStrategy(Strategy):
         self.syncs_failed = 0
         self._failed_in_a_row = 0
         self.sync_group = None  # the syncs' own process group when sync_timeout_s is set (else ctx.group)
+        # Where the ranks agree on each sync attempt's outcome (`_agree`): a group of its own, so a
+        # sync group that a time-out broke cannot break the agreement, and the overlapped syncs'
+        # thread never shares a group with the loop's collectives.
+        self.agree_group = None
+        self.syncs_disagreed = 0  # attempts that failed on some ranks while others succeeded
         self._pre_finalize_state: dict[str, Any] | None = None
         self.retuned: dict[str, Any] | None = None  # the settings `retune` switched to, if any
         self._step = 0  # the loop's step, for the sync hash lines
@@ -268,6 +281,8 @@ class DiLoCoStrategy(Strategy):
                     dist.broadcast(buf, src=0)  # start-up: the default group, long time-out
                 flats[f] = buf.cpu()
                 self._write_local(f, flats[f])
+        if self.ctx.is_distributed:
+            self.agree_group = dist.new_group()  # time-out: the loop's (`collective_groups`)
         if self.ctx.is_distributed and (self.config.sync_timeout_s > 0 or self.overlap > 0):
             # Overlapped syncs run on a background thread: they need a group of their own, the
             # loop keeps using the default one (time-budget agreement, checkpoints) meanwhile.
@@ -411,16 +426,43 @@ class DiLoCoStrategy(Strategy):
         weight = my_tokens / total if total > 0 else 1.0 / self.ctx.world_size
         return all_reduce_sum(delta * weight, self.codec, comm, self.ctx.world_size, self.comm_device, group)
 
+    def collective_groups(self) -> list:
+        """The agreement group: it waits as long as the loop's own collectives (the trainer sets
+        its time-out with the default group's, `trainer.end_startup`)."""
+        return [self.agree_group] if self.agree_group is not None else []
+
+    def _agree(self, ok: bool, comm: CommStats) -> bool:
+        """Did the attempt succeed on every rank? A MIN all-reduce of a one-integer flag on
+        `agree_group`. A rank cannot tell alone: a collective can complete on one rank and time
+        out on its peer (the last chunk arrived just as the peer gave up), and a rank that then
+        applied the update while its peer skipped it would leave the replicas different for the
+        rest of the run. An agreement that fails itself (a peer gone for longer than the loop's
+        time-out) raises: no rank can know what the others did, so the run stops and resumes
+        from its last checkpoint, whose replicas were compared (`trainer.save_checkpoint`)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.comm_device)
+        with comm.timed(ring_allreduce_bytes(4, self.ctx.world_size)):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.agree_group)
+        agreed = bool(flag.item())
+        if ok and not agreed:
+            self.syncs_disagreed += 1
+        return agreed
+
     def _reduce_with_retry(self, my_tokens: float, delta: "torch.Tensor", comm: CommStats | None = None) -> "torch.Tensor | None":
         """`_reduce`, retried on a fresh group after a time-out or a broken link; None when every
         attempt failed (the round is skipped: nothing is applied, the next sync carries its delta).
 
-        Every rank sees a collective fail alike in practice (a peer that is late or gone stalls
-        them all), so all retry together; `sync_retries` + 1 attempts, and after
-        MAX_FAILED_SYNCS_IN_A_ROW skipped rounds in a row the run stops: the peer is gone.
+        After each attempt the ranks agree on its outcome (`_agree`): the update is applied only
+        where it succeeded on every rank, so a rank whose collective completed while a peer's
+        failed retries (or skips the round) with that peer, and the replicas stay identical.
+        `sync_retries` + 1 attempts, and after MAX_FAILED_SYNCS_IN_A_ROW skipped rounds in a row
+        the run stops (on every rank alike): the peer is gone.
         """
         import sys
 
+        comm = comm or self.comm
         self.syncs_attempted += 1
         group = self.sync_group if self.sync_group is not None else self.ctx.group
         # gloo closes the pairs of a collective that timed out: after a skipped round the group
@@ -429,20 +471,30 @@ class DiLoCoStrategy(Strategy):
         for attempt in range(self.config.sync_retries + 1):
             if (attempt or fresh) and self._closed:  # closed meanwhile: the peers will not join a new group
                 break
+            reduced = None
             try:
                 if attempt:
                     self.syncs_retried += 1
                 if attempt or fresh:
                     group = self._new_sync_group(short=False)  # waits for a late rank (default time-out)
-                reduced = self._reduce(my_tokens, delta, group, comm or self.comm)
-                if attempt or fresh:  # every rank is here together now: back to a group with the short time-out
-                    self.sync_group = self._new_sync_group() if self.config.sync_timeout_s > 0 else group
-                self._failed_in_a_row = 0
-                return reduced
+                reduced = self._reduce(my_tokens, delta, group, comm)
             except RuntimeError as e:  # gloo/NCCL time-outs, closed connections, store time-outs (DistError)
                 why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
                 print(f"warning: outer sync {self.syncs_attempted} attempt {attempt + 1} failed on rank "
                       f"{self.ctx.rank}: {why}", file=sys.stderr, flush=True)
+            ok = reduced is not None
+            if self.agree_group is not None:
+                ok = self._agree(ok, comm)
+            if not ok:
+                if reduced is not None:
+                    print(f"warning: outer sync {self.syncs_attempted} attempt {attempt + 1} failed on another "
+                          f"rank: rank {self.ctx.rank} does not apply it either", file=sys.stderr, flush=True)
+                fresh = True  # the group is spent on some rank: every rank goes on with a fresh one
+                continue
+            if attempt or fresh:  # every rank is here together now: back to a group with the short time-out
+                self.sync_group = self._new_sync_group() if self.config.sync_timeout_s > 0 else group
+            self._failed_in_a_row = 0
+            return reduced
         self.syncs_failed += 1
         self._failed_in_a_row += 1
         if self._failed_in_a_row >= MAX_FAILED_SYNCS_IN_A_ROW:
@@ -580,7 +632,15 @@ class DiLoCoStrategy(Strategy):
             "syncs_retried": self.syncs_retried,
             "syncs_failed": self.syncs_failed,
             "sync_failure_rate": self.syncs_failed / self.syncs_attempted if self.syncs_attempted else 0.0,
+            "syncs_disagreed": self.syncs_disagreed,
         }
+
+    def replica_sha256(self) -> str:
+        """θ_global, the outer momentum and the outer steps per fragment: the same on every rank
+        after every sync (the local weights θ_r are not: every replica trains its own)."""
+        from vpscluster.train.checkpoint import state_hash
+
+        return state_hash({"global": self.global_flat, "momentum": self.momentum, "fragment_syncs": self.fragment_syncs})
 
     # -- checkpoints ----------------------------------------------------------------------------
 
