@@ -9,8 +9,8 @@ test_overlay_sandbox.py does) and train DiLoCo with `--max-restarts 2 --min-node
   does, the relaunch takes it along and its pre-flight fails ("the overlay is not up there"); if
   not, it is out at once and the rejoin watcher sees it answer without its overlay. Either way
   it is left out, and the survivors relaunch over their overlay addresses and finish.
-- node-2's overlay interface is deleted mid-run: every node still answers, so the relaunch
-  takes all three and node-2 fails its pre-flight; it is left out (a second restart) and the
+- node-2's overlay interface is deleted mid-run and its ranks killed: every node still answers,
+  so the relaunch takes all three and node-2 fails its pre-flight; it is left out (a second restart) and the
   run finishes on node-1 and node-3, over the overlay.
 """
 
@@ -71,6 +71,14 @@ def overlaid(tmp_path_factory):
         yield info, config
     finally:
         sandbox.down(name)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def train_through(info, config, run_dir, fault) -> tuple[dict, str]:
@@ -151,8 +159,14 @@ def test_a_node_failing_the_relaunch_pre_flight_is_left_out(overlaid, tmp_path):
     # Bring back what the kill before took (node-3's wireguard-go), as the user would.
     assert provision(load_cluster(info.cluster_file), roles=["overlay"])["ok"]
 
-    def drop_overlay() -> None:
+    def drop_overlay() -> None:  # and its ranks with it, so the launch fails at once
+        from vpscluster.cluster.sandbox import faults
+
         assert ssh_run(info, "node-2", "ip link del vpsc0").returncode == 0
+        ranks = [p for p in faults.node_pids(info, info.node("node-2")) if "vpscluster.train.worker" in _cmdline(p)]
+        assert ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
 
     run_dir = tmp_path / "run-preflight"
     report, said = train_through(info, config, run_dir, drop_overlay)
