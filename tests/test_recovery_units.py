@@ -29,14 +29,14 @@ def test_subset_moves_the_rendezvous_when_the_head_is_gone():
 
 
 def test_nothing_to_ask_or_reap_for_no_nodes():
-    assert asyncio.run(recovery.answering(_cluster(), [])) == []
+    assert asyncio.run(recovery.ready(_cluster(), [])) == []
     assert asyncio.run(recovery.reap_left(_cluster(), [], ["id"], 1.0)) == []
 
 
 def test_a_node_nobody_listens_on_does_not_answer():
     # 127.0.0.1 port 9 (discard) refuses at once: counted out within the connect time-out.
     cluster = Cluster(nodes=(Node("x", "127.0.0.1", port=9),), head="x", connect_timeout_s=2.0)
-    assert asyncio.run(asyncio.wait_for(recovery.answering(cluster, ["x"]), 20)) == []
+    assert asyncio.run(asyncio.wait_for(recovery.ready(cluster, ["x"]), 20)) == []
 
 
 def _steps(first: int, last: int, launch: str, evals_every: int = 10) -> list[dict]:
@@ -84,3 +84,44 @@ def test_a_restart_on_the_same_head_replaces_the_steps_it_redid(tmp_path):
     path.write_text('{"step": 1, "loss"')  # e.g. a fetch torn half-way
     assert _merge_metrics(path, history, [], resumed_from=20) == history
     assert [x["step"] for x in map(json.loads, path.read_text().splitlines()) if "loss" in x] == list(range(1, 21))
+
+
+def _mixed(tmp_path) -> Cluster:
+    """Two nodes on this machine (they answer) and one nobody listens on (it does not)."""
+    return Cluster(nodes=(Node("a", "127.0.0.1", local=True), Node("node-1", "127.0.0.1", local=True),
+                          Node("node-10", "127.0.0.1", port=9)),
+                   head="a", connect_timeout_s=2.0, source=str(tmp_path / "c.yaml"))
+
+
+def test_a_relaunch_that_failed_before_training_blames_the_node_that_is_not_ready(tmp_path):
+    from vpscluster.errors import RemoteError
+
+    cluster = _mixed(tmp_path)
+    every = ["a", "node-1", "node-10"]
+    assert asyncio.run(asyncio.wait_for(recovery.ready(cluster, every), 20)) == ["a", "node-1"]
+    # Not answering outweighs what the message says (the first error of a gather may be anyone's).
+    assert asyncio.run(recovery.at_fault(cluster, every, RemoteError("node node-1: could not write"))) == ["node-10"]
+    # All ready: the node the error names (node-1, not its prefix of node-10), none when it names none.
+    both = ["a", "node-1"]
+    assert asyncio.run(recovery.at_fault(cluster, both, RemoteError("node node-1: could not write x"))) == ["node-1"]
+    assert asyncio.run(recovery.at_fault(cluster, both, RemoteError("sync code: node-10 (1.2.3.4) timed out"))) == []
+    from vpscluster.errors import UserError
+
+    assert asyncio.run(recovery.at_fault(cluster, both, UserError("pre-flight: node-1: disk full"))) == []
+
+
+def test_a_node_whose_overlay_is_down_is_not_ready(tmp_path):
+    """It answers, but its interface does not carry its overlay address (a rebooted VPS whose
+    wireguard-go died): not ready, so the rejoin watcher does not take it back and a failed
+    relaunch leaves it out. Here: this machine has no vpsc-test0 carrying 10.77.0.2."""
+    from vpscluster.cluster import overlay
+
+    cluster = _mixed(tmp_path)
+    overlay.save(cluster, "vpsc-test0", {"a": "127.0.0.1", "node-1": "10.77.0.2", "node-10": "10.77.0.3"},
+                 "10.77.0.0/24")
+    assert overlay.load(cluster).interface == "vpsc-test0"
+    assert asyncio.run(asyncio.wait_for(recovery.ready(cluster, ["a", "node-1"]), 20)) == []
+    # With lo as "the overlay": a (127.0.0.1) is on it, node-1 (10.77.0.2) is not.
+    overlay.save(cluster, "lo", {"a": "127.0.0.1", "node-1": "10.77.0.2", "node-10": "10.77.0.3"}, "10.77.0.0/24")
+    assert asyncio.run(asyncio.wait_for(recovery.ready(cluster, ["a", "node-1"]), 20)) == ["a"]
+    assert asyncio.run(recovery.wait_for_any(cluster, ["a", "node-1"], 0.1)) == ["a"]

@@ -12,8 +12,12 @@ torchrun's own `--max-restarts` for the workers of one node):
    each rank resumes from the newest checkpoint, re-cut for the ranks present
    (train/checkpoint.py) — for DiLoCo the outer syncs go on over the nodes present, weighted by
    tokens. The rendezvous moves to the first node that answers when the head is gone.
-3. While some node is out, the launcher looks every `rejoin_poll_s` whether it answers again
-   (`wait_for_any`). When it does, the run is stopped at a checkpoint (as by Ctrl-C), whatever
+   A relaunch that fails before training (a node failing its pre-flight or sync, a returning
+   node that drops again) leaves out the nodes at fault (`at_fault`: those not `ready`, else
+   those its error names), counts a restart and goes on, as a failure in training does.
+3. While some node is out, the launcher looks every `rejoin_poll_s` whether it is ready again
+   (`wait_for_any`): it answers, and where the cluster runs over the overlay, its interface
+   carries the node's address (a rebooted VPS answers, but its wireguard-go died with it). When it is, the run is stopped at a checkpoint (as by Ctrl-C), whatever
    that node still runs of earlier launches is reaped (`reap_left`), and the run relaunches
    with it: the returning node receives the newest checkpoint from a holder over the process
    group and trains again.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from typing import Sequence
 
 
@@ -39,23 +44,42 @@ def subset(cluster, names: Sequence[str]):
     return dataclasses.replace(cluster, nodes=keep, head=head)
 
 
-async def answering(cluster, names: Sequence[str], timeout_s: float | None = None) -> list[str]:
-    """The nodes among `names` that run a command over SSH now (in the file's order)."""
+async def ready(cluster, names: Sequence[str], timeout_s: float | None = None) -> list[str]:
+    """The nodes among `names` that can take part in a launch now (in the file's order): they run a
+    command over SSH and, when `cluster` runs over the provisioned overlay, its interface carries
+    their overlay address. `cluster`: the whole cluster of the run, whose overlay record decides."""
+    from vpscluster.cluster import overlay
     from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.netif import interface_for_address
 
     if not names:
         return []
+    mesh = overlay.load(cluster)
     part = subset(cluster, names)
     timeout_s = timeout_s or cluster.connect_timeout_s + 5.0
     async with open_executors(part) as executors:
-        results = await asyncio.gather(*(ex.run(["true"], timeout_s=timeout_s) for ex in executors))
-    return [ex.node.name for ex, r in zip(executors, results) if r.ok]
+        results = await asyncio.gather(*(ex.run("ip -o addr" if mesh else ["true"], timeout_s=timeout_s)
+                                         for ex in executors), return_exceptions=True)  # an error: not ready
+    return [ex.node.name for ex, r in zip(executors, results) if not isinstance(r, BaseException) and r.ok and (
+        mesh is None or interface_for_address(r.stdout, mesh.addresses[ex.node.name]) == mesh.interface)]
+
+
+async def at_fault(cluster, names: Sequence[str], error: BaseException) -> list[str]:
+    """The nodes to leave out after a relaunch on `names` failed before it trained (pre-flight,
+    sync): those not `ready`, else (a node's own error) the ones its message names; [] when
+    neither points at a node."""
+    from vpscluster.errors import RemoteError
+
+    out = [n for n in names if n not in await ready(cluster, names)]
+    if out or not isinstance(error, RemoteError):
+        return out
+    return [n for n in names if re.search(rf"(?<![\w.-]){re.escape(n)}(?![\w-])", str(error))]
 
 
 async def wait_for_any(cluster, names: Sequence[str], poll_s: float) -> list[str]:
-    """Return (the ones that answer) once any of `names` answers again; polls every `poll_s`."""
+    """Return (the ones that are ready) once any of `names` is `ready` again; polls every `poll_s`."""
     while True:
-        back = await answering(cluster, names)
+        back = await ready(cluster, names)
         if back:
             return back
         await asyncio.sleep(poll_s)

@@ -341,8 +341,10 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     """Run it to the end and return its report; `TrainingFailed` or `Interrupted` otherwise.
 
     With `recovery.max_restarts`, a failed launch is relaunched from the last checkpoint on the
-    nodes that still answer (at least `recovery.min_nodes`), and a node that answers again is
-    taken back (launch/recovery.py); the report lists each in `recoveries`."""
+    nodes that still answer (at least `recovery.min_nodes`), a relaunch that fails before it
+    trains (a node's pre-flight or sync) is relaunched again without the nodes at fault, each
+    counted as a restart, and a node that is ready again is taken back (launch/recovery.py); the
+    report lists each in `recoveries`."""
     import asyncio
     import time
 
@@ -391,6 +393,27 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     everyone = [n.name for n in run.cluster.nodes]
     need = run.cfg.recovery.min_nodes or len(everyone)  # prepare_training checked it against the cluster
     current, resume, restarts, launch_ids = list(everyone), run.resume, 0, []
+
+    def go_on_without(gone: list[str], error: str, failed_node: str | None, ended_at: float | None) -> None:
+        """Leave `gone` out, count a restart and relaunch on the rest, or raise when --min-nodes fails."""
+        nonlocal current, resume, restarts
+        live = [n for n in current if n not in gone]
+        if len(live) < need:
+            say(f"{error}")
+            raise TrainingFailed(
+                f"training failed and only {len(live)} of {len(everyone)} nodes answer ({', '.join(live) or 'none'}), "
+                f"fewer than the {need} the run needs (--min-nodes); the checkpoints stay on the nodes: "
+                f"continue with vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>")
+        restarts += 1
+        out = [n for n in everyone if n not in live]
+        say(f"{error}; relaunching on {len(live)} node{'s' if len(live) != 1 else ''} from the last checkpoint"
+            + (f" without {', '.join(out)}" if out else "") + f" (restart {restarts} of {run.cfg.recovery.max_restarts})")
+        # Timed from the moment the launcher saw the failure (a worker's time-out fired), so
+        # teardown and the relaunch count, as a person waiting for training would count them.
+        recoveries.append({"kind": "restart", "after_step": last_step[0], "error": error,
+                           "failed_node": failed_node, "nodes": live, "out": out, **_seen(ended_at)})
+        current, resume = live, True
+
     while True:
         cluster = run.cluster if current == everyone else recovery.subset(run.cluster, current)
         out = [n for n in everyone if n not in current]
@@ -404,13 +427,23 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
             job.stop_when = lambda out=out: recovery.wait_for_any(run.cluster, out, run.cfg.recovery.rejoin_poll_s)
         stop_checkpoint.clear()
         resumed_from[0] = 0
-        result = launch(job)
+        try:
+            result = launch(job)
+        except Exception as e:  # refused before anything started: pre-flight, sync, prepare
+            if isinstance(e, Interrupted) or not launch_ids:
+                raise  # the first launch is refused as any command is
+            # A relaunch: a node failed its pre-flight or sync, or a returning one dropped again.
+            gone = asyncio.run(recovery.at_fault(run.cluster, current, e))
+            if not gone or restarts >= run.cfg.recovery.max_restarts:
+                raise
+            go_on_without(gone, f"the relaunch failed before training: {e}", gone[0], None)
+            continue
         launch_ids.append(result.rdzv_id)
         if not run.local:
             history = _merge_metrics(run.run_dir / rundir.METRICS, history, result.fetched, resumed_from[0])
         _clear_targets(run, say)
         if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
-            back = asyncio.run(recovery.answering(run.cluster, out))
+            back = asyncio.run(recovery.ready(run.cluster, out))
             left = asyncio.run(recovery.reap_left(run.cluster, back, launch_ids[:-1], run.cfg.timeouts.stop_grace_s))
             if left:
                 say(f"could not clear what earlier launches left on a returning node ({'; '.join(left)}); it stays out")
@@ -434,23 +467,8 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
         if restarts >= run.cfg.recovery.max_restarts:
             _raise_failed(run, result)
         # A node that teardown could not reach is out (the watcher takes it back when it answers).
-        live = [o.name for o in result.nodes if o.name in current and not o.teardown_error]
-        if len(live) < need:
-            say(f"{result.error}")
-            raise TrainingFailed(
-                f"training failed and only {len(live)} of {len(everyone)} nodes answer ({', '.join(live) or 'none'}), "
-                f"fewer than the {need} the run needs (--min-nodes); the checkpoints stay on the nodes: "
-                f"continue with vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>")
-        restarts += 1
-        gone = [n for n in everyone if n not in live]
-        say(f"{result.error}; relaunching on {len(live)} node{'s' if len(live) != 1 else ''} from the last checkpoint"
-            + (f" without {', '.join(gone)}" if gone else "") + f" (restart {restarts} of {run.cfg.recovery.max_restarts})")
-        # Timed from the moment the launcher saw the failure (a worker's time-out fired), so
-        # teardown and the relaunch count, as a person waiting for training would count them.
-        recoveries.append({"kind": "restart", "after_step": last_step[0], "error": result.error,
-                           "failed_node": result.failed_node, "nodes": live, "out": gone,
-                           **_seen(result.ended_at)})
-        current, resume = live, True
+        unreached = [o.name for o in result.nodes if o.name in current and o.teardown_error]
+        go_on_without(unreached, str(result.error), result.failed_node, result.ended_at)
     report = rundir.read_report(run.run_dir)
     if not run.local:
         # The worker wrote its node's path; here the run lives in the local run directory.

@@ -155,7 +155,9 @@ def _kill(info, n) -> dict:
             break
         netns.kill_pids(victims, timeout_s=3.0)
         killed.update(victims)
-    left = [p for p in node_pids(info, n) if p != keep]
+    # Only what was signalled survived: a process started after the last round is a new SSH login
+    # through the kept daemon (a launcher reconnecting to the "rebooted" node), not a survivor.
+    left = [p for p in node_pids(info, n) if p != keep and p in killed]
     if left:
         raise UserError(f"sandbox {info.name}: {n.name}: processes {left} survived SIGKILL")
     return {"killed": sorted(killed)}
