@@ -111,7 +111,17 @@ def test_sigkilled_launcher_leaves_nothing_on_sandbox_nodes(tmp_path):
         try:
             wait_for_log(run_dir, "ready rank", proc, timeout_s=90)
             # Workers, torchrun agents and guards, on both nodes.
-            assert len(launch_processes(launch_id)) >= 4
+            before = launch_processes(launch_id)
+            assert len(before) >= 4
+            # A second launch of the same run (its id: the run folder's name), from another local
+            # folder, as from another machine: the nodes' run lock refuses it; the first is unharmed.
+            second = subprocess.run(
+                [sys.executable, "-m", "vpscluster", "run", "--cluster", info.cluster_file, "--sync", str(SCRIPTS),
+                 "--run-dir", str(tmp_path / "elsewhere" / "run"), "--", "python", "sleep_forever.py"],
+                capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            assert second.returncode != 0 and "run run already runs on this node" in second.stderr, second.stderr[-2000:]
+            assert f"(launch {launch_id}: its guard" in second.stderr, second.stderr[-2000:]
+            assert proc.poll() is None and launch_processes(launch_id) == before
             kill_and_watch(proc, lambda: launch_processes(launch_id))
         finally:
             if proc.poll() is None:
