@@ -141,3 +141,16 @@ def test_messages_differ_between_classes(folder: Path) -> None:
 def test_missing_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no such cluster file; pass --cluster"):
         load_cluster(tmp_path / "absent.yaml")
+
+
+def test_a_folder_is_not_a_cluster_file_and_the_error_says_what_to_pass(tmp_path: Path, cli) -> None:
+    with pytest.raises(UserError) as info:
+        load_cluster(tmp_path)
+    msg = str(info.value)
+    assert "is a folder, not a cluster file" in msg and "no such" not in msg
+    assert f"--cluster {tmp_path / 'cluster.yaml'}" in msg
+    (tmp_path / "prod.yaml").write_text("nodes: []\n")
+    r = cli("train", "--cluster", str(tmp_path), "--dry-run", timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{tmp_path} is a folder, not a cluster file (it holds prod.yaml)" in r.stderr
+    assert f"--cluster {tmp_path / 'prod.yaml'}" in r.stderr

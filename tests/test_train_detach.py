@@ -128,3 +128,19 @@ def test_unknown_runs_are_one_line_errors(tmp_path):
     (tmp_path / "plain" / "config.yaml").write_text("preset: tiny\n")
     r = run_cli("stop", str(tmp_path / "plain"), timeout=60)
     assert r.returncode == 2 and "not started with --detach" in r.stderr
+
+
+def test_detach_checks_the_network_before_it_starts_anything(tmp_path):
+    """A launch the network check refuses is refused by `train --detach` itself, in one line,
+    before it prints "started" or starts a launcher (it used to say "started", then fail in the
+    background)."""
+    key = tmp_path / "k"
+    key.write_text("x")
+    (tmp_path / "c.yaml").write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    run = tmp_path / "run"
+    r = run_cli("train", "--cluster", str(tmp_path / "c.yaml"), "--detach", "--preset", "tiny", "--strategy", "ddp",
+                "--run-dir", str(run), timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to launch over public addresses: a (192.0.2.50)" in lines[0], lines
+    assert "started" not in r.stdout and not run.exists()

@@ -47,6 +47,11 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
 
     where = str(path)
     p = _expand(str(path), where)
+    if p.is_dir():
+        inside = sorted(q.name for q in p.glob("*.y*ml") if q.is_file())
+        hint = f" (it holds {', '.join(inside[:3])})" if inside else ""
+        raise UserError(f"{where} is a folder, not a cluster file{hint}; pass --cluster with the path of the "
+                        f"cluster.yaml itself, e.g. --cluster {os.path.join(where, inside[0] if inside else 'cluster.yaml')}")
     if not p.is_file():
         raise UserError(f"{where}: no such cluster file; pass --cluster with the path of your cluster.yaml")
     data = load_yaml(p, what="cluster file")
