@@ -18,7 +18,9 @@ pydantic checks the file against `ClusterFile` (every key's type and rule, unkno
 across nodes); every problem is one `UserError` line naming the file and the field, e.g.
 "cluster.yaml: nodes[1].port: 70000 is not a port (1-65535)". Relative paths (identity files,
 known_hosts) are relative to the file's folder; `~` expands. With no file, commands use
-`local_cluster()`: one node, processes on this machine.
+`local_cluster()`: one node, processes on this machine. After `vpscluster provision` (env), a
+node's `python` is its provisioned venv's while the file's `python:` for it is unchanged
+(cluster/venv.py).
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
     if not p.is_file():
         raise UserError(f"{where}: no such cluster file; pass --cluster with the path of your cluster.yaml")
     data = load_yaml(p, what="cluster file")
-    return cluster_from_mapping(data, where, base_dir=p.resolve().parent)
+    from vpscluster.cluster import venv
+
+    # Nodes provisioned with the env role run their venv (unless `python:` changed since: cluster/venv.py).
+    return venv.apply(cluster_from_mapping(data, where, base_dir=p.resolve().parent))
 
 
 def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
