@@ -85,7 +85,17 @@ def test_sigkilled_local_train_leaves_nothing(tmp_path):
         while time.monotonic() < deadline and proc.poll() is None and len(_workers(run_dir)) < 2:
             time.sleep(0.3)
         assert proc.poll() is None and len(_workers(run_dir)) == 2, proc.stderr.read()[-1500:] if proc.poll() is not None else "no workers"
+        # One launcher per run: a resume while this one trains is refused, naming it.
+        second = subprocess.run([sys.executable, "-m", "vpscluster", "train", "--resume", str(run_dir)],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr[-2000:]
+        assert f"already has a launcher running (pid {proc.pid} on " in second.stderr and f"kill {proc.pid}" in second.stderr
+        assert len(_workers(run_dir)) == 2
         kill_and_watch(proc, lambda: launch_processes(needle=str(run_dir)))
+        # The SIGKILLed launcher's lock went with it.
+        from vpscluster.launch import runlock
+
+        assert runlock.holder(run_dir) is None
     finally:
         if proc.poll() is None:
             proc.kill()
