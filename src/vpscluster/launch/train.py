@@ -342,7 +342,8 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 
     One launcher per run: this process holds the run directory's lock (launch/runlock.py) from
     the start of a resume, or from the creation of a new run, until it returns; a second
-    launcher is refused in one line naming this one."""
+    launcher is refused in one line naming this one. Failed launches are relaunched as
+    `recovery` says (see `_launch_training`)."""
     from vpscluster.launch.runlock import RunLock
 
     lock = RunLock(run.run_dir)
