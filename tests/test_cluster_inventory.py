@@ -141,3 +141,45 @@ def test_messages_differ_between_classes(folder: Path) -> None:
 def test_missing_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no such cluster file; pass --cluster"):
         load_cluster(tmp_path / "absent.yaml")
+
+
+def test_a_folder_is_not_a_cluster_file_and_the_error_says_what_to_pass(tmp_path: Path, cli) -> None:
+    with pytest.raises(UserError) as info:
+        load_cluster(tmp_path)
+    msg = str(info.value)
+    assert "is a folder, not a cluster file" in msg and "no such" not in msg
+    assert f"--cluster {tmp_path / 'cluster.yaml'}" in msg
+    (tmp_path / "prod.yaml").write_text("nodes: []\n")
+    r = cli("train", "--cluster", str(tmp_path), "--dry-run", timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{tmp_path} is a folder, not a cluster file (it holds prod.yaml)" in r.stderr
+    assert f"--cluster {tmp_path / 'prod.yaml'}" in r.stderr
+
+
+def test_a_provisioned_venv_is_used_per_node_until_the_file_names_another_python(tmp_path: Path) -> None:
+    """After `provision` (env) records each node's venv, load_cluster runs it; a `python:` written
+    for a node afterwards wins; a node the record does not know (new host) keeps its own."""
+    import yaml
+
+    from vpscluster.cluster import venv
+
+    key = tmp_path / "k"
+    key.write_text("x")
+    doc = {"defaults": {"identity_file": str(key), "python": "/usr/bin/python3", "workdir": "/srv/w"},
+           "nodes": [{"name": "a", "host": "10.0.0.2"}, {"name": "b", "host": "10.0.0.3"}, {"name": "c", "host": "10.0.0.4"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    record = venv.save(load_cluster(path), {"a": "/srv/w/venv/bin/python", "b": "/srv/w/venv/bin/python"})
+    assert record == tmp_path / ".vpscluster" / "c.venv.json"
+    assert [n.python for n in load_cluster(path).nodes] == ["/srv/w/venv/bin/python"] * 2 + ["/usr/bin/python3"]
+    doc["nodes"][1]["python"] = "/opt/mine/bin/python"  # written by the user after provisioning
+    doc["nodes"][0]["host"] = "10.0.0.9"  # another machine under the same name
+    path.write_text(yaml.safe_dump(doc))
+    assert [n.python for n in load_cluster(path).nodes] == ["/usr/bin/python3", "/opt/mine/bin/python", "/usr/bin/python3"]
+    # Provisioned again from a cluster already running its venv: the file's own python stays the reference.
+    doc["nodes"][1].pop("python")
+    doc["nodes"][0]["host"] = "10.0.0.2"
+    path.write_text(yaml.safe_dump(doc))
+    venv.save(load_cluster(path), {"a": "/srv/w/venv/bin/python"})
+    assert venv.load(load_cluster(path))["nodes"]["a"]["file_python"] == "/usr/bin/python3"
+    assert [n.python for n in load_cluster(path).nodes][:2] == ["/srv/w/venv/bin/python"] * 2

@@ -3,8 +3,9 @@
 second run reports no changes; the node's sysctls match the plan; the firewall lets peers and
 SSH in and keeps a stranger on the same bridge out of the cluster's ports; the host's own
 sysctls and nftables ruleset are untouched throughout. The env role installs vpscluster's whole
-run-time closure (torch included) on both nodes, finds and fixes a hand-made change, and
-`train --cluster` then runs on the provisioned venvs.
+run-time closure (torch included) on both nodes, finds and fixes a hand-made change, records
+each node's venv next to the cluster file, and `train --cluster` with the file unedited then
+runs on the provisioned venvs.
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ def test_env_full_closure_identical_on_every_node_fixed_after_a_hand_change_and_
         assert r.stdout.split()[-2:] == [reqs["torch"], reqs["pyyaml"]], r.stdout[-200:]
         assert not Path(venv).exists()  # on the node's own disk only
     assert hashes == {first["env"]["hash"]}
-    for n, rec in zip(info.nodes, first["nodes"]):  # how to run on it: the node's `python` in the cluster file
-        assert f"set `python: {n.workdir}/venv/bin/python` for {n.name}" in " ".join(rec["notes"]), rec["notes"]
+    for n, rec in zip(info.nodes, first["nodes"]):  # recorded next to the cluster file: launches run it
+        assert f"launches on {n.name} now run {n.workdir}/venv/bin/python" in " ".join(rec["notes"]), rec["notes"]
+    assert first["env"]["record"] == str(Path(cluster_file).parent / ".vpscluster" / "cluster-fw.venv.json")
     # CPU nodes: the CUDA/driver check says so, without failing anything.
     assert [n["gpu_check"]["status"] for n in first["nodes"]] == ["no GPU", "no GPU"], first["nodes"]
     assert run()["summary"] == "no changes"
@@ -200,16 +202,12 @@ def test_env_full_closure_identical_on_every_node_fixed_after_a_hand_change_and_
     assert r.stdout.split() == [reqs["mdurl"], reqs["torch"]], (r.stdout, r.stderr)
     assert run()["summary"] == "no changes"
 
-    # Train on the provisioned venvs: the cluster file's `python` per node, as the note says.
-    doc = yaml.safe_load(Path(cluster_file).read_text())
-    for entry, n in zip(doc["nodes"], info.nodes):
-        entry["python"] = f"{n.workdir}/venv/bin/python"
-    venv_cluster = tmp_path / "cluster-venv.yaml"
-    venv_cluster.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # Train on the provisioned venvs with the cluster file as `sandbox up` wrote it: the record
+    # says which python each node runs now (nobody edits the file by hand).
     corpus = tmp_path / "corpus.txt"
     with gzip.open(Path(__file__).resolve().parents[1] / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
         corpus.write_text(f.read(200_000))
-    r = cli("train", "--cluster", str(venv_cluster), "--preset", "tiny", "--max-steps", "6", "--eval-every", "6",
+    r = cli("train", "--cluster", cluster_file, "--preset", "tiny", "--max-steps", "6", "--eval-every", "6",
             "--data", str(corpus), "--run-dir", str(tmp_path / "run"), "--json", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)

@@ -89,3 +89,24 @@ def test_provision_refuses_sandbox_nodes_that_share_this_machines_files(cli):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "shares this machine's filesystem" in lines[0] and "--own-root" in lines[0]
+
+
+def test_the_cluster_files_python_runs_on_own_root_nodes(own_root2):
+    """The sandbox's cluster file names this machine's interpreter; own-root nodes see the host's
+    files except their own /root, /tmp and /run, where a venv or the Python behind it (pyenv)
+    may live: those folders are lent, read-only, so the interpreter runs there with its torch."""
+    import sys
+
+    import yaml
+
+    from vpscluster.cluster.sandbox import rootfs
+
+    python = yaml.safe_load(Path(own_root2.cluster_file).read_text())["defaults"]["python"]
+    assert python == sys.executable
+    for n in own_root2.nodes:
+        r = ssh_run(own_root2, n.name, f"{python} -c 'import sys, torch; print(sys.prefix)'")
+        assert r.returncode == 0 and r.stdout.split() == [sys.prefix], (r.stdout, r.stderr[-1500:])
+    for lent in rootfs.lent_dirs():  # read-only there, and nothing of it reaches the host's own folders
+        r = ssh_run(own_root2, "node-1", f"touch {lent}/pv-probe")
+        assert r.returncode != 0 and "Read-only file system" in r.stderr, (r.stdout, r.stderr)
+        assert not Path(lent, "pv-probe").exists()

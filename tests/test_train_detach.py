@@ -1,5 +1,7 @@
 """`train --detach` returns at once and leaves the launcher running; `attach` follows it and
-Ctrl-C leaves it running; `stop` ends it with a checkpoint; unknown runs are one-line errors."""
+Ctrl-C leaves it running; a second launcher on the run is refused while the first lives; `stop`
+ends it with a checkpoint; a dead launcher's leftovers do not block a resume; unknown runs are
+one-line errors."""
 
 from __future__ import annotations
 
@@ -43,6 +45,21 @@ def test_detach_attach_stop(tmp_path):
         assert "detached; the run goes on" in err
         assert pid_alive(pid)  # Ctrl-C on attach left the run alone
 
+        # One launcher per run: a second one (a resume here, a second --detach) is refused in one
+        # line naming the live one and the fix, and the first goes on unharmed.
+        state = (run / "launcher.json").read_text()
+        for extra in ([], ["--detach"]):
+            second = run_cli("train", "--resume", str(run), "--nodes", "2", *extra, timeout=120)
+            assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr[-2000:]
+            assert f"already has a launcher running (pid {pid} on " in second.stderr, second.stderr
+            assert f"vpscluster stop {run}" in second.stderr and "started" not in second.stdout
+        assert (run / "launcher.json").read_text() == state
+        steps = metrics.read_text().count('"loss"')
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and metrics.read_text().count('"loss"') <= steps:
+            time.sleep(0.2)
+        assert pid_alive(pid) and metrics.read_text().count('"loss"') > steps  # still training
+
         s = run_cli("stop", "--json", str(run), timeout=150)
         assert s.returncode == 0, s.stderr
         stopped = json.loads(s.stdout)
@@ -65,6 +82,24 @@ def test_detach_attach_stop(tmp_path):
     again = run_cli("stop", str(run), timeout=60)
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
     assert "is not running" in again.stderr and f"--resume {run}" in again.stderr
+
+    # What a SIGKILLed launcher leaves (launcher.json and the lock file naming a dead pid, no exit
+    # status) does not block the next launcher.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = {"pid": dead.pid, "argv": ["train"], "started": time.time(), "log": str(run / "logs" / "detached.log")}
+    (run / "launcher.json").write_text(json.dumps(stale))
+    (run / "launcher.lock").write_text(json.dumps({"pid": dead.pid, "host": "here", "started": time.time()}))
+    r = run_cli("train", "--resume", str(run), "--max-steps", str(k + 1), "--detach", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    resumed = json.loads(r.stdout)["pid"]
+    try:
+        done = run_cli("attach", str(run), timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads((run / "report.json").read_text())["steps"] == k + 1
+    finally:
+        if pid_alive(resumed):
+            os.kill(resumed, signal.SIGKILL)
 
     # `logs`: what the nodes printed, by rank, the last lines of each node; following an ended
     # detached run returns at once.
@@ -93,3 +128,19 @@ def test_unknown_runs_are_one_line_errors(tmp_path):
     (tmp_path / "plain" / "config.yaml").write_text("preset: tiny\n")
     r = run_cli("stop", str(tmp_path / "plain"), timeout=60)
     assert r.returncode == 2 and "not started with --detach" in r.stderr
+
+
+def test_detach_checks_the_network_before_it_starts_anything(tmp_path):
+    """A launch the network check refuses is refused by `train --detach` itself, in one line,
+    before it prints "started" or starts a launcher (it used to say "started", then fail in the
+    background)."""
+    key = tmp_path / "k"
+    key.write_text("x")
+    (tmp_path / "c.yaml").write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    run = tmp_path / "run"
+    r = run_cli("train", "--cluster", str(tmp_path / "c.yaml"), "--detach", "--preset", "tiny", "--strategy", "ddp",
+                "--run-dir", str(run), timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to launch over public addresses: a (192.0.2.50)" in lines[0], lines
+    assert "started" not in r.stdout and not run.exists()

@@ -240,6 +240,10 @@ def _run(args: argparse.Namespace) -> int:
 
     out = console(args.json)
     cfg = resolve_resume(args) if args.resume is not None else resolve_config(args)
+    if args.resume is not None and not args.dry_run:  # one launcher per run: refused before any planning
+        from vpscluster.launch import detached
+
+        detached.check_free(args.resume)
     # Everything is checked (the cluster file loaded, the data read) before anything is created.
     prepared = train.prepare_training(cfg, resume_dir=args.resume, force=bool(args.force),
                                       accept_new_host_keys=bool(args.accept_new_host_keys),
@@ -250,6 +254,10 @@ def _run(args: argparse.Namespace) -> int:
     if prepared.speeds_note:
         out.print(prepared.speeds_note, markup=False, soft_wrap=True)
     if args.detach:
+        if not args.dry_run:  # refused here, before "started": the launcher would only fail in the background
+            from vpscluster.cluster.netsafety import require_safe_network
+
+            require_safe_network(prepared.cluster)
         return _detach(args, prepared, out)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run

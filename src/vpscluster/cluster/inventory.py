@@ -18,7 +18,9 @@ pydantic checks the file against `ClusterFile` (every key's type and rule, unkno
 across nodes); every problem is one `UserError` line naming the file and the field, e.g.
 "cluster.yaml: nodes[1].port: 70000 is not a port (1-65535)". Relative paths (identity files,
 known_hosts) are relative to the file's folder; `~` expands. With no file, commands use
-`local_cluster()`: one node, processes on this machine.
+`local_cluster()`: one node, processes on this machine. After `vpscluster provision` (env), a
+node's `python` is its provisioned venv's while the file's `python:` for it is unchanged
+(cluster/venv.py).
 """
 
 from __future__ import annotations
@@ -47,10 +49,18 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
 
     where = str(path)
     p = _expand(str(path), where)
+    if p.is_dir():
+        inside = sorted(q.name for q in p.glob("*.y*ml") if q.is_file())
+        hint = f" (it holds {', '.join(inside[:3])})" if inside else ""
+        raise UserError(f"{where} is a folder, not a cluster file{hint}; pass --cluster with the path of the "
+                        f"cluster.yaml itself, e.g. --cluster {os.path.join(where, inside[0] if inside else 'cluster.yaml')}")
     if not p.is_file():
         raise UserError(f"{where}: no such cluster file; pass --cluster with the path of your cluster.yaml")
     data = load_yaml(p, what="cluster file")
-    return cluster_from_mapping(data, where, base_dir=p.resolve().parent)
+    from vpscluster.cluster import venv
+
+    # Nodes provisioned with the env role run their venv (unless `python:` changed since: cluster/venv.py).
+    return venv.apply(cluster_from_mapping(data, where, base_dir=p.resolve().parent))
 
 
 def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:

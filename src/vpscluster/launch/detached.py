@@ -8,6 +8,11 @@ session it was typed in does not stop it) and returns. Everything about it lives
                                 "exit_status" and "message" when it ends
     RUN_DIR/logs/detached.log   the launcher's own output (what `train` prints in a terminal)
 
+One launcher per run: `start` refuses while the run's launcher lock is held or the launcher that
+launcher.json names still runs (launch/runlock.py); a stale launcher.json of a dead launcher is
+replaced, and a second launcher that slips past that check is refused by the lock itself,
+without touching the first's launcher.json (`finish` writes only its own).
+
 `stop` sends the launcher SIGTERM, which is Ctrl-C for it: every rank saves a checkpoint at the
 next step boundary and the launcher stops every process on every node; after a time-out it is
 killed, and its node-side guards still stop the workers (after their own grace period).
@@ -39,9 +44,10 @@ def log_path(run_dir: Path) -> Path:
 def start(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     """Start `vpscluster ARGV...` in the background, its output to RUN_DIR/logs/detached.log."""
     run_dir = Path(run_dir)
+    check_free(run_dir)
     log = log_path(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / STATE).unlink(missing_ok=True)  # a previous detached session's (a resume)
+    (run_dir / STATE).unlink(missing_ok=True)  # a previous detached session's, whose launcher is gone (a resume)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vpscluster", *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -53,9 +59,27 @@ def start(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     return state
 
 
+def check_free(run_dir: Path) -> None:
+    """Refuse (one line) when a launcher already runs this run: it holds the run's lock, or
+    launcher.json names a launcher that is alive. A dead launcher's leftovers do not count."""
+    from vpscluster.launch import runlock
+
+    held = runlock.holder(run_dir)
+    if held is not None:
+        raise runlock.refusal(Path(run_dir), held)
+    state = read_state(run_dir)
+    if state is not None and state.get("pid") != os.getpid() and running(state):
+        import socket
+
+        raise runlock.refusal(Path(run_dir), {"pid": state["pid"], "host": socket.gethostname(), "started": state.get("started")})
+
+
 def finish(run_dir: Path, exit_status: int, message: str | None) -> None:
-    """The detached launcher's last word, for `attach` and `stop` to read."""
+    """The detached launcher's last word, for `attach` and `stop` to read. Never over the state
+    of another launcher that still runs (a second launcher refused by the lock)."""
     state = read_state(run_dir) or {}
+    if state.get("pid") not in (None, os.getpid()) and running(state):
+        return
     state.update(exit_status=exit_status, message=message, ended=time.time())
     fsutil.write_json(Path(run_dir) / STATE, state)
 

@@ -232,7 +232,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     from vpscluster.launch.logs import LogRouter
     from vpscluster.launch.sync import sync_dir
     from vpscluster.launch.hung import find_hung
-    from vpscluster.launch.teardown import guarded, teardown
+    from vpscluster.launch.teardown import NODE_LOCK, guarded, teardown
 
     timeout_s = job.cluster.connect_timeout_s + job.cluster.command_timeout_s
     by_name = {ex.node.name: ex for ex in executors}
@@ -305,7 +305,9 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             router.note(c.node, "$ " + c.shell())
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
             # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
-            line = guarded(c.argv[0], rdzv_id, c.shell(), grace_s=job.stop_grace_s or 5.0)
+            # And under the run's node lock: a second launch of this run is refused while this one lives.
+            line = guarded(c.argv[0], rdzv_id, c.shell(), grace_s=job.stop_grace_s or 5.0,
+                           lock_path=posixpath.join(job.node_run_dir(states[c.node].workdir), NODE_LOCK))
             handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
         failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
         seen_at = time.monotonic()

@@ -20,13 +20,18 @@ from vpscluster import nodeside
 from vpscluster.launch.commands import LAUNCH_ID_ENV
 
 
-def guarded(python: str, launch_id: str, shell_line: str, grace_s: float = 5.0) -> str:
+NODE_LOCK = "launch.lock"
+
+
+def guarded(python: str, launch_id: str, shell_line: str, grace_s: float = 5.0, lock_path: str | None = None) -> str:
     """The node command line running `shell_line` under the node-side guard (`reap.py guard`),
     with the node's `python`: a launcher that dies, even by SIGKILL, leaves nothing running.
+    `lock_path` (the run's folder on the node / NODE_LOCK): one launch of the run at a time there.
 
     `exec`: the guard replaces the shell the executor starts, so its parent is the launcher's
     process (local) or the SSH wrapper, and it leads the process group they signal."""
-    argv = nodeside.command(python, "reap", "guard", LAUNCH_ID_ENV, launch_id, "%g" % grace_s,
+    lock = ["--lock", lock_path] if lock_path else []
+    argv = nodeside.command(python, "reap", "guard", LAUNCH_ID_ENV, launch_id, "%g" % grace_s, *lock,
                             "/bin/sh", "-c", shell_line)
     return "exec " + shlex.join(argv)
 

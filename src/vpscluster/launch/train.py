@@ -340,6 +340,24 @@ def dry_run_training(run: TrainingRun) -> dict[str, Any]:
 def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | None = None) -> dict[str, Any]:
     """Run it to the end and return its report; `TrainingFailed` or `Interrupted` otherwise.
 
+    One launcher per run: this process holds the run directory's lock (launch/runlock.py) from
+    the start of a resume, or from the creation of a new run, until it returns; a second
+    launcher is refused in one line naming this one. Failed launches are relaunched as
+    `recovery` says (see `_launch_training`)."""
+    from vpscluster.launch.runlock import RunLock
+
+    lock = RunLock(run.run_dir)
+    if run.resume:
+        lock.acquire()
+    try:
+        return _launch_training(run, lock, say=say, on_event=on_event)
+    finally:
+        lock.release()
+
+
+def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | None) -> dict[str, Any]:
+    """launch_training's body (`lock`: the run's, taken when a new run is created).
+
     With `recovery.max_restarts`, a failed launch is relaunched from the last checkpoint on the
     nodes that still answer (at least `recovery.min_nodes`), a relaunch that fails before it
     trains (a node's pre-flight or sync) is relaunched again without the nodes at fault, each
@@ -356,6 +374,7 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
     def create_run() -> None:
         if not run.resume and not created:
             rundir.create(run.run_dir)
+            lock.acquire()
         created.append(True)
         rundir.write_config(run.cfg, run.run_dir)
         if run.prediction is not None:

@@ -21,11 +21,21 @@ for it, exiting as it exits (same status, same signal). It reaps the whole launc
 torchrun's workers run in sessions of their own, so a process group is not enough: the tag is.
 A launcher SIGKILLed mid-run therefore leaves nothing running on any node after about
 POLL_S + GRACE_S + 1 s.
+
+Usage: python reap.py guard VAR LAUNCH_ID GRACE_S --lock PATH COMMAND...
+One launch per run on this node: PATH (`launch.lock` in the run's folder on the node) records
+{"run", "launch_id", "var", "guard_pid", "host", "started"} and the guard holds an exclusive
+flock on it for its life. A guard of another launch of the same run is refused (one line on
+stderr, exit status LOCKED, COMMAND never started) while the recorded launch's guard holds the
+lock or any process tagged with its launch id still lives (workers left behind by a guard that
+died); it waits up to LOCK_WAIT_S first, for a launch being torn down to finish going.
 """
 
+import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +46,8 @@ POLL_S = 0.5
 # grace period is for the workers (a checkpoint), so the agents alone get at most this long.
 AGENT_MARKERS = (b"torch.distributed.run", b"torchrun", b"torch.distributed.launch")
 AGENT_GRACE_S = 3.0
+LOCK_WAIT_S = 5.0
+LOCKED = 75  # EX_TEMPFAIL: another launch of this run holds the node
 
 
 def tagged(tag, me=None):
@@ -108,8 +120,57 @@ def reap(tag, grace_s, kill_wait_s):
     return {"found": found, "left": tagged(tag, me)}
 
 
-def guard(tag, grace_s, command):
-    """Run `command`; reap the launch when the launcher is gone or we are told to stop."""
+def take_lock(path, var, launch_id):
+    """The run's node lock for this launch: the open fd (held until the guard exits), or the
+    refusal line when another launch of the run is alive here."""
+    path = os.path.expanduser(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    end = time.time() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = False
+        except OSError:
+            held = True
+        prev = _read_record(fd)
+        other = prev.get("launch_id") if prev.get("launch_id") != launch_id else None
+        alive = tagged(("%s=%s" % (prev.get("var") or var, other)).encode(), os.getpid()) if other else []
+        if not held and not alive:
+            break
+        if time.time() >= end:
+            os.close(fd)
+            who = "its guard (pid %s) holds the lock" % prev.get("guard_pid", "?") if held else \
+                "%d of its processes live (pids %s)" % (len(alive), " ".join(map(str, alive[:5])))
+            return None, ("vpscluster guard: run %s already runs on this node (launch %s: %s); refusing a second launch "
+                          "of it: stop the first (`vpscluster stop RUN_DIR` on its launcher's machine, or wait for it) "
+                          "and resume after" % (prev.get("run") or "?", other or "?", who))
+        if not held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        time.sleep(0.2)
+    record = {"run": os.path.basename(os.path.dirname(os.path.abspath(path))), "launch_id": launch_id, "var": var,
+              "guard_pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return fd, None
+
+
+def _read_record(fd):
+    try:
+        doc = json.loads(os.pread(fd, 65536, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def guard(tag, grace_s, command, lock=None):
+    """Run `command`; reap the launch when the launcher is gone or we are told to stop.
+    `lock`: (path, var, launch id) of the run's node lock, taken first (see the module)."""
+    if lock is not None:
+        fd, refused = take_lock(*lock)
+        if fd is None:
+            sys.stderr.write(refused + "\n")
+            sys.stderr.flush()
+            return LOCKED
     parent = os.getppid()
     told = []
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -145,9 +206,12 @@ def guard(tag, grace_s, command):
 
 def main(argv):
     if len(argv) >= 6 and argv[1] == "guard" and argv[2] and argv[3]:
-        return guard(("%s=%s" % (argv[2], argv[3])).encode(), float(argv[4]), argv[5:])
+        tag = ("%s=%s" % (argv[2], argv[3])).encode()
+        if argv[5] == "--lock" and len(argv) >= 8:
+            return guard(tag, float(argv[4]), argv[7:], lock=(argv[6], argv[2], argv[3]))
+        return guard(tag, float(argv[4]), argv[5:])
     if len(argv) != 5 or not argv[1] or not argv[2]:
-        print("usage: reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S | reap.py guard VAR LAUNCH_ID GRACE_S COMMAND...",
+        print("usage: reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S | reap.py guard VAR LAUNCH_ID GRACE_S [--lock PATH] COMMAND...",
               file=sys.stderr)
         return 2
     tag = ("%s=%s" % (argv[1], argv[2])).encode()

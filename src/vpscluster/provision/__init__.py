@@ -82,13 +82,27 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
         add_gpu_checks(cluster, report, timeout_s=min(timeout_s, 120.0))
         report["env"] = {"hash": extra["env_hash"], "python": extra["env_python_version"],
                          "packages": extra["env_requirements"]}
-        by_name = {n.name: n for n in cluster.nodes}
-        for n in report["nodes"]:  # launches run the cluster file's `python`: say how to use the venv
-            node = by_name.get(n["name"])
-            if node is not None and node.python != venv_python(node) and n["status"] != "failed":
-                n["notes"].append(f"to run on this environment, set `python: {venv_python(node)}` for "
-                                  f"{node.name} in the cluster file")
+        if not check:
+            record_venvs(cluster, report)
     return report
+
+
+def record_venvs(cluster: Cluster, report: dict) -> None:
+    """Record each provisioned node's venv, so launches run it (cluster/venv.py) without the
+    cluster file being edited; say so per node."""
+    from vpscluster.cluster import venv
+
+    by_name = {n.name: n for n in cluster.nodes}
+    done = {r["name"]: venv_python(by_name[r["name"]]) for r in report["nodes"]
+            if r["name"] in by_name and r["status"] != "failed"}
+    if not done:
+        return
+    path = venv.save(cluster, done)
+    report["env"]["record"] = str(path)
+    for r in report["nodes"]:
+        if r["name"] in done:
+            r["notes"].append(f"launches on {r['name']} now run {done[r['name']]} (recorded in {path}; "
+                              "a `python:` you write for it in the cluster file later wins)")
 
 
 def venv_python(node) -> str:

@@ -1,7 +1,8 @@
 """The cluster.yaml a sandbox writes for itself (the format `vpscluster.cluster.inventory` loads).
 
 Paths are absolute, `python` is the interpreter running vpscluster (the filesystem is shared
-with the nodes) and each node has its own workdir in the sandbox's state directory, so code
+with the nodes; own-root nodes are lent its folders where they would not see them, rootfs.py)
+and each node has its own workdir in the sandbox's state directory, so code
 sync and run directories are as real as on separate machines.
 """
 

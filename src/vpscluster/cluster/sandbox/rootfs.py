@@ -16,7 +16,9 @@ bare VPS) and /tmp are the node's own directories outside the overlay (rootfs/ro
 the host keeps changing its own /root and /tmp (shells, pyenv's rehash lock) while nodes run,
 and overlayfs leaves changes to a mounted lower layer undefined — a node could see a file the
 host has since deleted. The node's /etc/hosts and /etc/hostname are
-written into its own /etc. sshd's pid file and log are bound back to the host's node directory
+written into its own /etc. The folders of this machine's interpreter that would be hidden that
+way (a venv or pyenv under /root or /tmp) are bound into every node read-only (`lent_dirs`), so
+the cluster file's `python` runs there as on a VPS image with Python preinstalled. sshd's pid file and log are bound back to the host's node directory
 so `status` and error messages work as for plain nodes.
 
 The mounts exist only in the mount namespace that `ip netns exec` makes for sshd: they are
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from vpscluster.cluster.sandbox import cgroup as cgroup_mod
@@ -41,6 +44,7 @@ from vpscluster.errors import UserError
 
 # The shell that runs inside the node's network + mount namespace; positional args:
 #   $1 hostname  $2 rootfs dir  $3 node dir (pid/log)  $4 sshd config  $5 sshd log  $6 sshd binary
+#   $7... folders of this machine's interpreter to lend the node, read-only (lent_dirs)
 _ENTER = r'''
 set -e
 hostname "$1"
@@ -61,8 +65,12 @@ echo "$1" > "$M/etc/hostname"
 for f in sshd.pid sshd.log; do
   : > "$3/$f"; : > "$M$3/$f"; mount --bind "$3/$f" "$M$3/$f"
 done
+CONFIG="$4"; LOG="$5"; BIN="$6"; shift 6
+for p in "$@"; do
+  mkdir -p "$M$p"; mount --bind "$p" "$M$p"; mount -o remount,bind,ro "$M$p"
+done
 CGVIEW
-exec chroot "$M" "$6" -f "$4" -E "$5"
+exec chroot "$M" "$BIN" -f "$CONFIG" -E "$LOG"
 '''
 # The node's own view of its cgroup (as sshd.start makes it), now below the bound /sys: the
 # unified hierarchy where /sys/fs/cgroup is cgroup2, else v1's cpu controller.
@@ -82,6 +90,24 @@ def supported() -> str | None:
     except OSError as e:
         return f"--own-root: cannot read /proc/filesystems ({e})"
     return None
+
+
+# A node's own folders, where the host's files are not seen (see the module's docstring).
+_OWN_DIRS = ("/root", "/tmp", "/run")
+
+
+def lent_dirs() -> list[str]:
+    """Folders of the interpreter running vpscluster (the sandbox cluster file's `python`: its
+    venv and the Python behind it, e.g. pyenv's under /root) that lie in a node's own folders,
+    where the node would not see them. They are lent to every node, read-only, as a VPS image
+    with Python preinstalled: otherwise the cluster file's `python` "cannot be run there"."""
+    found = []
+    for p in dict.fromkeys((sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)):
+        for q in dict.fromkeys((os.path.abspath(p), os.path.realpath(p))):
+            if any(q == d or q.startswith(d + "/") for d in _OWN_DIRS) and q not in _OWN_DIRS:
+                found.append(q)
+    found.sort()
+    return [q for i, q in enumerate(found) if not any(q.startswith(o + "/") or q == o for o in found[:i])]
 
 
 def rootfs_dir(node_dir: Path) -> Path:
@@ -104,7 +130,8 @@ def start(namespace: str, hostname: str, config: Path, log: Path, cgroup: Path, 
     script = _ENTER.replace("CGVIEW", _CGVIEW if own_view else "")
     argv = cgroup_mod.enter_argv(cgroup, namespace, [
         "unshare", "--uts", *(["--cgroup"] if own_view else []), "--",
-        "sh", "-c", script, "enter-root", hostname, str(root), str(node_dir), str(config), str(log), SSHD])
+        "sh", "-c", script, "enter-root", hostname, str(root), str(node_dir), str(config), str(log), SSHD,
+        *lent_dirs()])
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
     try:
