@@ -85,6 +85,7 @@ class Session:
         self.stopped_by: str | None = None
         self.stop_requested = False  # SIGTERM/SIGINT: acted on at the next sync point
         self.model = None
+        self._plain = None  # the unwrapped model, also after close
         self._data = {"epoch": 0, "index": 0}  # Session.shard's position (session/shard.py)
         self._micro = (0, 1)  # (this micro-batch, this rank's micro-batches in the step)
         self._optimizer = None
@@ -145,6 +146,7 @@ class Session:
         if self.model is not None:
             raise UserError("session.setup() was called twice; set up one model per session")
         self.model = self.strategy.setup(model.to(self.device))
+        self._plain = self.strategy.unwrap()
         return self.model
 
     def shard(self, dataset, batch_size: int, collate: Callable[[list], Any] | None = None):
@@ -156,10 +158,10 @@ class Session:
     def unwrap(self):
         """The plain model (not the DDP wrapper): the one saved, hashed and evaluated."""
         self._need_model()
-        return self.strategy.unwrap()
+        return self._plain
 
     def _need_model(self) -> None:
-        if self.model is None:
+        if self._plain is None:
             raise UserError("call session.setup(model) first")
 
     def _request_stop(self, signum, _frame) -> None:
