@@ -129,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nodes {args.nodes}: give 1 to 64 local processes, or a cluster file")
     session = session_settings(args)
     run_dir = args.resume or args.run_dir
+    if args.resume and args.run_dir and os.path.abspath(args.resume) != os.path.abspath(args.run_dir):
+        raise UserError("--resume RUN_DIR runs in RUN_DIR; drop --run-dir")
     if args.resume and not os.path.isdir(args.resume):
         raise UserError(f"--resume {args.resume}: no such run folder; give the folder a run was started in")
     console = make_console(args.json)
