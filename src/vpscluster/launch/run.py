@@ -97,7 +97,7 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         cluster=cluster, program=program, run_dir=local_run_dir, run_id=run_id,
         syncs=syncs, cwd_key=cwd_key, nproc_per_node=nproc_per_node, join_timeout_s=join_timeout_s,
         store_timeout_s=min(300.0, join_timeout_s), force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port, say=say,
-        env_for=env_for, prepare=prepare, run_dir_on_node=run_dir_on_node, fetch=list(SESSION_FETCH),
+        env_for=env_for, prepare=prepare, run_dir_on_node=run_dir_on_node, fetch=list(SESSION_FETCH), fetch_optional=True,
         stop_grace_s=session.timeouts.stop_grace_s,  # a session checkpoints before it stops
     )
     return job
