@@ -64,12 +64,12 @@ def test_example_runs_as_a_plain_script():
 def test_sentiment_example_learns_under_diloco(tmp_path):
     run_dir = tmp_path / "sentiment"
     r = run_cli("run", "--nodes", "2", "--run-dir", str(run_dir), "--strategy", "diloco", "--sync-every", "4",
-                "--", "python", "examples/sentiment.py", "--epochs", "1", "--rows", "1024",
+                "--", "python", "examples/sentiment.py", "--epochs", "2", "--rows", "2048",
                 cwd=str(REPO), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert report["strategy"] == "diloco" and report["steps"] == 1024 // 64 == len(losses)
+    assert report["strategy"] == "diloco" and report["steps"] == 2 * 2048 // 64 == len(losses)
     assert len({r["model_sha256"] for r in report["per_rank"]}) == 1
     assert report["final_train_loss"] < 0.8 * sum(losses[:3]) / 3, losses
     assert "test accuracy" in r.stdout
