@@ -73,3 +73,22 @@ def test_sentiment_example_learns_under_diloco(tmp_path):
     assert len({r["model_sha256"] for r in report["per_rank"]}) == 1
     assert report["final_train_loss"] < 0.8 * sum(losses[:3]) / 3, losses
     assert "test accuracy" in r.stdout
+
+
+def test_run_flags_become_the_session_settings_with_trains_keys():
+    import argparse
+
+    from vpscluster.cli import run as run_cli_module
+
+    p = argparse.ArgumentParser()
+    run_cli_module.add_arguments(p)
+    args = p.parse_args(["--nodes", "2", "--strategy", "diloco", "--sync-every", "8", "--wire-dtype", "int8",
+                         "--overlap-steps", "2", "--time-budget", "30", "--micro-batches", "4", "--speeds", "3,1",
+                         "--checkpoint-every", "16", "--", "python", "x.py"])
+    cfg = run_cli_module.session_settings(args)
+    s = cfg.strategy
+    assert (s.name, s.sync_every, s.wire_dtype, s.overlap_steps, s.micro_batches, s.speeds) == \
+        ("diloco", 8, "int8", 2, 4, [3.0, 1.0])
+    assert (cfg.time_budget_s, cfg.checkpoint_every, cfg.resume) == (30.0, 16, False)
+    plain = run_cli_module.session_settings(p.parse_args(["--nodes", "2", "--", "python", "x.py"]))
+    assert plain.strategy.name == "ddp" and plain.time_budget_s is None

@@ -15,10 +15,12 @@ from vpscluster.cli.output import add_json_flag
 
 
 # The session's flags: dest -> key, from train's table (one source of settings).
-SESSION_FLAGS = ("strategy", "compress", "sync_every", "wire_dtype", "overlap_steps", "time_budget")
+SESSION_FLAGS = ("strategy", "compress", "sync_every", "wire_dtype", "overlap_steps", "time_budget", "micro_batches",
+                 "speeds")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from vpscluster.cli.train import _speeds
     from vpscluster.train.config import StrategyConfig, strategy_choices
 
     where = p.add_mutually_exclusive_group(required=True)
@@ -47,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {d.wire_dtype})")
     g.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire (default {d.overlap_steps}, capped at H-1; 0 = blocking)")
     g.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop every rank after the same step once this much training time is spent")
+    g.add_argument("--micro-batches", type=int, metavar="N", help="diloco: micro-batches per step in all, split among the ranks by --speeds (default: one per rank)")
+    g.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="the session saves a checkpoint every N steps (default: only where the script calls save)")
     g.add_argument("--resume", metavar="RUN_DIR", help="run again in RUN_DIR; the script's session.resume() continues from its newest checkpoint")
     add_json_flag(p)
