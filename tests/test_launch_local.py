@@ -60,6 +60,8 @@ def test_two_local_nodes_run_the_ddp_script(tmp_path):
     # torchrun's own per-rank logs went to the node's run dir, not /tmp.
     assert list((tmp_path / "w0" / "runs" / "run" / "logs" / "torchelastic").iterdir())
     assert tagged_processes(result.rdzv_id) == []
+    # A script without the session API writes no report: nothing fetched, nothing remarked on.
+    assert result.fetched == [] and "could not fetch" not in text
 
 
 def test_silent_run_is_stopped_by_the_watchdog(tmp_path):

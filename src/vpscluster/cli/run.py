@@ -1,15 +1,31 @@
-"""`vpscluster run --cluster FILE [...] -- python script.py ARGS`: a torchrun script on every node."""
+"""`vpscluster run --cluster FILE | --nodes N [...] -- python script.py ARGS`: a torchrun script on every node.
+
+The strategy flags (`--strategy`, `--sync-every`, `--wire-dtype`, ...) are `train`'s own: the same
+StrategyConfig keys (`cli.train.FLAG_KEYS`), choices and defaults, resolved into the session
+settings a script's `session.start()` reads (`launch/run.py`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from vpscluster.cli.output import add_json_flag
 
 
+# The session's flags: dest -> key, from train's table (one source of settings).
+SESSION_FLAGS = ("strategy", "compress", "sync_every", "wire_dtype", "overlap_steps", "time_budget", "micro_batches",
+                 "speeds")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", required=True, metavar="FILE", help="the cluster file (cluster.yaml)")
+    from vpscluster.cli.train import _speeds
+    from vpscluster.train.config import StrategyConfig, strategy_choices
+
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", metavar="FILE", help="the cluster file (cluster.yaml)")
+    where.add_argument("--nodes", type=int, metavar="N", help="N local processes on this machine instead of a cluster")
     p.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                    help="processes per node (default: one per GPU, or one)")
     p.add_argument("--sync", metavar="DIR", help="folder sent to every node and run from (default: the current one); "
@@ -25,6 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-port", type=int, metavar="PORT", help="rendezvous port on the head (default: a free one)")
     p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="every node must join the rendezvous within this (default 600)")
+    d = StrategyConfig()
+    g = p.add_argument_group("for scripts that use the session API (vpscluster.session)")
+    g.add_argument("--strategy", choices=strategy_choices("name"),
+                   help=f"ddp: all-reduce every step; diloco: sync every H steps (default {d.name})")
+    g.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {d.compress})")
+    g.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {d.sync_every})")
+    g.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {d.wire_dtype})")
+    g.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire (default {d.overlap_steps}, capped at H-1; 0 = blocking)")
+    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop every rank after the same step once this much training time is spent")
+    g.add_argument("--micro-batches", type=int, metavar="N", help="diloco: micro-batches per step in all, split among the ranks by --speeds (default: one per rank)")
+    g.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step")
+    g.add_argument("--checkpoint-every", type=int, metavar="N", help="the session saves a checkpoint every N steps (default: only where the script calls save)")
+    g.add_argument("--resume", metavar="RUN_DIR", help="run again in RUN_DIR; the script's session.resume() continues from its newest checkpoint")
     add_json_flag(p)
     # dest is not "command": the CLI keeps the subcommand's name there.
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="python script.py ARGS (or any program)")
@@ -33,8 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load(args):
     import dataclasses
 
-    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.cluster.inventory import load_cluster, local_cluster
 
+    if getattr(args, "cluster", None) is None:
+        return local_cluster()
     cluster = load_cluster(args.cluster)
     if getattr(args, "accept_new_host_keys", False):
         cluster = dataclasses.replace(cluster, accept_new_host_keys=True)
@@ -69,6 +100,21 @@ def print_summary(result, console) -> None:
     console.print(t)
 
 
+def session_settings(args: argparse.Namespace):
+    """The SessionConfig of the flags given (train's keys, `cli.train.FLAG_KEYS`); defaults elsewhere."""
+    from vpscluster.cli.train import _nest
+    from vpscluster.config import build
+    from vpscluster.session.config import SessionConfig
+
+    given = {dest: getattr(args, dest) for dest in SESSION_FLAGS if getattr(args, dest, None) is not None}
+    doc = _nest(given)  # e.g. {"strategy": {"name": "diloco", "sync_every": 8}, "time_budget_s": 60.0}
+    if args.checkpoint_every is not None:
+        doc["checkpoint_every"] = args.checkpoint_every
+    if args.resume:
+        doc["resume"] = True
+    return build(SessionConfig, doc, "flags")
+
+
 def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console as make_console, emit_json
     from vpscluster.errors import UserError
@@ -84,15 +130,25 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--join-timeout must be a positive number of seconds, got {args.join_timeout:g}")
     if args.rdzv_port is not None and not 1 <= args.rdzv_port <= 65535:
         raise UserError(f"--rdzv-port {args.rdzv_port} is not a port (1-65535)")
+    if args.nodes is not None and not 1 <= args.nodes <= 64:
+        raise UserError(f"--nodes {args.nodes}: give 1 to 64 local processes, or a cluster file")
+    session = session_settings(args)
+    run_dir = args.resume or args.run_dir
+    if args.resume and args.run_dir and os.path.abspath(args.resume) != os.path.abspath(args.run_dir):
+        raise UserError("--resume RUN_DIR runs in RUN_DIR; drop --run-dir")
+    if args.resume and not os.path.isdir(args.resume):
+        raise UserError(f"--resume {args.resume}: no such run folder; give the folder a run was started in")
     console = make_console(args.json)
     cluster = load(args)
     if args.insecure_network:
         import dataclasses
 
         cluster = dataclasses.replace(cluster, insecure_network=True)
-    job = script_job(cluster, command, sync=args.sync, run_dir=args.run_dir, nproc_per_node=args.nproc_per_node,
+    job = script_job(cluster, command, sync=args.sync, run_dir=run_dir,
+                     nproc_per_node=args.nodes or args.nproc_per_node,
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
-                     join_timeout_s=args.join_timeout, say=make_say(console))
+                     join_timeout_s=args.join_timeout, say=make_say(console), session=session,
+                     in_place=args.nodes is not None)
     if args.dry_run:
         doc = dry_run(job)
         emit_json(doc) if args.json else print_dry_run(doc, console)

@@ -48,6 +48,9 @@ class Job:
     join_timeout_s: float = 600.0
     store_timeout_s: float = 300.0
     fetch: list[str] = field(default_factory=list)  # files of the node run dir, from rank 0's node
+    # Files the program may not write at all (a script without the session API writes no
+    # report.json): a missing one is skipped without a remark.
+    fetch_optional: bool = False
     # Fetch them after an interrupt too, when this says the program finished them (e.g. a stop
     # that saved a checkpoint wrote its report); otherwise an interrupted run fetches nothing.
     fetch_when_interrupted: Callable[[], bool] | None = None
@@ -453,6 +456,10 @@ async def _fetch(ex, job: Job, workdir: str, timeout_s: float, names: list[str] 
             fetched.append(str(local))
             continue
         try:
+            if job.fetch_optional:
+                r = await ex.run(["test", "-f", remote], timeout_s=timeout_s)
+                if not r.ok:
+                    continue
             await ex.get(remote, str(local), timeout_s=timeout_s)
             fetched.append(str(local))
         except Exception as e:  # a missing report is reported by the caller, with the node's error

@@ -4,23 +4,43 @@ The script's directory (the current one, or `--sync DIR`) is synced to each node
 under `code/<folder name>` (less caches and likely secrets: see `launch.sync`), the script runs from there with the node's own interpreter, and
 torchrun gives it RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as usual, so a
 script written for `torchrun` on one machine (env:// init, DistributedSampler, DDP) needs no
-change.
+change. Without a cluster file (`--nodes N`) the script runs as N processes here, from its
+own folder, nothing copied.
+
+For scripts that use the session API (`vpscluster.session`): the launcher writes the resolved
+session settings (strategy, H, wire format, time budget, ...) to `session.json` in each node's
+run dir and points `VPSC_SESSION` at it, as `train` writes config.yaml for its workers; nodes
+elsewhere also get this vpscluster package (on PYTHONPATH). `report.json` and `metrics.jsonl`,
+when the script's session wrote them, come back from rank 0's node. A script that does not use
+the session API runs as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import posixpath
+import tempfile
 import time
 from pathlib import Path
 
-from vpscluster.errors import UserError
+from vpscluster.errors import RemoteError, UserError
 from vpscluster.launch.commands import parse_program, relative_script
 from vpscluster.launch.pipeline import Job, SyncItem
+
+SESSION_FETCH = ("report.json", "metrics.jsonl")  # what a session writes on rank 0's node
 
 
 def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: str | None = None,
                nproc_per_node: int = 0, force: bool = False, rdzv_id: str | None = None,
-               rdzv_port: int | None = None, join_timeout_s: float = 600.0, say=print) -> Job:
+               rdzv_port: int | None = None, join_timeout_s: float = 600.0, say=print,
+               session=None, in_place: bool = False) -> Job:
+    """The job for `argv` on `cluster`; `session`: the resolved `session.config.SessionConfig`
+    handed to the script's `session.start()` (None: the defaults). `in_place` (`--nodes N`, a
+    cluster of this machine): run from the script's folder, nothing copied."""
+    import vpscluster
+    from vpscluster.session.config import ENV, FILE, SessionConfig
+
     root = os.path.abspath(sync or os.getcwd())
     if not os.path.isdir(root):
         raise UserError(f"--sync {sync}: not a folder")
@@ -31,10 +51,53 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
     local_run_dir = Path(run_dir) if run_dir else Path("runs") / run_id
     if run_dir:
         run_id = Path(run_dir).name
-    name = os.path.basename(root.rstrip("/")) or "root"
-    return Job(
+    here = all(n.local for n in cluster.nodes)
+    session = session or SessionConfig()
+    threads = None
+    if in_place:  # this machine: the script runs from its own folder; nothing is copied
+        if not here:
+            raise ValueError("in_place needs a cluster of this machine")
+        cluster = dataclasses.replace(cluster, nodes=tuple(dataclasses.replace(n, workdir=root) for n in cluster.nodes))
+        syncs, cwd_key = [], None
+        run_dir_on_node = str(local_run_dir.resolve())
+        from vpscluster.train.trainer import threads_per_rank
+
+        threads = threads_per_rank(None, nproc_per_node or 1)  # the ranks share this machine's CPUs, as train's
+    else:
+        name = os.path.basename(root.rstrip("/")) or "root"
+        syncs = [SyncItem("code", root, f"code/{name}")]
+        if not here:  # nodes elsewhere need this package for `from vpscluster import session`
+            package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+            syncs.append(SyncItem("vpscluster", package_dir, "vpscluster/src/vpscluster"))
+        cwd_key, run_dir_on_node = "code", None
+    job: Job
+
+    def env_for(state, where) -> dict[str, str]:
+        env = {ENV: posixpath.join(job.node_run_dir(state.workdir), FILE)}
+        if "vpscluster" in where:
+            env["PYTHONPATH"] = posixpath.dirname(where["vpscluster"])
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
+
+    async def prepare(ex, state, where, node_run_dir) -> None:
+        from vpscluster.session.config import write
+
+        node_cfg = dataclasses.replace(session, run_dir=node_run_dir)
+        if ex.node.local:
+            write(node_cfg, node_run_dir)
+            return
+        with tempfile.TemporaryDirectory(prefix="vpsc-session-") as tmp:
+            try:
+                await ex.put(str(write(node_cfg, tmp)), posixpath.join(node_run_dir, FILE), timeout_s=120.0)
+            except Exception as e:
+                raise RemoteError(f"node {ex.node.name}: could not write the session settings: {e}") from None
+
+    job = Job(
         cluster=cluster, program=program, run_dir=local_run_dir, run_id=run_id,
-        syncs=[SyncItem("code", root, f"code/{name}")], cwd_key="code",
-        nproc_per_node=nproc_per_node, join_timeout_s=join_timeout_s,
+        syncs=syncs, cwd_key=cwd_key, nproc_per_node=nproc_per_node, join_timeout_s=join_timeout_s,
         store_timeout_s=min(300.0, join_timeout_s), force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port, say=say,
+        env_for=env_for, prepare=prepare, run_dir_on_node=run_dir_on_node, fetch=list(SESSION_FETCH), fetch_optional=True,
+        stop_grace_s=session.timeouts.stop_grace_s,  # a session checkpoints before it stops
     )
+    return job

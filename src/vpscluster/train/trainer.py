@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -44,14 +43,14 @@ from typing import Any
 
 from vpscluster import fsutil
 from vpscluster.errors import UserError
-from vpscluster.train import checkpoint, diskfull, events, exporter, metrics, prediction, replan, rundir
+from vpscluster.train import checkpoint, diskfull, events, exporter, metrics, prediction, replan, rundir, stopping
 from vpscluster.train.config import TrainConfig
 from vpscluster.train.shares import ShareController, even, look_every, offsets, rank_speeds, split
-from vpscluster.train.strategies.base import DistContext, ring_allreduce_bytes
+from vpscluster.train.stopping import STOP_REQUESTED, STOPPED_BY
+from vpscluster.train.strategies.base import DistContext
 from vpscluster.train.strategies.diloco import RETUNABLE
 
 RECENT_LOSSES = 10
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXPORTERS = "exporters.json"  # where every rank's and node's metrics are served (rank 0 writes it)  # final_train_loss = mean of rank 0's last this-many step losses
 
 
@@ -139,11 +138,7 @@ class Trainer:
     def install_stop_handler(self) -> None:
         """SIGTERM/SIGINT ask for a stop with a checkpoint instead of killing the rank mid-step.
         `train` installs it once start-up is over: a rank stopped while it starts has nothing to save."""
-        for sig in STOP_SIGNALS:
-            try:
-                signal.signal(sig, self._request_stop)
-            except ValueError:  # not the main thread (a library caller): keep the default
-                pass
+        stopping.install_handler(self._request_stop)
 
     # ---- build ----------------------------------------------------------------------------
     def build(self) -> None:
@@ -354,28 +349,14 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def _agree_stop(self, over_budget: bool) -> int:
-        """All ranks stop after the same step: MAX over a one-integer all-reduce. 0: go on,
-        1: some rank spent the time budget, STOP_REQUESTED: some rank was asked to stop."""
+        """All ranks stop after the same step (`train/stopping.py`). 0: go on, 1: some rank spent
+        the time budget, STOP_REQUESTED: some rank was asked to stop."""
         code = STOP_REQUESTED if self.stop_requested else int(over_budget)
-        if self.ctx.group is None:
-            return code
-        flag = self._torch.tensor([code], dtype=self._torch.int32, device=self.ctx.device)
-        with self.strategy.comm.timed(ring_allreduce_bytes(flag.numel() * flag.element_size(), self.ctx.world_size)):
-            self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self.ctx.group)
-        return int(flag.item())
+        return stopping.agree(code, self.ctx, self.strategy.comm)
 
     def _budget_spent(self, elapsed: float, budget: float) -> bool:
-        """This rank's vote at a sync point: stop here? Sync points one step apart (ddp): once the
-        budget is spent. Further apart (diloco): at the sync point nearest the budget, i.e. also
-        when the next one would overshoot it by more than this one falls short (the interval is
-        the last one's length in seconds), so a run with H = 100 does not overrun by a round."""
-        last_step, last_t = self._last_sync
-        self._last_sync = (self.step, elapsed)
-        if elapsed >= budget:
-            return True
-        if self.step - last_step <= 1:
-            return False
-        return elapsed + (elapsed - last_t) / 2 >= budget
+        """This rank's vote at a sync point: stop here? (`stopping.StopVote.budget_spent`)"""
+        return self._vote.budget_spent(self.step, elapsed, budget)
 
     def train(self, resume: bool) -> dict[str, Any] | None:
         self.build()
@@ -399,7 +380,7 @@ class Trainer:
         eval_due = False  # a validation is due (diloco runs it where the next outer update lands)
         stopped_by = "max_steps"
         session_start = time.perf_counter()
-        self._last_sync = (start_step, 0.0)  # (step, seconds into the session) of the last sync point
+        self._vote = stopping.StopVote(start_step)  # the last sync point's step and seconds into the session
         wall_before = self.totals.wall_seconds
         local_tokens = micro_tokens = cfg.micro_batch() * self.shape.seq_len
         global_micro = cfg.strategy.micro_batches or self.ctx.world_size
@@ -703,10 +684,6 @@ class Trainer:
 
 class ReplicasDiverged(UserError):
     """The ranks' replicated state differs at a checkpoint (`Trainer.check_replicas`)."""
-
-
-STOP_REQUESTED = 2
-STOPPED_BY = {1: "time_budget", STOP_REQUESTED: "stop_requested"}
 
 
 def _has_checkpoint(run_dir: Path, step: int) -> bool:

@@ -1,0 +1,39 @@
+"""vpscluster's strategies for your own PyTorch loop (the public session API).
+
+    from vpscluster import session
+    s = session.start()                         # s.rank, s.world_size, s.device
+    model = s.setup(model)                      # build the optimizer from what it returns
+    for x, y in s.shard(dataset, batch_size=32):    # this rank's part, new order each epoch
+        loss = loss_fn(model(x), y); loss.backward()
+        s.step(optimizer, samples=len(x), loss=loss)    # step + sync + metrics + stop agreement
+        optimizer.zero_grad()
+        if s.should_stop: break
+    report = s.close()                          # final sync: identical weights on every rank
+
+`vpscluster run [--strategy ddp|diloco] [--sync-every H] [--wire-dtype int8] ... -- python
+script.py` decides the strategy and its settings; plain `python script.py` is one process with
+nothing to synchronise. Checkpoints: `s.save(optimizer)` (or `checkpoint_every`) and
+`s.resume(optimizer)` before the loop. Modules: config (the launcher's settings), core (the
+Session), shard (the data split), report.
+"""
+
+from __future__ import annotations
+
+from vpscluster.session.config import ENV, SessionConfig
+
+__all__ = ["ENV", "SessionConfig", "start"]
+
+
+def start(backend: str = "auto", **settings):
+    """Join the job `vpscluster run` started (or none: one process) and return its Session.
+
+    `settings`: SessionConfig keys that override the launcher's (e.g. `run_dir="runs/x"`,
+    `strategy={"name": "diloco", "sync_every": 8}`, `time_budget_s=60`, `resume=True`)."""
+    from vpscluster.session.config import from_environment
+    from vpscluster.session.core import Session
+
+    if backend not in ("auto", "gloo", "nccl"):
+        from vpscluster.errors import UserError
+
+        raise UserError(f"session.start(backend={backend!r}): choose auto, gloo or nccl")
+    return Session(from_environment(**settings), backend)

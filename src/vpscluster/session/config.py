@@ -1,0 +1,84 @@
+"""The session's settings: what `vpscluster run` resolved for a user's script, read by `session.start()`.
+
+The launcher writes them, as JSON, into each node's run dir (`session.json`) and sets one
+environment variable, `VPSC_SESSION`, to that file's path on the node (as `train` writes its
+config.yaml for its workers). Without the variable (plain `python script.py`) the defaults hold:
+one process, nothing to synchronise. Keys and rules are the training config's own: the strategy
+is a `train.config.StrategyConfig`, the time-outs a `TimeoutConfig` (one source of settings).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+from vpscluster import fsutil
+from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, shorthand, to_dict
+from vpscluster.errors import UserError
+from vpscluster.train.config import StrategyConfig, TimeoutConfig
+
+ENV = "VPSC_SESSION"  # the path of this node's session.json, set by `vpscluster run`
+FILE = "session.json"
+
+
+@dataclass
+class SessionConfig:
+    __pydantic_config__ = PYDANTIC_CONFIG
+
+    strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    time_budget_s: Float | None = None  # stop, agreed at a sync point, after this much training time
+    seed: Int = 1337  # the data order of `Session.shard` (the same on every rank)
+    # Where report.json, metrics.jsonl and checkpoints/ go on this node; None: nowhere (a plain
+    # `python script.py` writes no files unless the script names a run dir).
+    run_dir: str | None = None
+    checkpoint_every: Int = 0  # steps between checkpoints `Session.step` saves; 0: only `Session.save`
+    keep_checkpoints: Int = 3
+    resume: bool = False  # `Session.resume` continues from the newest checkpoint in run_dir
+    exporters: bool = False  # Prometheus metrics from every rank while training (train/exporter.py)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.strategy.name == "auto":
+            raise UserError("--strategy auto needs the model's size, which the launcher does not know for your "
+                            "script; give --strategy ddp or diloco")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise UserError(f"time_budget must be a positive number of seconds, got {self.time_budget_s}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise UserError("checkpoint_every must be >= 0 (0 = only when the script saves) and keep_checkpoints >= 1")
+        if self.strategy.compress != "none" and self.strategy.name == "diloco":
+            raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"seed must be between 0 and 2**32 - 1, got {self.seed}")
+
+
+def write(cfg: SessionConfig, run_dir: str | Path) -> Path:
+    return fsutil.write_json(Path(run_dir) / FILE, to_dict(cfg))
+
+
+def read(path: str | Path) -> SessionConfig:
+    import json
+
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{ENV}={p}: no readable session settings ({e}); start the script with `vpscluster run`, "
+                        f"or unset {ENV}") from None
+    return build(SessionConfig, doc, str(p))
+
+
+def from_environment(**overrides) -> SessionConfig:
+    """The launcher's settings (`VPSC_SESSION`), or the defaults; `overrides` (the script's own
+    keyword arguments to `session.start`) win over both."""
+    path = os.environ.get(ENV)
+    cfg = read(path) if path else SessionConfig()
+    if overrides:
+        from vpscluster.config import merge
+
+        cfg = build(SessionConfig, merge(to_dict(cfg), overrides), "session.start()")
+    return cfg

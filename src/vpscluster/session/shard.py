@@ -1,0 +1,72 @@
+"""`Session.shard`: this rank's part of a map-style dataset, batch by batch.
+
+Any object with `len()` and `[i]` works (a torch `Dataset`, a list of tuples). Every epoch the
+sample indices are permuted by a generator seeded from (seed, epoch) — the same on every rank,
+independent of how many epochs ran before (`train.data.shard_indices`) — and cut into steps of
+`total * batch_size` samples, `total` micro-batches of `batch_size` in order: rank r takes
+micro-batches offsets[r] .. offsets[r] + shares[r] - 1 (`train.shares`). With even shares
+(one micro-batch per rank) that is a DistributedSampler without padding. Every rank runs the
+same number of steps per epoch (the samples of a last, incomplete step are left out, as with
+`drop_last`), so their collectives pair up.
+
+The position (epoch, steps started in it) lives in the session and is checkpointed with it: a
+new `shard(...)` call, or a new `for` over the same loader, goes on where the last one stopped,
+and an epoch that ended starts the next one in a new order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from vpscluster.errors import UserError
+
+
+class ShardLoader:
+    def __init__(self, session: Any, dataset: Any, batch_size: int, collate: Callable[[list], Any] | None) -> None:
+        if batch_size < 1:
+            raise UserError(f"shard(batch_size={batch_size}): give at least 1")
+        try:
+            self.num_samples = len(dataset)
+        except TypeError:
+            raise UserError("shard() takes a map-style dataset (with len() and [i]); "
+                            f"{type(dataset).__name__} has no len()") from None
+        self.session, self.dataset, self.batch_size = session, dataset, batch_size
+        self.collate = collate
+        shares = session._shares()
+        self.total = sum(shares)
+        self.steps_per_epoch = self.num_samples // (self.total * batch_size)
+        if self.steps_per_epoch < 1:
+            raise UserError(f"the dataset has {self.num_samples} samples, fewer than one step of {self.total} "
+                            f"micro-batches of {batch_size}; use a smaller batch_size or more data")
+
+    def __len__(self) -> int:
+        """Batches this rank reads per epoch."""
+        return self.steps_per_epoch * self.session._shares()[self.session.rank]
+
+    def _collate(self, items: list) -> Any:
+        if self.collate is not None:
+            return self.collate(items)
+        from torch.utils.data import default_collate
+
+        return default_collate(items)
+
+    def __iter__(self) -> Iterator[Any]:
+        from vpscluster.train.data import shard_indices
+
+        s = self.session
+        pos = s._data
+        if pos["index"] >= self.steps_per_epoch:  # the last epoch ended: a new order
+            pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
+        order = shard_indices(self.num_samples, 0, 1, s.cfg.seed, pos["epoch"])
+        b = self.batch_size
+        while pos["index"] < self.steps_per_epoch:
+            shares = s._shares()  # the same on every rank
+            first = pos["index"] * self.total * b + sum(shares[: s.rank]) * b
+            pos["index"] += 1
+            n = shares[s.rank]
+            for i in range(n):
+                idx = order[first + i * b: first + (i + 1) * b]
+                s._micro = (i, n)
+                yield self._collate([self.dataset[int(j)] for j in idx])
+            s._micro = (0, 1)
+        pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
