@@ -14,6 +14,9 @@ Ports (what a firewall between the nodes must allow, from the head only):
     PROMETHEUS_PORT      9470/tcp   the Prometheus server `vpscluster monitor up` starts on the head
     DEBIAN_NODE_PORT     9100/tcp   Debian's prometheus-node-exporter (`monitor up --node-exporter
                                     debian|auto`), its usual port
+    QUEUE_PORT           4222/tcp   NATS (JetStream) clients, `vpscluster queue up` on the head (token)
+    QUEUE_MONITOR_PORT   8222/tcp   nats-server's own monitoring JSON (read-only counts, no messages)
+    QUEUE_EXPORTER_PORT  9472/tcp   the queue's Prometheus exporter (nodeside/queue_exporter.py)
 
 Exporters bind the address the node uses to reach the cluster (loopback on the local cluster),
 never 0.0.0.0, so they are not published on other interfaces.
@@ -27,6 +30,9 @@ NODE_PORT = 9471
 RANK_PORT_BASE = 9480
 PROMETHEUS_PORT = 9470
 DEBIAN_NODE_PORT = 9100
+QUEUE_PORT = 4222
+QUEUE_MONITOR_PORT = 8222
+QUEUE_EXPORTER_PORT = 9472
 
 # Step and sync times run from milliseconds (loopback) to minutes (a DiLoCo outer sync over a
 # slow WAN link): the histogram's buckets must span all of that.
