@@ -32,8 +32,7 @@ from vpscluster.errors import UserError
 
 TIMEOUT_S = 10.0
 URL_ENV, TOKEN_ENV, USER_ENV, PASSWORD_ENV = "VPSC_QUEUE_URL", "VPSC_QUEUE_TOKEN", "VPSC_QUEUE_USER", "VPSC_QUEUE_PASSWORD"
-# Stream limits (per stream; the server's own store limit is in queue/server.py)
-MAX_BYTES = 256 << 20  # within the server's store (`queue up --max-store`, 1GB by default)
+# Stream limits (per stream; all streams together are bounded by the server's store, queue/server.py)
 MAX_AGE_S = 7 * 86400.0
 MAX_MSGS = 10_000_000
 
@@ -162,13 +161,15 @@ class Queue:
             text = str(e).strip() or type(e).__name__
             raise QueueError(f"queue: {what} failed: {text} ({self.creds.url})") from None
 
-    def stream(self, name: str, subjects: list[str], *, max_bytes: int = MAX_BYTES, max_age_s: float = MAX_AGE_S,
-               max_msgs: int = MAX_MSGS, timeout_s: float | None = None) -> dict[str, Any]:
-        """Create the stream (or update its limits): stored on disk, at most these bytes, age and count."""
+    def stream(self, name: str, subjects: list[str], *, max_age_s: float = MAX_AGE_S, max_msgs: int = MAX_MSGS,
+               max_bytes: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """Create the stream (or update its limits): stored on disk, messages kept at most `max_age_s`
+        and `max_msgs`; `max_bytes` (None: the server's whole store, `queue up --max-store`) is
+        reserved out of that store when given, so leave it None unless a stream must not crowd others."""
         from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
         cfg = StreamConfig(name=name, subjects=list(subjects), storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
-                           discard=DiscardPolicy.NEW, max_bytes=int(max_bytes), max_age=float(max_age_s),
+                           discard=DiscardPolicy.NEW, max_bytes=-1 if max_bytes is None else int(max_bytes), max_age=float(max_age_s),
                            max_msgs=int(max_msgs))
 
         async def go():
@@ -219,7 +220,9 @@ class Queue:
     def close(self, timeout_s: float | None = None) -> None:
         try:
             if not self._nc.is_closed:
-                self._call(self._nc.drain(), timeout_s, "close")
+                # close, not drain: publishes and acks were confirmed when made, and a pull
+                # subscription's inbox may hold a late message nobody fetched (drain waits on it)
+                self._call(self._nc.close(), timeout_s, "close")
         finally:
             self._stop_loop()
 

@@ -70,7 +70,7 @@ class QueueRecord:
     started_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "store_dir": self.store_dir}
 
     @property
     def store_dir(self) -> str:
@@ -94,7 +94,9 @@ def token_path(cluster) -> Path:
 
 def load_record(cluster) -> QueueRecord | None:
     try:
-        return QueueRecord(**json.loads(record_path(cluster).read_text()))
+        doc = json.loads(record_path(cluster).read_text())
+        doc.pop("store_dir", None)  # derived
+        return QueueRecord(**doc)
     except (OSError, ValueError, TypeError):
         return None
 
@@ -376,7 +378,7 @@ def status(cluster, timeout_s: float = 10.0) -> dict[str, Any]:
         rec = load_record(cluster)
         if rec is None:
             return {"running": False, "managed": True}
-        doc = {"running": False, "managed": True, **rec.to_dict(), "store_dir": rec.store_dir}
+        doc = {"running": False, "managed": True, **rec.to_dict()}
         if not _ready(rec.monitor_url):
             return {**doc, "note": "recorded but not answering; `vpscluster queue up` starts it again, `queue down` cleans up"}
     try:
