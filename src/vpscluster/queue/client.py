@@ -117,11 +117,12 @@ class Queue:
 
     def __init__(self, creds: Credentials, timeout_s: float = TIMEOUT_S, name: str = "vpscluster"):
         self.creds, self.timeout_s = creds, timeout_s
+        self._last_error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vpsc-queue", daemon=True)
         self._thread.start()
         try:
-            self._nc = self._call(self._connect(name), timeout_s + 5.0, f"connect to {creds.url}")
+            self._nc = self._call(self._connect(name), timeout_s + 1.0, f"connect to {creds.url}")
         except BaseException:
             self._stop_loop()
             raise
@@ -133,6 +134,7 @@ class Queue:
         refused = asyncio.get_running_loop().create_future()
 
         async def on_error(e):  # errors reach the caller as QueueError, not as tracebacks on stderr
+            self._last_error = e
             if "authorization" in str(e).lower() and not refused.done():  # a wrong token: no point retrying
                 refused.set_exception(e)
 
@@ -154,7 +156,8 @@ class Queue:
             return fut.result(timeout=t)
         except TimeoutError:
             fut.cancel()
-            raise QueueError(f"queue: {what} did not finish within {t:.0f} s ({self.creds.url})") from None
+            last = f"; last error: {str(self._last_error).strip() or type(self._last_error).__name__}" if self._last_error else ""
+            raise QueueError(f"queue: {what} did not finish within {t:.0f} s ({self.creds.url}{last})") from None
         except QueueError:
             raise
         except Exception as e:  # nats' own errors, as one line
