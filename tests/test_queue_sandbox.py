@@ -216,3 +216,44 @@ def test_streams_survive_a_crash_and_down_keeps_the_data(queued):
     r = run_cli("queue", "down", "--cluster", info.cluster_file, "--purge", timeout=120)
     assert r.returncode == 0, r.stderr
     assert not store.exists()
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (apt install prometheus)")
+def test_prometheus_scrapes_the_queue_and_top_shows_its_lag(queued):
+    """`monitor up`, then `queue up`: the queue's exporter is a Prometheus target, and `top --json`
+    reads the lag and the publish rate from it."""
+    from test_monitor_prometheus import wait_for
+
+    from vpscluster.monitor import query
+    from vpscluster.queue import connect
+
+    info, cluster, _ = queued  # the test before left the queue down
+    r = run_cli("monitor", "up", "--cluster", info.cluster_file, "--scrape-interval", "1", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    try:
+        r = run_cli("queue", "up", "--cluster", info.cluster_file, "--json", timeout=180)
+        assert r.returncode == 0, r.stderr
+        with connect(cluster, timeout_s=10) as client:
+            client.stream("watched", ["watched.>"])
+            client.consume("watched.w", durable="slowpoke", max_pending=4)
+            prom = query.Prometheus(json.loads(run_cli("monitor", "status", "--cluster", info.cluster_file, "--json",
+                                                       timeout=60).stdout)["url"])
+            wait_for(lambda: any(t["labels"].get("exporter") == "queue" and t["health"] == "up" for t in prom.targets()),
+                     90, "the queue's exporter scraped")
+
+            seen: dict = {}
+
+            def top_queue():  # publishing all along: the rate over top's window is above zero
+                for _ in range(3):
+                    client.publish("watched.w", b"y" * 50)
+                doc = json.loads(run_cli("top", "--cluster", info.cluster_file, "--json", "--window", "10s", timeout=60).stdout)
+                seen["queue"] = q = doc["queue"]
+                return q if q and q["lag"] >= 6 and (q["published_per_s"] or 0) > 0 else None
+
+            try:
+                q = wait_for(top_queue, 60, "top's queue line")
+            except AssertionError:
+                raise AssertionError(f"top's queue line: not within 60 s (last: {seen.get('queue')})") from None
+        assert q["up"] == 1 and q["unacked"] == 0
+    finally:
+        assert run_cli("monitor", "down", "--cluster", info.cluster_file, timeout=120).returncode == 0

@@ -22,6 +22,7 @@ VARZ = {"in_msgs": 12, "in_bytes": 3400, "out_msgs": 9, "out_bytes": 2100}
 JSZ = {"account_details": [{"name": "$G", "stream_detail": [{
     "name": "acts", "state": {"messages": 7, "bytes": 700, "first_seq": 1, "last_seq": 7},
     "consumer_detail": [{"name": "head", "num_pending": 3, "num_ack_pending": 2, "num_redelivered": 1,
+                         "delivered": {"consumer_seq": 6, "stream_seq": 5},
                          "ack_floor": {"consumer_seq": 2, "stream_seq": 2}}],
 }]}]}
 
@@ -135,3 +136,13 @@ def test_every_call_has_a_time_out():
         assert time.monotonic() - t < 10
     with pytest.raises(UserError, match="no server known"):
         connect()
+
+
+def test_exporter_names_are_the_telemetry_contract():
+    """The exporter imports no vpscluster (it runs from its source on the head): its names and kinds
+    must still be telemetry.QUEUE_METRICS', which `top` queries."""
+    from vpscluster import telemetry as T
+    from vpscluster.nodeside.queue_exporter import render
+
+    served = {ln.split()[2]: ln.split()[3] for ln in render(VARZ, JSZ).splitlines() if ln.startswith("# TYPE")}
+    assert served == {m.sample: m.kind for m in T.QUEUE_METRICS}

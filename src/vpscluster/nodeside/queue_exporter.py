@@ -11,11 +11,13 @@ serves (names are the contract; `top` and queries read them):
                                                          the server's counters (throughput: rate())
     vpscluster_queue_stream_messages{stream}             stored messages
     vpscluster_queue_stream_bytes{stream}                stored bytes
-    vpscluster_queue_stream_last_seq{stream}             published so far (rate(): publish throughput)
+    vpscluster_queue_stream_published_total{stream}      published so far (its last sequence; rate(): publish throughput)
     vpscluster_queue_consumer_pending{stream,consumer}   lag: stored, not yet delivered to it
     vpscluster_queue_consumer_ack_pending{stream,consumer}   delivered, not yet acknowledged
     vpscluster_queue_consumer_redelivered{stream,consumer}   delivered again (not acked in time)
-    vpscluster_queue_consumer_acked_seq{stream,consumer}     ack floor (rate(): consume throughput)
+    vpscluster_queue_consumer_delivered_total{stream,consumer}  deliveries, redeliveries too (rate(): consume throughput)
+
+The names are telemetry.QUEUE_METRICS' (a test keeps the two equal; this file imports no vpscluster).
 """
 
 from __future__ import annotations
@@ -63,15 +65,15 @@ def render(varz: dict | None, jsz: dict | None) -> str:
            [({"stream": s["name"]}, s["state"].get("messages", 0)) for s in streams])
     metric("vpscluster_queue_stream_bytes", "gauge", "bytes stored in the stream",
            [({"stream": s["name"]}, s["state"].get("bytes", 0)) for s in streams])
-    metric("vpscluster_queue_stream_last_seq", "counter", "messages published to the stream so far",
+    metric("vpscluster_queue_stream_published_total", "counter", "messages published to the stream so far",
            [({"stream": s["name"]}, s["state"].get("last_seq", 0)) for s in streams])
     for key, name, help_ in (("num_pending", "pending", "lag: stored messages not yet delivered to the consumer"),
                              ("num_ack_pending", "ack_pending", "delivered, not yet acknowledged"),
                              ("num_redelivered", "redelivered", "messages delivered again (not acked in time)")):
         metric(f"vpscluster_queue_consumer_{name}", "gauge", help_,
                [({"stream": s, "consumer": c["name"]}, c.get(key, 0)) for s, c in consumers])
-    metric("vpscluster_queue_consumer_acked_seq", "counter", "stream sequence acknowledged by the consumer (ack floor)",
-           [({"stream": s, "consumer": c["name"]}, (c.get("ack_floor") or {}).get("stream_seq", 0)) for s, c in consumers])
+    metric("vpscluster_queue_consumer_delivered_total", "counter", "messages delivered to the consumer, redeliveries too",
+           [({"stream": s, "consumer": c["name"]}, (c.get("delivered") or {}).get("consumer_seq", 0)) for s, c in consumers])
     return "\n".join(out) + "\n"
 
 
