@@ -15,8 +15,8 @@ PYTEST_ARGS ?=
 # vpscluster provision's firewall and overlay roles, rehearsed on sandbox nodes.
 PROVISION_PACKAGES := nftables wireguard-tools wireguard-go
 
-# Debian packages the sandbox (emulated cluster) and its tests need.
-SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux prometheus prometheus-node-exporter chromium
+# Debian packages the sandbox (emulated cluster) and its tests need (nats-server: `vpscluster queue up`).
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2 iperf3 rsync procps util-linux prometheus prometheus-node-exporter chromium nats-server
 
 .PHONY: setup demo test system-deps venv-deps clean
 

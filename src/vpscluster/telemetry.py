@@ -14,6 +14,9 @@ Ports (what a firewall between the nodes must allow, from the head only):
     PROMETHEUS_PORT      9470/tcp   the Prometheus server `vpscluster monitor up` starts on the head
     DEBIAN_NODE_PORT     9100/tcp   Debian's prometheus-node-exporter (`monitor up --node-exporter
                                     debian|auto`), its usual port
+    QUEUE_PORT           4222/tcp   NATS (JetStream) clients, `vpscluster queue up` on the head (token)
+    QUEUE_MONITOR_PORT   8222/tcp   nats-server's own monitoring JSON (read-only counts, no messages)
+    QUEUE_EXPORTER_PORT  9472/tcp   the queue's Prometheus exporter (nodeside/queue_exporter.py)
 
 Exporters bind the address the node uses to reach the cluster (loopback on the local cluster),
 never 0.0.0.0, so they are not published on other interfaces.
@@ -27,6 +30,9 @@ NODE_PORT = 9471
 RANK_PORT_BASE = 9480
 PROMETHEUS_PORT = 9470
 DEBIAN_NODE_PORT = 9100
+QUEUE_PORT = 4222
+QUEUE_MONITOR_PORT = 8222
+QUEUE_EXPORTER_PORT = 9472
 
 # Step and sync times run from milliseconds (loopback) to minutes (a DiLoCo outer sync over a
 # slow WAN link): the histogram's buckets must span all of that.
@@ -95,6 +101,25 @@ NODE_METRICS = (CPU_UTILIZATION, CPU_SECONDS, CPU_CAPACITY, MEMORY_USED, MEMORY_
                 LINK_CAPACITY, DISK_USED, DISK_TOTAL)
 
 ALL_METRICS = RANK_METRICS + NODE_METRICS
+
+# --- the queue (nodeside/queue_exporter.py beside nats-server on the head; `top` reads them) ---------
+QUEUE_UP = _m("vpscluster_queue_up", "gauge", "1 when nats-server answered this scrape")
+QUEUE_IN_MESSAGES = _m("vpscluster_queue_in_messages", "counter", "nats-server in_msgs")
+QUEUE_IN_BYTES = _m("vpscluster_queue_in_bytes", "counter", "nats-server in_bytes", unit="bytes")
+QUEUE_OUT_MESSAGES = _m("vpscluster_queue_out_messages", "counter", "nats-server out_msgs")
+QUEUE_OUT_BYTES = _m("vpscluster_queue_out_bytes", "counter", "nats-server out_bytes", unit="bytes")
+QUEUE_STREAM_MESSAGES = _m("vpscluster_queue_stream_messages", "gauge", "messages stored in the stream", ("stream",))
+QUEUE_STREAM_BYTES = _m("vpscluster_queue_stream_bytes", "gauge", "bytes stored in the stream", ("stream",), "bytes")
+QUEUE_PUBLISHED = _m("vpscluster_queue_stream_published", "counter", "messages published to the stream so far", ("stream",))
+QUEUE_LAG = _m("vpscluster_queue_consumer_pending", "gauge", "lag: stored messages not yet delivered to the consumer",
+               ("stream", "consumer"))
+QUEUE_UNACKED = _m("vpscluster_queue_consumer_ack_pending", "gauge", "delivered, not yet acknowledged", ("stream", "consumer"))
+QUEUE_REDELIVERED = _m("vpscluster_queue_consumer_redelivered", "gauge", "messages delivered again (not acked in time)",
+                       ("stream", "consumer"))
+QUEUE_DELIVERED = _m("vpscluster_queue_consumer_delivered", "counter", "messages delivered to the consumer, redeliveries too",
+                     ("stream", "consumer"))
+QUEUE_METRICS = (QUEUE_UP, QUEUE_IN_MESSAGES, QUEUE_IN_BYTES, QUEUE_OUT_MESSAGES, QUEUE_OUT_BYTES, QUEUE_STREAM_MESSAGES,
+                 QUEUE_STREAM_BYTES, QUEUE_PUBLISHED, QUEUE_LAG, QUEUE_UNACKED, QUEUE_REDELIVERED, QUEUE_DELIVERED)
 
 
 def rank_port(local_rank: int) -> int:

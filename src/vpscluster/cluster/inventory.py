@@ -9,6 +9,8 @@
     defaults: {user: root, port: 22, identity_file: id_ed25519, python: ..., workdir: ...}
     firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24]}   # optional; see `vpscluster provision`
     insecure_network: false      # optional; true: launch over public addresses anyway (cluster/netsafety.py)
+    queue: {url: nats://10.0.0.5:4222, token_file: nats.token}   # optional; a NATS server of your own
+                                 # instead of `vpscluster queue up` (or user + password_file); see queue/server.py
     nodes:
       - {name: node-a, host: 203.0.113.10, port: 22, user: root, identity_file: ~/.ssh/id_ed25519,
          python: /opt/venv/bin/python, workdir: /srv/vpscluster, labels: {region: fra},
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator
 
-from vpscluster.cluster.node import Cluster, Node
+from vpscluster.cluster.node import Cluster, Node, QueueServer
 from vpscluster.config import PYDANTIC_CONFIG, Before, build, show
 from vpscluster.errors import UserError
 
@@ -101,7 +103,28 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         firewall_allow=tuple(spec.firewall.allow),
         firewall_ssh_from=tuple(spec.firewall.ssh_from),
         insecure_network=spec.insecure_network,
+        queue=_queue_server(spec.queue, base_dir, where),
     )
+
+
+def _queue_server(q: "QueueSettings", base_dir: Path, where: str) -> QueueServer | None:
+    if q.url is None:
+        if q.token_file or q.user or q.password_file:
+            raise UserError(f"{where}: queue: no url; write e.g. queue: {{url: nats://10.0.0.5:4222, token_file: nats.token}}")
+        return None
+    if q.token_file and (q.user or q.password_file):
+        raise UserError(f"{where}: queue: give token_file or user and password_file, not both")
+    if bool(q.user) != bool(q.password_file):
+        raise UserError(f"{where}: queue: user and password_file go together")
+    files = {}
+    for key in ("token_file", "password_file"):
+        value = getattr(q, key)
+        if value is not None:
+            path = _resolve(value, base_dir, f"{where}: queue.{key}")
+            if not path.is_file():
+                raise UserError(f"{where}: queue.{key}: {path} does not exist; write the secret there (mode 0600) or fix the path")
+            files[key] = str(path)
+    return QueueServer(url=q.url, user=q.user, **files)
 
 
 # --- the file's schema: types and one-line rules per key (pydantic runs them) --------------------
@@ -211,6 +234,22 @@ def _mapping_or_empty(value: Any) -> Any:
     return {} if value is None else value
 
 
+def _nats_url(value: Any) -> Any:
+    from urllib.parse import urlsplit
+
+    if value is None:
+        return None
+    try:
+        u = urlsplit(value) if isinstance(value, str) else None
+        ok = u is not None and u.scheme in ("nats", "tls") and bool(u.hostname) and not u.username and (u.port or 4222) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{show(value)} is not a NATS server URL; write e.g. nats://10.0.0.5:4222 (tls://... for TLS), "
+                         "credentials go in token_file or user + password_file")
+    return value
+
+
 def _allow_ports(value: Any) -> Any:
     if value is None:
         return []
@@ -244,6 +283,17 @@ class FirewallSettings:
     __pydantic_config__ = _FILE_CONFIG
     allow: Annotated[list[int], Before(_allow_ports)] = field(default_factory=list)  # TCP ports open to anyone
     ssh_from: Annotated[list[str], Before(_sources)] = field(default_factory=list)  # SSH sources; empty: anywhere
+
+
+@dataclass
+class QueueSettings:
+    """`queue:` of the cluster file: a NATS JetStream server of the user's own (else `vpscluster queue up`)."""
+
+    __pydantic_config__ = _FILE_CONFIG
+    url: Annotated[str | None, Before(_nats_url)] = None  # nats://HOST:PORT or tls://HOST:PORT
+    token_file: Annotated[str | None, Before(_path)] = None  # a file holding the token (keep it 0600)
+    user: Annotated[str | None, Before(_user)] = None
+    password_file: Annotated[str | None, Before(_path)] = None
 
 
 @dataclass
@@ -284,6 +334,7 @@ class ClusterFile:
     nodes: Annotated[list[NodeEntry], Before(_node_list)] = field(default_factory=list)
     firewall: Annotated[FirewallSettings, Before(_mapping_or_empty)] = field(default_factory=FirewallSettings)
     insecure_network: Annotated[bool, Before(_flag)] = False  # launch over public addresses (no overlay) anyway
+    queue: Annotated[QueueSettings, Before(_mapping_or_empty)] = field(default_factory=QueueSettings)
 
     def __post_init__(self) -> None:
         """Rules across nodes; ValueError so that pydantic reports them like any other key."""

@@ -36,6 +36,16 @@ class Node:
 
 
 @dataclass(frozen=True)
+class QueueServer:
+    """A NATS server of the user's own, named by the cluster file's `queue:` (secrets stay in files)."""
+
+    url: str
+    token_file: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The nodes, which one is the head, and how SSH trusts them."""
 
@@ -50,6 +60,7 @@ class Cluster:
     firewall_allow: tuple[int, ...] = ()  # extra TCP ports every node opens to anyone (cluster file `firewall: {allow}`)
     firewall_ssh_from: tuple[str, ...] = ()  # where SSH may come from; empty: anywhere
     insecure_network: bool = False  # launch over public addresses anyway (see cluster/netsafety.py)
+    queue: QueueServer | None = None  # the user's own NATS server (cluster file `queue:`); None: `queue up`'s
 
     @property
     def is_local(self) -> bool:

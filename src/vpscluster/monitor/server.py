@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vpscluster import telemetry as T
+from vpscluster.cluster.daemon import DETACHED_WAIT, STOP_PID
 from vpscluster.errors import RemoteError, UserError
 
 MONITOR_DIR = "monitor"
@@ -158,10 +159,7 @@ def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0
     return rec
 
 
-# An executor ends the process group of a command when it returns: wait until the started
-# program leads its own session (setsid ran), so it outlives the command.
-_DETACHED = ("for i in $(seq 100); do [ \"$(cut -d' ' -f6 /proc/$pid/stat 2>/dev/null)\" = \"$pid\" ] && break; "
-             "sleep 0.05; done")
+_DETACHED = DETACHED_WAIT  # cluster/daemon.py (shared with `queue up`)
 
 
 def _node_exporter_cmd(python: str, node: str, address: str, workdir: str, pythonpath: str | None,
@@ -328,10 +326,7 @@ def _ready(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-# Stop a pid from a pid file only if it is still the program named (pids get reused).
-_STOP = ("pid={pid}; if [ -n \"$pid\" ] && grep -q {pattern} /proc/$pid/cmdline 2>/dev/null; then kill $pid; "
-         "for i in $(seq 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done; kill -9 $pid 2>/dev/null; "
-         "sleep 0.2; kill -0 $pid 2>/dev/null && echo left $pid; fi; true")
+_STOP = STOP_PID
 
 
 async def _stop_all(executors, rec: MonitorRecord, timeout_s: float) -> list[str]:

@@ -93,7 +93,14 @@ def snapshot(cluster, window: str = "30s") -> dict[str, Any]:
     run = {"step": one(f"max({T.STEP.sample})"), "loss": one(f'max({T.LOSS.sample}{{rank="0"}})'),
            "tokens_per_s": one(f'max({T.TOKENS_PER_S.sample}{{rank="0"}})'),
            "ranks": len(prom.query(f"{T.STEP.sample}"))}
-    return {"prometheus": prom.url, "window": window, "nodes": nodes, "run": run, "alerts": alerts}
+    queue = None
+    if prom.query(T.QUEUE_UP.sample):  # `queue up` runs and Prometheus scrapes its exporter
+        queue = {"up": one(f"max({T.QUEUE_UP.sample})"), "lag": one(f"sum({T.QUEUE_LAG.sample})") or 0.0,
+                 "unacked": one(f"sum({T.QUEUE_UNACKED.sample})") or 0.0,
+                 "published_per_s": one(f"sum(rate({T.QUEUE_PUBLISHED.sample}[{window}]))"),
+                 "delivered_per_s": one(f"sum(rate({T.QUEUE_DELIVERED.sample}[{window}]))"),
+                 "in_bytes_per_s": one(f"sum(rate({T.QUEUE_IN_BYTES.sample}[{window}]))")}
+    return {"prometheus": prom.url, "window": window, "nodes": nodes, "run": run, "queue": queue, "alerts": alerts}
 
 
 def _bytes(v: float | None) -> str:
@@ -134,5 +141,12 @@ def render(snap: dict[str, Any]):
     line = ("no run is training" if not run["ranks"] else
             f"run: step {run['step']:.0f} on {run['ranks']} ranks, loss {run['loss']:.3f}, {run['tokens_per_s']:,.0f} tokens/s"
             if run["loss"] is not None and run["tokens_per_s"] is not None else f"run: {run['ranks']} ranks starting")
-    parts = [t, Text(line)] + [Text("! " + a, style="bold red") for a in snap["alerts"]]
+    parts = [t, Text(line)]
+    q = snap.get("queue")
+    if q:
+        rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
+        parts.append(Text("queue: down" if not q["up"] else
+                          f"queue: lag {q['lag']:.0f}, unacked {q['unacked']:.0f}, {rate(q['published_per_s'])} msg/s in, "
+                          f"{rate(q['delivered_per_s'])} msg/s out, {_bytes(q['in_bytes_per_s'])}/s"))
+    parts += [Text("! " + a, style="bold red") for a in snap["alerts"]]
     return Group(*parts)

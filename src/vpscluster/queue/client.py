@@ -1,0 +1,264 @@
+"""The queue's small client: a synchronous face over nats-py's asyncio (JetStream).
+
+    q = connect(cluster)                     # the server `queue up` started, or the cluster file's
+    q.stream("acts", ["acts.>"])             # idempotent; on disk, with retention limits
+    q.publish("acts.text", b"...", {"batch": "7"})          # -> the stream sequence, once stored
+    c = q.consume("acts.text", durable="head", max_pending=8, ack_wait_s=30)
+    for m in c.fetch(4, timeout_s=5):        # at most max_pending unacked at once (backpressure)
+        ...; m.ack()                         # unacked (or m.nak()) -> delivered again
+    q.close()
+
+Every call has a time-out (QueueError when it passes); callers never see asyncio: one event loop
+runs in a daemon thread per `Queue`, and each call waits on it with its time-out. nats-py is
+imported when connecting, so importing this module is cheap.
+
+Streams are file-stored with `limits` retention and `discard: new`: a full stream refuses new
+messages (a publisher gets QueueError, the backpressure of the producing side) rather than
+dropping old ones nobody consumed. Consumers are durable pull consumers with explicit acks:
+`max_pending` is their max_ack_pending (the server hands out no more unacked messages than that),
+`ack_wait_s` how long an unacked message waits before it is delivered again, `max_deliver` how
+often at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from vpscluster.errors import UserError
+
+TIMEOUT_S = 10.0
+URL_ENV, TOKEN_ENV, USER_ENV, PASSWORD_ENV = "VPSC_QUEUE_URL", "VPSC_QUEUE_TOKEN", "VPSC_QUEUE_USER", "VPSC_QUEUE_PASSWORD"
+# Stream limits (per stream; all streams together are bounded by the server's store, queue/server.py)
+MAX_AGE_S = 7 * 86400.0
+MAX_MSGS = 10_000_000
+
+
+class QueueError(UserError):
+    """The queue refused, failed or did not answer in time (one line)."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    url: str
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def env(self) -> dict[str, str]:
+        """Environment variables a process on a node passes to `connect()` (secrets: do not log)."""
+        out = {URL_ENV: self.url}
+        for key, value in ((TOKEN_ENV, self.token), (USER_ENV, self.user), (PASSWORD_ENV, self.password)):
+            if value:
+                out[key] = value
+        return out
+
+    @classmethod
+    def from_env(cls) -> Credentials | None:
+        url = os.environ.get(URL_ENV)
+        return None if not url else cls(url, os.environ.get(TOKEN_ENV), os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV))
+
+
+@dataclass
+class Message:
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    stream_seq: int
+    num_delivered: int  # 1 on the first delivery, 2 on the first redelivery...
+    _msg: Any = field(repr=False, default=None)
+    _queue: Any = field(repr=False, default=None)
+
+    def ack(self, timeout_s: float | None = None) -> None:
+        """Acknowledge and wait for the server to confirm it (double ack): it will not come again."""
+        self._queue._call(self._msg.ack_sync(timeout=timeout_s or self._queue.timeout_s), timeout_s, "ack")
+
+    def nak(self, delay_s: float | None = None, timeout_s: float | None = None) -> None:
+        """Give it back now (or after `delay_s`): it is delivered again."""
+        self._queue._call(self._msg.nak(delay=delay_s), timeout_s, "nak")
+
+    def in_progress(self, timeout_s: float | None = None) -> None:
+        """Still working on it: restart its ack_wait clock."""
+        self._queue._call(self._msg.in_progress(), timeout_s, "in_progress")
+
+
+class Consumer:
+    def __init__(self, queue: Queue, sub, subject: str, durable: str):
+        self._queue, self._sub, self.subject, self.durable = queue, sub, subject, durable
+
+    def fetch(self, n: int = 1, timeout_s: float | None = None) -> list[Message]:
+        """Up to `n` messages, waiting at most `timeout_s` for the first; [] when none came."""
+        import nats.errors
+
+        t = timeout_s or self._queue.timeout_s
+
+        async def go():
+            try:
+                return await self._sub.fetch(n, timeout=t)
+            except nats.errors.TimeoutError:
+                return []
+
+        msgs = self._queue._call(go(), t + 5.0, f"fetch from {self.subject}")
+        return [Message(m.subject, m.data, dict(m.headers or {}), m.metadata.sequence.stream, m.metadata.num_delivered, m,
+                        self._queue) for m in msgs]
+
+    def info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The server's view: num_pending (lag: stored, not yet delivered), num_ack_pending, num_redelivered."""
+        i = self._queue._call(self._sub.consumer_info(), timeout_s, "consumer info")
+        return {"num_pending": i.num_pending, "num_ack_pending": i.num_ack_pending, "num_redelivered": i.num_redelivered,
+                "delivered": i.delivered.stream_seq, "ack_floor": i.ack_floor.stream_seq}
+
+
+class Queue:
+    """One connection to the queue; every call waits at most its time-out (default `timeout_s`)."""
+
+    def __init__(self, creds: Credentials, timeout_s: float = TIMEOUT_S, name: str = "vpscluster"):
+        self.creds, self.timeout_s = creds, timeout_s
+        self._last_error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vpsc-queue", daemon=True)
+        self._thread.start()
+        try:
+            self._nc = self._call(self._connect(name), timeout_s + 1.0, f"connect to {creds.url}")
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._js = self._nc.jetstream(timeout=timeout_s)
+
+    async def _connect(self, name: str):
+        import nats
+
+        refused = asyncio.get_running_loop().create_future()
+
+        async def on_error(e):  # errors reach the caller as QueueError, not as tracebacks on stderr
+            self._last_error = e
+            if "authorization" in str(e).lower() and not refused.done():  # a wrong token: no point retrying
+                refused.set_exception(e)
+
+        c = self.creds
+        task = asyncio.ensure_future(nats.connect(
+            c.url, token=c.token, user=c.user, password=c.password, name=name, connect_timeout=self.timeout_s,
+            allow_reconnect=True, max_reconnect_attempts=60, reconnect_time_wait=1.0, error_cb=on_error))
+        await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return refused.result()  # raises the server's refusal
+
+    def _call(self, coro, timeout_s: float | None, what: str):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        t = timeout_s or self.timeout_s
+        try:
+            return fut.result(timeout=t)
+        except TimeoutError:
+            fut.cancel()
+            last = f"; last error: {str(self._last_error).strip() or type(self._last_error).__name__}" if self._last_error else ""
+            raise QueueError(f"queue: {what} did not finish within {t:.0f} s ({self.creds.url}{last})") from None
+        except QueueError:
+            raise
+        except Exception as e:  # nats' own errors, as one line
+            text = str(e).strip() or type(e).__name__
+            raise QueueError(f"queue: {what} failed: {text} ({self.creds.url})") from None
+
+    def stream(self, name: str, subjects: list[str], *, max_age_s: float = MAX_AGE_S, max_msgs: int = MAX_MSGS,
+               max_bytes: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """Create the stream (or update its limits): stored on disk, messages kept at most `max_age_s`
+        and `max_msgs`; `max_bytes` (None: the server's whole store, `queue up --max-store`) is
+        reserved out of that store when given, so leave it None unless a stream must not crowd others."""
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        cfg = StreamConfig(name=name, subjects=list(subjects), storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
+                           discard=DiscardPolicy.NEW, max_bytes=-1 if max_bytes is None else int(max_bytes), max_age=float(max_age_s),
+                           max_msgs=int(max_msgs))
+
+        async def go():
+            import nats.js.errors
+
+            try:
+                info = await self._js.add_stream(cfg)
+            except nats.js.errors.BadRequestError:  # exists with other settings: update its limits
+                info = await self._js.update_stream(cfg)
+            return {"name": info.config.name, "subjects": info.config.subjects, "messages": info.state.messages}
+
+        return self._call(go(), timeout_s, f"create stream {name}")
+
+    def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
+                timeout_s: float | None = None) -> int:
+        """Store one message; returns its stream sequence once the server has it on disk."""
+        t = timeout_s or self.timeout_s
+        ack = self._call(self._js.publish(subject, data, timeout=t, headers=headers), t + 1.0, f"publish to {subject}")
+        return ack.seq
+
+    def consume(self, subject: str, durable: str, max_pending: int = 64, ack_wait_s: float = 30.0,
+                max_deliver: int = -1, timeout_s: float | None = None) -> Consumer:
+        """A durable pull consumer of `subject` (created, or bound again after a restart)."""
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        cfg = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, max_ack_pending=int(max_pending),
+                             ack_wait=float(ack_wait_s), max_deliver=int(max_deliver))
+        sub = self._call(self._js.pull_subscribe(subject, durable=durable, config=cfg), timeout_s,
+                         f"consume {subject} as {durable}")
+        return Consumer(self, sub, subject, durable)
+
+    def streams(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Every stream with its counts, and each consumer's lag (stored, not yet delivered to it)."""
+
+        async def go():
+            out = []
+            for s in await self._js.streams_info():
+                consumers = [{"name": c.name, "lag": c.num_pending or 0, "ack_pending": c.num_ack_pending or 0,
+                              "redelivered": c.num_redelivered or 0, "max_pending": c.config.max_ack_pending}
+                             for c in await self._js.consumers_info(s.config.name)]
+                out.append({"name": s.config.name, "subjects": list(s.config.subjects or []), "messages": s.state.messages,
+                            "bytes": s.state.bytes, "first_seq": s.state.first_seq, "last_seq": s.state.last_seq,
+                            "consumers": sorted(consumers, key=lambda c: c["name"])})
+            return sorted(out, key=lambda s: s["name"])
+
+        return self._call(go(), timeout_s, "list streams")
+
+    def close(self, timeout_s: float | None = None) -> None:
+        try:
+            if not self._nc.is_closed:
+                # close, not drain: publishes and acks were confirmed when made, and a pull
+                # subscription's inbox may hold a late message nobody fetched (drain waits on it)
+                self._call(self._nc.close(), timeout_s, "close")
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result(timeout=5.0)
+        except Exception:  # closing: what could not be cancelled goes with the daemon thread
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> Queue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(cluster=None, *, creds: Credentials | None = None, timeout_s: float = TIMEOUT_S) -> Queue:
+    """The queue of `cluster` (its `queue:` server, else the one `queue up` started), `creds` as
+    given, or, with neither, the VPSC_QUEUE_* environment a launch passes to its processes."""
+    if creds is None and cluster is not None:
+        from vpscluster.queue.server import credentials
+
+        creds = credentials(cluster)
+    if creds is None:
+        creds = Credentials.from_env()
+    if creds is None:
+        raise UserError(f"queue: no server known; start one with `vpscluster queue up`, or set {URL_ENV}")
+    return Queue(creds, timeout_s=timeout_s)
