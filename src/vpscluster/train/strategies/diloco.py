@@ -17,7 +17,9 @@ leaves the rank). Every H steps:
 
 All ranks start from identical weights: a sha256 of the weights is compared at set-up, and rank
 0's weights are broadcast only when they differ. θ_global and m live in fp32 on the CPU (one flat tensor per fragment). Δ crosses the wire in
-fp32, bf16 or int8 (`wire.py`), always summed in fp32.
+fp32, bf16 or int8 (`wire.py`), always summed in fp32; or sparse (`sparse_wire.py`: the top-k of
+each chunk in 2 or 4 bits, all-gathered, with a per-rank error-feedback residual e that is added
+to the next Δ_r and checkpointed with the state).
 
 Streaming: with F fragments (contiguous runs of parameters of about equal size, in model order,
 so roughly layer blocks), fragment f is synced at the steps s with s ≡ (f+1)·H/F (mod H): each
