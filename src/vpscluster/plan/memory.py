@@ -117,7 +117,14 @@ def estimate(model: ModelSpec, strategy: str, world_size: int, *, mixed_precisio
         frag = max(1, fragments)
         comp["diloco_global_weights"] = 4.0 * p
         comp["diloco_outer_momentum"] = 4.0 * p
-        if n > 1:
+        if n > 1 and wire_dtype.startswith("sparse"):
+            from vpscluster.train.strategies.sparse_wire import bytes_per_param
+
+            # This rank's residual (whole model); per sync the pseudo-gradient, e + it, the next
+            # residual, and every rank's buffer gathered (`train/strategies/sparse_wire.py`).
+            comp["diloco_error_feedback"] = 4.0 * p
+            comp["diloco_sync_buffers"] = (12.0 + n * bytes_per_param(wire_dtype)) * p / frag
+        elif n > 1:
             wire = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}[wire_dtype]
             # Pseudo-gradient in fp32, plus the encoded copy (int8: every rank's copy gathered).
             received = wire * n if wire_dtype == "int8" else (wire if wire_dtype != "fp32" else 0.0)

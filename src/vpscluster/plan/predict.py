@@ -22,6 +22,7 @@ from vpscluster.plan import comm, compute, memory
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
 from vpscluster.train.config import StrategyConfig
+from vpscluster.train.strategies import sparse_wire
 
 INT8_BLOCK = 1024  # elements per fp32 absmax scale when DiLoCo sends int8 (train/strategies/wire.py)
 DAY_S = 86400.0
@@ -47,7 +48,8 @@ class Settings(StrategyConfig):
         if self.name == "ddp":
             return {"none": 0.0, "bf16": 0.5, "powersgd": 3.0}.get(self.compress, 3.0)
         risk = 1.0 + (self.sync_every > 50) + (self.sync_every > 100) + (self.sync_every > 250)
-        risk += {"fp32": 0.0, "bf16": 0.25, "int8": 0.5}[self.wire_dtype]
+        # sparse: error feedback, but not yet measured here on long runs (issue 36 item 2)
+        risk += {"fp32": 0.0, "bf16": 0.25, "int8": 0.5, "sparse4": 1.0, "sparse2": 1.0}[self.wire_dtype]
         if total_steps is not None and total_steps / self.sync_every < 20:
             risk += 2.0  # too few outer steps for the outer optimizer to do its work
         return risk
@@ -141,6 +143,8 @@ def sync_traffic(settings: Settings, model: ModelSpec, world_size: int) -> list[
             total, _ = comm.powersgd_allreduce_bytes(model, settings.powersgd_rank)
             return [("allreduce", total)]
         return [("allreduce", p * (2.0 if settings.compress == "bf16" else 4.0))]
+    if settings.wire_dtype in sparse_wire.SPARSE_WIRES:  # every rank's buffer all-gathered, tokens inside
+        return [("allgather", float(sparse_wire.sparse_nbytes(p, sparse_wire.SPARSE_WIRES[settings.wire_dtype])))]
     unit = world_size * (INT8_BLOCK if settings.wire_dtype == "int8" else 1)
     padded = math.ceil(p / unit) * unit
     encoded = {"fp32": 4.0 * padded, "bf16": 2.0 * padded, "int8": padded + 4.0 * padded / INT8_BLOCK}[settings.wire_dtype]

@@ -68,6 +68,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vpscluster.train.strategies import sparse_wire
+
 FRACTION = 0.05  # the sync's share of a round's compute
 H_MIN = 10  # below this DiLoCo is DDP with extra steps; no rule picks less
 SYNC_EVERY_CHOICES = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
@@ -105,6 +107,8 @@ class EgressBudget:
 
 
 def wire_bytes_per_param(wire: str) -> float:
+    if wire in sparse_wire.SPARSE_WIRES:  # chunked top-k, all-gathered (`train/strategies/sparse_wire.py`)
+        return sparse_wire.bytes_per_param(wire)
     return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[wire]
 
 
@@ -112,6 +116,8 @@ def sync_bytes(num_params: float, world_size: int, wire: str) -> float:
     """Bytes each rank sends in one outer sync (a ring all-reduce of the encoded pseudo-gradient)."""
     if world_size <= 1:
         return 0.0
+    if wire in sparse_wire.SPARSE_WIRES:  # an all-gather: the buffer to each of the world - 1 peers
+        return sparse_wire.sync_bytes(num_params, world_size, wire)
     return 2.0 * (world_size - 1) / world_size * num_params * wire_bytes_per_param(wire)
 
 

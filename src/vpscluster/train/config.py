@@ -22,7 +22,7 @@ from vpscluster.train.strategies import CHOICES
 
 StrategyName = Literal[CHOICES]  # the registry's names and "auto"
 Compress = Literal["none", "bf16", "powersgd"]  # ddp: gradients on the wire
-WireDtype = Literal["fp32", "bf16", "int8"]  # diloco: the pseudo-gradient on the wire
+WireDtype = Literal["fp32", "bf16", "int8", "sparse2", "sparse4"]  # diloco: the pseudo-gradient on the wire (sparse: `strategies/sparse_wire.py`)
 
 
 @dataclass

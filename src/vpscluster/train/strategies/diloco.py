@@ -17,7 +17,9 @@ leaves the rank). Every H steps:
 
 All ranks start from identical weights: a sha256 of the weights is compared at set-up, and rank
 0's weights are broadcast only when they differ. θ_global and m live in fp32 on the CPU (one flat tensor per fragment). Δ crosses the wire in
-fp32, bf16 or int8 (`wire.py`), always summed in fp32.
+fp32, bf16 or int8 (`wire.py`), always summed in fp32; or sparse (`sparse_wire.py`: the top-k of
+each chunk in 2 or 4 bits, all-gathered, with a per-rank error-feedback residual e that is added
+to the next Δ_r and checkpointed with the state).
 
 Streaming: with F fragments (contiguous runs of parameters of about equal size, in model order,
 so roughly layer blocks), fragment f is synced at the steps s with s ≡ (f+1)·H/F (mod H): each
@@ -82,7 +84,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from vpscluster.errors import UserError
 from vpscluster.train.config import StrategyConfig
 from vpscluster.train.strategies.base import CommStats, DistContext, Strategy, ring_allreduce_bytes
-from vpscluster.train.strategies.wire import all_reduce_sum, get_codec
+from vpscluster.train.strategies.wire import all_reduce_sum
+from vpscluster.train.strategies import sparse_wire
 
 if TYPE_CHECKING:
     import torch
@@ -234,7 +237,8 @@ class DiLoCoStrategy(Strategy):
         self._closed = False
         self._bg_comm = CommStats()  # its bytes (and busy seconds), moved to `comm` when waited for
         self.collective_busy_seconds = 0.0  # seconds the background reductions ran
-        self.codec = get_codec(config.wire_dtype)
+        self.codec = sparse_wire.wire_codec(config.wire_dtype)
+        self.ef: sparse_wire.ErrorFeedback | None = None  # sparse wires: this rank's residuals (`sparse_wire.py`)
         self.model: "nn.Module | None" = None
         self.fragment_params: list[list["torch.Tensor"]] = []
         self.global_flat: list["torch.Tensor"] = []  # fp32, CPU
@@ -293,6 +297,7 @@ class DiLoCoStrategy(Strategy):
         self.steps_since_sync = [0] * len(groups)
         self.tokens_since_sync = [0.0] * len(groups)
         self.fragment_syncs = [0] * len(groups)
+        self._sparse_setup()
         return model
 
     def _identical_everywhere(self, flats: list["torch.Tensor"]) -> bool:
@@ -418,6 +423,9 @@ class DiLoCoStrategy(Strategy):
         import torch
         import torch.distributed as dist
 
+        if isinstance(self.codec, sparse_wire.SparseCodec):  # one all-gather; the tokens ride in it
+            return sparse_wire.all_gather_sum(delta, my_tokens, self.codec, comm, self.ctx.world_size,
+                                              self.comm_device, group)
         tokens = torch.tensor([my_tokens], dtype=torch.float64, device=self.comm_device)
         with comm.timed(ring_allreduce_bytes(8, self.ctx.world_size)):
             dist.all_reduce(tokens, group=group)
@@ -507,7 +515,8 @@ class DiLoCoStrategy(Strategy):
         local = self._local_flat(f)
         delta = self.global_flat[f] - local
         if self.ctx.is_distributed:
-            delta = self._reduce_with_retry(self.tokens_since_sync[f], delta)
+            delta = self._reduce_with_retry(self.tokens_since_sync[f], self._to_send(f, delta))
+            self._sparse_done(f, delta is not None)
             if delta is None:  # skipped: keep training locally; the next sync carries this round too
                 return
         self._outer_update(f, delta)
@@ -533,7 +542,8 @@ class DiLoCoStrategy(Strategy):
         """Start fragment f's overlapped sync: its reduction runs on the background thread."""
         local = self._local_flat(f)
         delta = self.global_flat[f] - local
-        entry = _InFlight(f, step + self.overlap, local, self.steps_since_sync[f], self.tokens_since_sync[f], sent=delta)
+        entry = _InFlight(f, step + self.overlap, local, self.steps_since_sync[f], self.tokens_since_sync[f],
+                          sent=self._to_send(f, delta))
         self._submit(entry)
         self.in_flight.append(entry)
         self.steps_since_sync[f] = 0  # the next round counts from here
@@ -570,6 +580,7 @@ class DiLoCoStrategy(Strategy):
         """Apply an overlapped sync τ steps after its send, keeping the local progress since."""
         self._wait(entry)
         f = entry.fragment
+        self._sparse_done(f, entry.result is not None)
         if entry.result is None:  # skipped: the next sync carries this round too
             self.steps_since_sync[f] += entry.steps
             self.tokens_since_sync[f] += entry.tokens
@@ -593,7 +604,8 @@ class DiLoCoStrategy(Strategy):
         for key, value in settings.items():
             setattr(self.config, key, value)
         self.config.validate()
-        self.codec = get_codec(self.config.wire_dtype)
+        self.codec = sparse_wire.wire_codec(self.config.wire_dtype)
+        self._sparse_setup()
         overlap = min(self.config.overlap_steps, self.config.sync_every - 1) if self.ctx.is_distributed else 0
         if overlap > 0 and self.sync_group is None:
             self.sync_group = self._new_sync_group()  # collective: every rank is here at the same step
@@ -655,6 +667,7 @@ class DiLoCoStrategy(Strategy):
             "outer_steps": self.outer_steps,
             "fragment_syncs": list(self.fragment_syncs),
             "retuned": dict(self.retuned) if self.retuned else None,  # settings re-planned mid-run
+            "sparse_ef": self.ef.state_dict() if self.ef is not None else None,  # this rank's residuals
             # Overlapped syncs in flight: the reduced Δ when done, else this rank's Δ_r, which a
             # resumed run reduces again (every rank resumes from the same step: same collectives).
             "in_flight": [
@@ -689,7 +702,8 @@ class DiLoCoStrategy(Strategy):
         for e in state.get("in_flight", []):
             steps[int(e["fragment"])] += int(e["steps"])
             tokens[int(e["fragment"])] += float(e["tokens"])
-        state.update(steps_since_sync=steps, tokens_since_sync=tokens, in_flight=[])
+        # A sparse wire's residuals are what some rank of the old world has not sent: they go.
+        state.update(steps_since_sync=steps, tokens_since_sync=tokens, in_flight=[], sparse_ef=None)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -720,8 +734,28 @@ class DiLoCoStrategy(Strategy):
                       None if e.get("sent") is None else e["sent"].to("cpu", copy=True))
             for e in state.get("in_flight", [])
         ]
+        if self.ef is not None and state.get("sparse_ef") is not None:
+            self.ef.load_state_dict(state["sparse_ef"])
         for entry in self.in_flight:
             if entry.sent is not None:  # saved while its reduction ran: run it again (all ranks do)
                 self._submit(entry)
         for f, flat in enumerate(state.get("local") or []):
             self._write_local(f, flat)
+
+    # -- the sparse wire (`sparse_wire.py`): top-k, low-bit, error feedback -----------------------
+
+    def _sparse_setup(self) -> None:
+        """On a sparse wire, this rank's residuals (zero at first; kept across a retune)."""
+        if isinstance(self.codec, sparse_wire.SparseCodec) and self.ef is None and self.global_flat:
+            self.ef = sparse_wire.ErrorFeedback([int(g.numel()) for g in self.global_flat])
+
+    def _to_send(self, f: int, delta: "torch.Tensor") -> "torch.Tensor":
+        """What the reduction gets: Δ_r, or on a sparse wire e + Δ_r (the residual added)."""
+        if isinstance(self.codec, sparse_wire.SparseCodec) and self.ef is not None:
+            return self.ef.accumulate(f, delta, self.codec)
+        return delta
+
+    def _sparse_done(self, f: int, landed: bool) -> None:
+        """A sync of fragment f landed (the residual becomes what it did not send) or was skipped."""
+        if self.ef is not None:
+            self.ef.landed(f) if landed else self.ef.skipped(f)
