@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_diloco_strategy import digest, flat, make_model, make_strategy, run_ranks, train_step
-from vpscluster.train.strategies.base import CommStats
+from vpscluster.train.strategies.base import CommStats, ring_allreduce_bytes
 from vpscluster.train.strategies.sparse_wire import (
     CHUNK, TOP_K, ErrorFeedback, SparseCodec, pack_bits, sparse_nbytes, unpack_bits, wire_codec,
 )
@@ -213,10 +213,13 @@ def test_every_rank_holds_identical_global_weights_after_every_sync(ranks, case)
             assert len({tuple(r) for r in residuals}) == WORLD
     assert max(outer) == 3 * fragments
     _, nbytes, numels, _ = logs[0]
-    # Every sync sent this rank's buffer to 2 peers, and nothing else was sent (beyond set-up's
-    # weight hashes: 8 + 96 bytes to each peer).
+    # Every sync sent this rank's buffer to 2 peers and agreed on its outcome (a one-integer
+    # all-reduce per sync), and nothing else was sent (beyond set-up's weight hashes: 8 + 96 bytes
+    # to each peer).
     assert all(r["agreement"][case][1] == nbytes for r in ranks)
-    assert nbytes == (WORLD - 1) * (8 + 96) + 3 * sum((WORLD - 1) * sparse_nbytes(n, int(wire[-1])) for n in numels)
+    syncs = 3 * fragments
+    assert nbytes == ((WORLD - 1) * (8 + 96) + syncs * ring_allreduce_bytes(4, WORLD)
+                      + 3 * sum((WORLD - 1) * sparse_nbytes(n, int(wire[-1])) for n in numels))
 
 
 @pytest.mark.parametrize("name", list(RESUME_CASES))
