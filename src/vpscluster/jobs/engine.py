@@ -74,8 +74,11 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     from vpscluster.launch.pipeline import SyncItem, local_side
     from vpscluster.launch.sync import sync_dir
 
+    from vpscluster.cluster.netsafety import require_firewall
+
     by_name = {ex.node.name: ex for ex in executors}
     workdirs = await pf.resolve_workdirs(executors, timeout_s)
+    await require_firewall(cluster, executors, timeout_s)  # public nodes: the firewall must be up
     endpoints = pf.node_endpoints(cluster)  # the overlay's addresses once provisioned, as train and run
     package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
     code_dirs: dict[str, str | None] = {}
