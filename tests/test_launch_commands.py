@@ -133,7 +133,7 @@ def test_dry_run_text_names_every_node(tmp_path, cli):
     r = cli("run", "--cluster", str(cluster), "--dry-run", "--sync", str(SCRIPTS), "--", "python", "ddp_tutorial.py",
             timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "# a (192.0.2.50, head)" in r.stdout and "torch.distributed.run" in r.stdout
+    assert "# a (192.0.2.50, head)" in r.stdout and "torchrun.py" in r.stdout
 
 
 def test_run_without_command_is_one_line_error(tmp_path, cli):

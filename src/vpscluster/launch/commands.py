@@ -10,8 +10,8 @@ module does about it:
   (`is_host=1` on the head only).
 - torch's TCPStore server listens on every interface whatever address it is given (the
   rendezvous store on the head, and the store rank 0's agent shares with its workers), and
-  torchrun has no flag to change that. Every node runs torchrun through `TORCHRUN_BOUND`, which
-  hands each store server a socket bound to the address it was asked for (TCPStore's
+  torchrun has no flag to change that. Every node runs torchrun through `nodeside/torchrun.py`,
+  which hands each store server a socket bound to the address it was asked for (TCPStore's
   `master_listen_fd`): the rendezvous endpoint, or the node's `--local-addr`. gloo and NCCL bind
   the address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME's interface.
 - Join time-outs sized for a LAN: `join_timeout` comes from the run's `timeouts.rendezvous_s`.
@@ -30,6 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from vpscluster import nodeside
 from vpscluster.errors import UserError
 
 # The elastic launcher's prefix for each worker's output lines, so the launcher can tell ranks
@@ -40,39 +41,6 @@ LOG_LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
 LAUNCH_ID_ENV = "VPSC_LAUNCH_ID"
 DEFAULT_RDZV_PORT = 29400
 
-# `python -c TORCHRUN_BOUND ARGS` is `python -m torch.distributed.run ARGS` (reap.py knows the
-# agent by that name in its command line) with every TCPStore server bound to its own address.
-TORCHRUN_BOUND = """\
-# vpscluster: torch.distributed.run, its TCPStore servers bound to the address asked for, not all
-import ipaddress, socket, sys
-import torch.distributed as dist
-import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
-
-class BoundTCPStore(dist.TCPStore):
-    def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
-        try:
-            ip = ipaddress.ip_address(host_name)
-        except ValueError:
-            ip = None  # a name: left to torch (vpscluster always gives addresses)
-        if is_master and ip is not None and not ip.is_unspecified and len(args) < 4 \\
-                and kwargs.get("master_listen_fd") is None:
-            sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host_name, port))
-                sock.listen(2048)
-            except OSError:  # this process serves it already (multi-tenant), or it is taken: as torch
-                sock.close()
-            else:
-                port = sock.getsockname()[1]
-                kwargs["master_listen_fd"] = sock.detach()
-        super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
-
-dist.TCPStore = c10d_backend.TCPStore = BoundTCPStore
-from torch.distributed.run import main
-sys.argv[0] = "torchrun"
-main()
-"""
 
 
 @dataclass(frozen=True)
@@ -203,7 +171,7 @@ def _node_command(
         "is_host": 1 if is_head else 0,
     }
     argv = [
-        t.python, "-c", TORCHRUN_BOUND,
+        *nodeside.command(t.python, "torchrun"),  # torch.distributed.run, its stores bound
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(t.nproc),
         "--rdzv-backend", "c10d",
