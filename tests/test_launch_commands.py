@@ -133,7 +133,7 @@ def test_dry_run_text_names_every_node(tmp_path, cli):
     r = cli("run", "--cluster", str(cluster), "--dry-run", "--sync", str(SCRIPTS), "--", "python", "ddp_tutorial.py",
             timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "# a (192.0.2.50, head)" in r.stdout and "torch.distributed.run" in r.stdout
+    assert "# a (192.0.2.50, head)" in r.stdout and "torchrun.py" in r.stdout
 
 
 def test_run_without_command_is_one_line_error(tmp_path, cli):
@@ -160,3 +160,37 @@ def test_bad_flags_are_one_line_errors(tmp_path, cli, flags, message):
     cluster.write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
     r = cli("run", "--cluster", str(cluster), "--dry-run", *flags, "--", "python", "x.py", timeout=60)
     assert r.returncode == 2 and message in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+LISTENERS_SCRIPT = """\
+import json, os, re, subprocess
+agent = os.getppid()
+out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
+print("LISTENERS " + json.dumps([line.split()[3] for line in out.splitlines() if re.search(rf"pid={agent},", line)]))
+"""
+
+
+def test_the_agent_stores_listen_only_on_the_address_given(tmp_path):
+    """torch's TCPStore server listened on every interface whatever --rdzv-endpoint and
+    --local-addr said (0.0.0.0 / [::]): the head's rendezvous store and the store rank 0's agent
+    shares with its workers. A real one-node launch, as a node runs it: every socket the agent
+    listens on is on the node's own address."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "listeners.py").write_text(LISTENERS_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = NodeTarget("solo", "127.0.0.1", sys.executable, str(tmp_path), 1, None)
+    cmd = build_node_commands([target], "solo", Program("script", "listeners.py"),
+                              LaunchOptions(rdzv_id="bound", rdzv_port=port, join_timeout_s=60, store_timeout_s=60))[0]
+    r = subprocess.run(cmd.shell(), shell=True, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = [json.loads(line.split("LISTENERS ", 1)[1]) for line in r.stdout.splitlines() if "LISTENERS " in line]
+    assert found, r.stdout[-2000:] + r.stderr[-2000:]
+    listeners = found[0]
+    assert f"127.0.0.1:{port}" in listeners, listeners  # the rendezvous store, where it was asked for
+    assert listeners and all(a.startswith("127.0.0.1:") for a in listeners), listeners

@@ -84,3 +84,48 @@ def test_batch_is_refused_on_public_addresses_too(tmp_path, cli):
     assert len(lines) == 1 and "refusing to launch over public addresses: a (192.0.2.50)" in lines[0], lines
     assert "Dask's scheduler" in lines[0] and "--insecure-network" in lines[0]
     assert not (tmp_path / "out").exists()  # nothing was created
+
+
+def public_cluster_file(tmp_path) -> str:
+    key = tmp_path / "k"
+    key.write_text("x")
+    (tmp_path / "c.yaml").write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n")
+    return str(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["monitor", "up"], "Prometheus and the node exporters"),
+    (["probe", "--quick"], "the probe's link-test servers"),
+    (["exec", "--", "hostname"], "what the command starts there"),
+])
+def test_monitor_probe_and_exec_refuse_public_addresses_in_one_line(tmp_path, cli, argv, what):
+    """They skipped the check: `monitor up` put unauthenticated Prometheus on the head's public
+    address, `probe` ran its link servers and torch.distributed sweep there. Refused before any
+    node is reached (192.0.2.50 answers nothing, so a connection attempt would time out instead)."""
+    cluster = public_cluster_file(tmp_path)
+    r = cli(*argv[:2 if argv[0] == "monitor" else 1], "--cluster", cluster, *argv[2 if argv[0] == "monitor" else 1:],
+            timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "over public addresses: a (192.0.2.50)" in lines[0], lines
+    assert what in lines[0] and "vpscluster provision --cluster" in lines[0] and "--insecure-network" in lines[0]
+
+
+def test_a_public_node_whose_firewall_is_not_up_is_refused_by_pre_flight():
+    """The probe's `firewall_up` never blocked a launch. Pre-flight now asks every public node for
+    provision's nftables table: here through a real executor on this machine, which has none."""
+    import asyncio
+
+    from vpscluster.cluster.local import LocalExecutor
+    from vpscluster.cluster.netsafety import require_firewall
+
+    cluster = cluster_of("10.0.0.2", "203.0.113.10")
+    here = [LocalExecutor(Node(name=n.name, host="127.0.0.1", local=True)) for n in cluster.nodes]
+    with pytest.raises(UserError) as e:
+        asyncio.run(require_firewall(cluster, here, timeout_s=30))
+    msg = str(e.value)
+    assert "\n" not in msg and "the firewall is not up on n1 (203.0.113.10)" in msg and "n0" not in msg, msg
+    assert "vpscluster provision --cluster c.yaml --only overlay,firewall" in msg and "--insecure-network" in msg
+    # Private nodes alone, or the explicit opt-in: nothing is asked.
+    asyncio.run(require_firewall(cluster_of("10.0.0.2", "10.0.0.3"), here, timeout_s=30))
+    asyncio.run(require_firewall(cluster_of("10.0.0.2", "203.0.113.10", insecure=True), here, timeout_s=30))

@@ -72,6 +72,44 @@ def meshed(tmp_path_factory):
         sandbox.down(name)
 
 
+class Listeners:
+    """Every TCP listener seen in the nodes' network namespaces (`ss -ltnp`, polled) while the
+    `with` block runs: {node: {(local address:port, process)}}."""
+
+    def __init__(self, info, nodes=("node-1", "node-2"), every_s: float = 0.2):
+        self.info, self.nodes, self.every_s = info, nodes, every_s
+        self.seen: dict[str, set] = {n: set() for n in nodes}
+
+    def _poll(self) -> None:
+        import re
+        import subprocess
+
+        while not self._done.wait(self.every_s):
+            for n in self.nodes:
+                r = subprocess.run(["ip", "netns", "exec", self.info.node(n).namespace, "ss", "-Hltnp"],
+                                   capture_output=True, text=True, timeout=30)
+                for line in r.stdout.splitlines():
+                    proc = re.search(r'users:\(\("([^"]+)"', line)
+                    self.seen[n].add((line.split()[3], proc.group(1) if proc else "?"))
+
+    def __enter__(self):
+        import threading
+
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join(30)
+
+    def wide(self) -> dict[str, set]:
+        """The listeners on every interface (0.0.0.0, [::], *), per node."""
+        return {n: {x for x in seen if x[0].rsplit(":", 1)[0] in ("0.0.0.0", "[::]", "*", "[::ffff:0.0.0.0]")}
+                for n, seen in self.seen.items()}
+
+
 def counters(info, node: str) -> dict[str, int]:
     """Bytes received + sent per interface in the node's network namespace."""
     r = ssh_run(info, node, "cat /proc/net/dev")
@@ -94,16 +132,23 @@ def test_train_runs_over_the_overlay_by_itself(meshed, cli):
 
     before = counters(info, "node-1")
     run_dir = root / "run"
-    r = cli("train", "--cluster", info.cluster_file, "--config", str(config), "--max-steps", "2",
-            "--run-dir", str(run_dir), "--json", timeout=300)
+    with Listeners(info) as listening:
+        r = cli("train", "--cluster", info.cluster_file, "--config", str(config), "--max-steps", "2",
+                "--run-dir", str(run_dir), "--json", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     after = counters(info, "node-1")
     doc = json.loads(r.stdout)
     assert doc["world_size"] == 2 and doc["steps"] == 2
 
+    # Nothing of the run listened on every interface: torch's rendezvous store (which did,
+    # whatever --local-addr said), the store rank 0 shares, gloo, the exporters: overlay only.
+    assert listening.wide() == {"node-1": set(), "node-2": set()}, listening.seen
+
     # The launch bound everything to the overlay: rendezvous, advertised addresses, gloo's interface.
     log = (run_dir / "logs" / "node-1.log").read_text() + (run_dir / "logs" / "node-2.log").read_text()
     assert "--rdzv-endpoint 10.77.0.1:" in log, log[:2000]
+    store = "10.77.0.1:" + log.split("--rdzv-endpoint 10.77.0.1:", 1)[1].split()[0]
+    assert store in {a for a, _ in listening.seen["node-1"]}, listening.seen  # the rendezvous store, bound
     assert "--local-addr 10.77.0.1" in log and "--local-addr 10.77.0.2" in log
     assert "GLOO_SOCKET_IFNAME=vpsc0" in log and underlay["node-1"] not in log.split("--rdzv-endpoint", 1)[1].split()[0]
 
@@ -129,7 +174,8 @@ def test_train_runs_over_the_overlay_by_itself(meshed, cli):
 
 def test_batch_workers_join_the_scheduler_over_the_overlay(meshed, cli):
     """Dask too: the workers listen on and reach the scheduler at overlay addresses (their own
-    log lines say where), while this machine's client reaches the scheduler over the underlay."""
+    log lines say where), while this machine's client reaches the scheduler through an SSH tunnel
+    to the head: nothing of Dask listens on the underlay or on every interface."""
     from vpscluster.jobs.outputs import LOG_DIR
 
     info, _, root, _ = meshed
@@ -139,9 +185,16 @@ def test_batch_workers_join_the_scheduler_over_the_overlay(meshed, cli):
     data = root / "in.jsonl"
     data.write_text("".join(json.dumps({"id": i, "text": "x" * i}) + "\n" for i in range(40)))
     out = root / "batch-out"
-    r = cli("batch", "--cluster", info.cluster_file, "--fn", "ovfns:score", "--input", str(data), "--output", str(out),
-            "--code", str(code), "--partition-rows", "10", "--json", timeout=240)
+    with Listeners(info) as listening:
+        r = cli("batch", "--cluster", info.cluster_file, "--fn", "ovfns:score", "--input", str(data), "--output", str(out),
+                "--code", str(code), "--partition-rows", "10", "--json", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
+    # The scheduler listened on 0.0.0.0 for this machine's client; now on the overlay only (the
+    # client comes through an SSH tunnel to the head), as the workers.
+    assert listening.wide() == {"node-1": set(), "node-2": set()}, listening.seen
+    dask = {a for a, proc in listening.seen["node-1"] if proc.startswith("python")}
+    assert any(a.startswith("10.77.0.1:") for a in dask), listening.seen
+    assert all(a.startswith(("10.77.0.1:", "127.0.0.1:")) for a in dask), listening.seen  # HTTP routes: loopback
     assert json.loads(r.stdout)["rows_out"] == 40
     logs = "".join(p.read_text() for p in (out / LOG_DIR).glob("*.log"))
     assert "tcp://10.77.0.1:" in logs and "tcp://10.77.0.2:" in logs, logs[-3000:]
@@ -151,9 +204,11 @@ def test_batch_workers_join_the_scheduler_over_the_overlay(meshed, cli):
 
 def test_monitoring_scrapes_the_nodes_over_the_overlay(meshed, cli):
     """Exporters listen on the overlay's addresses (Prometheus on the head scrapes them over the
-    mesh); Prometheus itself on the head's own address, where this machine reaches it."""
+    mesh); Prometheus itself on the head's overlay address too (it listened on the head's
+    underlay address, unauthenticated), and this machine queries it through an SSH tunnel."""
     import time
 
+    from vpscluster.cluster.inventory import load_cluster
     from vpscluster.monitor import query
 
     info, _, _, _ = meshed
@@ -162,8 +217,12 @@ def test_monitoring_scrapes_the_nodes_over_the_overlay(meshed, cli):
     rec = json.loads(r.stdout)
     try:
         assert {n: e["address"] for n, e in rec["node_exporters"].items()} == {"node-1": "10.77.0.1", "node-2": "10.77.0.2"}
-        assert rec["url"].startswith(f"http://{info.nodes[0].address}:"), rec["url"]
-        prom = query.Prometheus(rec["url"])
+        assert rec["url"].startswith("http://10.77.0.1:") and rec["tunnel"] is True, rec
+        with Listeners(info, every_s=0.1) as listening:
+            time.sleep(0.5)
+        assert listening.wide() == {"node-1": set(), "node-2": set()}, listening.seen
+        assert any(proc == "prometheus" and a.startswith("10.77.0.1:") for a, proc in listening.seen["node-1"])
+        prom = query.prometheus_for(load_cluster(info.cluster_file))
         deadline = time.monotonic() + 60
         up: list = []
         while time.monotonic() < deadline:
@@ -172,6 +231,7 @@ def test_monitoring_scrapes_the_nodes_over_the_overlay(meshed, cli):
                 break
             time.sleep(1)
         assert up == ["node-1", "node-2"], prom.targets()
+        prom.close()
     finally:
         down = cli("monitor", "down", "--cluster", info.cluster_file, timeout=120)
     assert down.returncode == 0, down.stderr
@@ -192,3 +252,38 @@ def test_a_node_whose_overlay_is_down_is_refused_with_the_fix(meshed, cli):
         from vpscluster.provision import provision
 
         assert provision(load_cluster(info.cluster_file), roles=["overlay"])["ok"]
+
+
+def test_pre_flight_asks_every_public_node_for_its_firewall(meshed):
+    """The probe's `firewall_up` never blocked a launch. The same nodes as if they had public
+    addresses (203.0.113.x, each reached through its real SSH connection): with provision's
+    firewall loaded, pre-flight passes; with node-2's table deleted, it refuses, naming node-2 and
+    the fix."""
+    import asyncio
+    import dataclasses
+
+    from vpscluster.cluster.inventory import load_cluster, open_executors
+    from vpscluster.cluster.netsafety import require_firewall
+    from vpscluster.errors import UserError
+
+    info = meshed[0]
+    cluster = load_cluster(info.cluster_file)
+    public = dataclasses.replace(cluster, nodes=tuple(dataclasses.replace(n, host=f"203.0.113.{i + 10}")
+                                                      for i, n in enumerate(cluster.nodes)))
+
+    async def check() -> None:
+        async with open_executors(cluster) as executors:
+            await require_firewall(public, executors, timeout_s=30)
+
+    asyncio.run(check())
+    saved = ssh_run(info, "node-2", "nft list table inet vpscluster").stdout
+    assert "table inet vpscluster" in saved
+    assert ssh_run(info, "node-2", "nft delete table inet vpscluster").returncode == 0
+    try:
+        with pytest.raises(UserError) as e:
+            asyncio.run(check())
+        msg = str(e.value)
+        assert "the firewall is not up on node-2 (203.0.113.11)" in msg and "node-1" not in msg, msg
+        assert "--only overlay,firewall" in msg
+    finally:
+        assert ssh_run(info, "node-2", f"nft -f - <<'EOF'\n{saved}\nEOF").returncode == 0

@@ -99,3 +99,20 @@ def test_script_runs_from_its_bootstrap_with_only_the_standard_library(tmp_path)
     assert out.returncode == 0 and facts["torch"] is None and "ModuleNotFoundError" in facts["torch_error"]
     assert facts["disk_read_mb_s"] > 0 and facts["disk_free_bytes"] > 0 and list(tmp_path.iterdir()) == []
     assert facts["cpu_count"] >= 1 and facts["memory_bytes"] > 0 and facts["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_the_server_binds_the_address_given_and_falls_back_where_it_is_not_its_own():
+    """The probe started every link server on 0.0.0.0; now on the node's address. Behind a
+    provider's 1:1 NAT that address is not on the node: the server still starts (every interface)."""
+    for bind, want in (("127.0.0.1", "127.0.0.1"), ("203.0.113.10", "0.0.0.0")):
+        proc = subprocess.Popen(nodeside.command(sys.executable, "links", "server", "--bind", bind,
+                                                 "--idle-timeout-s", "5"), stdout=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith("LISTENING "), line
+            port = int(line.split()[1])
+            out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, timeout=30).stdout
+            assert f"{want}:{port}" in out, out
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)

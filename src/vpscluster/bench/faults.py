@@ -265,7 +265,8 @@ def _is_worker(pid: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return False
-    return "vpscluster.train.worker" in argv and "torch.distributed.run" not in argv and "python" in Path(argv[0]).name
+    agent = any(m in a for a in argv[:6] for m in ("torch.distributed.run", "torchrun"))  # reap.py's markers
+    return "vpscluster.train.worker" in argv and not agent and "python" in Path(argv[0]).name
 
 
 def _attribute(injected: list[dict[str, Any]], recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:

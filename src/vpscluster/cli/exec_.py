@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds each node may take (default: command_timeout_s of the cluster file, else 60)")
     parser.add_argument("--accept-new-host-keys", action="store_true",
                         help="trust hosts not yet in known_hosts and record their keys (a changed key is still refused)")
+    parser.add_argument("--insecure-network", action="store_true",
+                        help="run even over public addresses without an overlay (what the command starts may listen unauthenticated)")
     add_json_flag(parser)
     parser.add_argument("words", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
                         help="the command to run on every node")
@@ -52,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
     command = command_line(args.words)
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster()
+    if not args.insecure_network:  # refused before any node is reached, in one line
+        from vpscluster.cluster import netsafety
+
+        netsafety.require_safe_network(cluster, netsafety.EXEC, action="run `exec`")
     if args.accept_new_host_keys:
         cluster = dataclasses.replace(cluster, accept_new_host_keys=True)
     timeout_s = args.timeout if args.timeout is not None else cluster.command_timeout_s

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "/proc/stat, right on a VM); auto: debian where installed, else builtin (default builtin)")
     p.add_argument("--debian-port", type=int, default=T.DEBIAN_NODE_PORT, metavar="PORT",
                    help=f"port of Debian's node exporter on every node (default {T.DEBIAN_NODE_PORT})")
+    p.add_argument("--insecure-network", action="store_true",
+                   help="start even over public addresses without an overlay (Prometheus and the exporters are unauthenticated)")
     add_json_flag(p)
     for name, text in (("down", "stop Prometheus and the node exporters"), ("status", "where monitoring runs and the health of every target")):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
@@ -57,8 +59,13 @@ def run(args: argparse.Namespace) -> int:
 def _up(args) -> int:
     from vpscluster.monitor import server
 
+    from vpscluster.cluster import netsafety
+
+    cluster = _cluster(args)
+    if not args.insecure_network:  # refused before anything is started, in one line
+        netsafety.require_safe_network(cluster, netsafety.MONITOR, action="start monitoring")
     con = console(args.json)
-    rec = server.up(_cluster(args), port=args.port, scrape_interval_s=args.scrape_interval, prometheus=args.prometheus,
+    rec = server.up(cluster, port=args.port, scrape_interval_s=args.scrape_interval, prometheus=args.prometheus,
                     say=con.print, node_exporter=args.node_exporter,
                     debian_port=args.debian_port)
     if args.json:

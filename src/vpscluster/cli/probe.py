@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the all-reduce sweep")
     parser.add_argument("--accept-new-host-keys", action="store_true",
                         help="trust unknown SSH host keys on first use (recorded in known_hosts)")
+    parser.add_argument("--insecure-network", action="store_true",
+                        help="probe even over public addresses without an overlay (its link tests and all-reduce are unauthenticated)")
     add_json_flag(parser)
 
 
@@ -47,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rtt_threshold_ms <= 0:
         raise UserError(f"--rtt-threshold-ms {args.rtt_threshold_ms:g}: give a positive number of milliseconds")
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster()
+    if not args.insecure_network:  # refused before any node is reached, in one line
+        from vpscluster.cluster import netsafety
+
+        netsafety.require_safe_network(cluster, netsafety.PROBE, action="probe")
     if args.accept_new_host_keys:
         cluster = dataclasses.replace(cluster, accept_new_host_keys=True)
     console = make_console(args.json)

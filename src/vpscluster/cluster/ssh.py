@@ -302,6 +302,14 @@ class SSHExecutor(Executor):
         await check.record()
         return conn
 
+    async def forward_local(self, dest_host: str, dest_port: int):
+        """A port on this machine's loopback that reaches `dest_host:dest_port` as the node sees it,
+        through this node's SSH connection (a service that listens only on the node's private or
+        overlay address stays reachable from here). Returns asyncssh's listener: `.get_port()`,
+        `.close()`."""
+        conn = await self.connect()
+        return await conn.forward_local_port("127.0.0.1", 0, dest_host, dest_port)
+
     # --- commands ---------------------------------------------------------------------------
 
     async def run(self, command, timeout_s, env=None, cwd=None, input=None) -> CommandResult:

@@ -41,8 +41,10 @@ class DaskCluster:
     code_dirs: dict[str, str | None] = field(default_factory=dict)  # node -> the user's code there
     params: dict[str, dict[str, str]] = field(default_factory=dict)  # node -> function arguments there
     # Where this machine's client reaches the scheduler; "" = scheduler_address. Differs over an
-    # overlay: the nodes talk over the mesh, the controller (not on it) over the underlay.
+    # overlay: the nodes talk over the mesh, the controller (not on it) through an SSH tunnel to
+    # the head (`tunnels`: the forwarded ports, closed by `stop`).
     client_address: str = ""
+    tunnels: list = field(default_factory=list)
 
     def node_of(self, worker_name: str) -> str:
         return worker_name.rsplit("/", 1)[0]
@@ -74,11 +76,14 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     from vpscluster.launch.pipeline import SyncItem, local_side
     from vpscluster.launch.sync import scan, sync_dir
 
+    from vpscluster.cluster.netsafety import require_firewall
+
     by_name = {ex.node.name: ex for ex in executors}
     user_files = scan(code_dir)  # the user's folder less its caches and secrets (id_*, *.pem, .env, .ssh/ ...)
     if not all(ex.node.local for ex in executors):
         say(user_files.summary("sync code:"))
     workdirs = await pf.resolve_workdirs(executors, timeout_s)
+    await require_firewall(cluster, executors, timeout_s)  # public nodes: the firewall must be up
     endpoints = pf.node_endpoints(cluster)  # the overlay's addresses once provisioned, as train and run
     package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
     code_dirs: dict[str, str | None] = {}
@@ -141,13 +146,15 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     port = _free_port_here(head.address) if by_name[cluster.head].node.local else \
         await pf.free_port(by_name[cluster.head], head.address, timeout_s)
     dask = DaskCluster(f"tcp://{head.address}:{port}", nodes, cluster.head, code_dirs=code_dirs, params=node_params)
+    # The scheduler listens on the head's cluster address only: the overlay's once provisioned
+    # (Dask runs pickled code from whoever reaches it). This machine is not on the mesh, so its
+    # client goes through an SSH tunnel to the head (connect() waits for the scheduler).
     listen = head.address
-    if endpoints[cluster.head].via == "overlay":
-        # Workers join over the mesh; this machine's client over the underlay (the firewall
-        # admits only peers and the controller there), so the scheduler listens on both.
-        underlay = pf.resolve_address(cluster.head_node.host)
-        listen = "::" if ":" in underlay else "0.0.0.0"
-        dask.client_address = f"tcp://{'[' + underlay + ']' if ':' in underlay else underlay}:{port}"
+    head_ex = by_name[cluster.head]
+    if endpoints[cluster.head].via == "overlay" and hasattr(head_ex, "forward_local"):
+        tunnel = await head_ex.forward_local(head.address, port)
+        dask.tunnels.append(tunnel)
+        dask.client_address = f"tcp://127.0.0.1:{tunnel.get_port()}"
     dask.log_dir = log_dir
     os.makedirs(log_dir, exist_ok=True)
 
@@ -167,8 +174,11 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
             f.write(line + "\n")
         return on_line
 
+    # Dask serves its HTTP routes (health, metrics) even with --no-dashboard, by default on every
+    # interface (0.0.0.0:8787): loopback only, on a free port.
+    http = ["--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
     sched = [by_name[cluster.head].node.python, "-m", "distributed.cli.dask_scheduler",
-             "--host", listen, "--port", str(port), "--no-dashboard"]
+             "--host", listen, "--port", str(port), *http]
     dask.handles.append(await by_name[cluster.head].start(
         _command(workdirs[cluster.head], env_for(cluster.head), sched), on_line=log_to(cluster.head)))
     for name, n in nodes.items():
@@ -176,7 +186,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
         for i in range(n.slots):
             argv = [ex.node.python, "-m", "distributed.cli.dask_worker", dask.scheduler_address,
                     "--name", f"{name}/{i}", "--nthreads", "1", "--no-nanny", "--host", n.address,
-                    "--no-dashboard", "--death-timeout", "60", "--memory-limit", "0",
+                    *http, "--death-timeout", "60", "--memory-limit", "0",
                     "--local-directory", posixpath.join(workdirs[name], "dask-scratch")]
             if n.gpus:
                 argv += ["--resources", f"GPU={n.gpus}"]
@@ -249,6 +259,8 @@ async def stop(executors, dask: DaskCluster | None, job_id: str) -> list:
     finally:
         for f in dask.log_files if dask else []:
             f.close()
+        for tunnel in dask.tunnels if dask else []:
+            tunnel.close()
 
 
 def _reason(r) -> str:

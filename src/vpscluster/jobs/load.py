@@ -165,6 +165,7 @@ def monitor_busy(cluster, timeout_s: float = 2.0, window: str = MONITOR_WINDOW) 
     from vpscluster.monitor.query import cpu_utilization, prometheus_for
 
     try:
-        return cpu_utilization(prometheus_for(cluster, timeout_s), window) or None
+        with prometheus_for(cluster, timeout_s) as prom:  # over an overlay: an SSH tunnel, closed after
+            return cpu_utilization(prom, window) or None
     except (UserError, RemoteError, ValueError, KeyError):
         return None

@@ -8,6 +8,12 @@ module does about it:
   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface carrying that address.
 - The c10d rendezvous guesses which node hosts its store by comparing hostnames: we say it
   (`is_host=1` on the head only).
+- torch's TCPStore server listens on every interface whatever address it is given (the
+  rendezvous store on the head, and the store rank 0's agent shares with its workers), and
+  torchrun has no flag to change that. Every node runs torchrun through `nodeside/torchrun.py`,
+  which hands each store server a socket bound to the address it was asked for (TCPStore's
+  `master_listen_fd`): the rendezvous endpoint, or the node's `--local-addr`. gloo and NCCL bind
+  the address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME's interface.
 - Join time-outs sized for a LAN: `join_timeout` comes from the run's `timeouts.rendezvous_s`.
 - Remote commands `cd` into the launcher's path: every command `cd`s into a directory that
   exists on that node (its workdir, or the synced copy of the code).
@@ -24,6 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from vpscluster import nodeside
 from vpscluster.errors import UserError
 
 # The elastic launcher's prefix for each worker's output lines, so the launcher can tell ranks
@@ -33,6 +40,7 @@ LOG_LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
 # teardown can find and verify stragglers by their environment, whatever the process tree.
 LAUNCH_ID_ENV = "VPSC_LAUNCH_ID"
 DEFAULT_RDZV_PORT = 29400
+
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,7 @@ def _node_command(
         "is_host": 1 if is_head else 0,
     }
     argv = [
-        t.python, "-m", "torch.distributed.run",
+        *nodeside.command(t.python, "torchrun"),  # torch.distributed.run, its stores bound
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(t.nproc),
         "--rdzv-backend", "c10d",

@@ -4,7 +4,9 @@ Cheap checks that fail in seconds, naming the node, instead of a rendezvous time
 minutes later: SSH reaches every node and its work directory exists (resolved to an absolute
 path there, so nothing later depends on `~` or on the launcher's paths); a fresh probe (a quick
 one is run when none is fresh) shows no blocking problem (PyTorch missing, versions differing);
-the interface carrying each node's address; a free rendezvous port on the head.
+the interface carrying each node's address (an overlay's interface must carry the node's
+overlay address); on every node reached over a public address, provision's firewall loaded
+(cluster/netsafety.py); a free rendezvous port on the head.
 """
 
 from __future__ import annotations
@@ -155,14 +157,17 @@ async def check_endpoint(ex, endpoint: Endpoint, head_address: str, timeout_s: f
     if interface_for_address(r.stdout, endpoint.address) != endpoint.interface:
         where = f" --cluster {source}" if source else ""
         raise RemoteError(f"node {ex.node.name}: the overlay is not up there ({endpoint.interface} does not carry "
-                          f"{endpoint.address}); bring it back with `vpscluster provision{where} --only overlay`")
+                          f"{endpoint.address}); bring it back with `vpscluster provision{where} --only overlay,firewall`")
     return endpoint.interface
 
 
 async def preflight(cluster, executors, facts: dict[str, dict], timeout_s: float) -> dict[str, NodeState]:
     """Workdirs, interfaces and accelerators of every node (facts from the probe where it has them);
     addresses and interfaces from `node_endpoints` (the overlay's, once provisioned)."""
+    from vpscluster.cluster.netsafety import require_firewall
+
     workdirs = await resolve_workdirs(executors, timeout_s)
+    await require_firewall(cluster, executors, timeout_s)  # public nodes: the firewall must be up
     endpoints = node_endpoints(cluster, facts)
     head_address = endpoints[cluster.head].address
 

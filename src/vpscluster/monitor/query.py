@@ -37,8 +37,19 @@ STD_NET_TX = "node_network_transmit_bytes_total"
 
 
 class Prometheus:
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, tunnel=None) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.tunnel = tunnel  # the SSH tunnel `url` goes through (monitor/tunnel.py), or None
+
+    def close(self) -> None:
+        if self.tunnel is not None:
+            self.tunnel.close()
+
+    def __enter__(self) -> "Prometheus":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _get(self, path: str, **params: str) -> Any:
         url = f"{self.url}{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
@@ -73,6 +84,14 @@ def prometheus_for(cluster, timeout_s: float = 5.0) -> Prometheus:
     rec = load_record(cluster)
     if rec is None:
         raise UserError("no monitoring runs for this cluster; start it with `vpscluster monitor up`")
+    if rec.tunnel:  # it listens on the head's overlay address: through SSH to the head
+        from urllib.parse import urlsplit
+
+        from vpscluster.monitor.tunnel import Tunnel
+
+        where = urlsplit(rec.url)
+        tunnel = Tunnel(cluster, rec.head, where.hostname or "", where.port or 0, timeout_s=max(timeout_s, 30.0))
+        return Prometheus(f"http://127.0.0.1:{tunnel.port}", timeout_s, tunnel=tunnel)
     return Prometheus(rec.url, timeout_s)
 
 

@@ -26,6 +26,13 @@ elsewhere. The builtin is not the default even where Debian's is installed, so t
 figure is what a scheduler reads unless asked otherwise; a training run's own node exporters
 are builtin either way. `monitor/query.py` reads both sets of names.
 
+Where they listen: every exporter on its node's cluster address, Prometheus on the head's (the
+overlay's once `provision` made one, else the cluster file's host, which `monitor up` accepts only
+when private or with --insecure-network): nothing binds every interface, and nothing
+unauthenticated faces the internet. Over an overlay this machine is not on the mesh, so `top`,
+`report`, `status` and batch's load figures reach Prometheus through an SSH tunnel to the head
+(monitor/tunnel.py; the record says `tunnel: true`).
+
 Prometheus itself: Debian/Ubuntu `apt install prometheus` (the package's service can stay
 disabled; vpscluster starts its own instance); elsewhere the release tarball from
 prometheus.io/download, with `prometheus` on the head's PATH or `--prometheus PATH`.
@@ -34,6 +41,7 @@ prometheus.io/download, with `prometheus` on the head's PATH or `--prometheus PA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import posixpath
@@ -43,7 +51,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from vpscluster import telemetry as T
 from vpscluster.cluster.daemon import DETACHED_WAIT, STOP_PID
@@ -66,6 +74,21 @@ class MonitorRecord:
     scrape_interval_s: float
     node_exporters: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> {address, port, pid}
     started_at: float = 0.0
+    tunnel: bool = False  # `url` is on the head's overlay address: reached from here through SSH
+
+    @contextlib.contextmanager
+    def reached(self, cluster) -> Iterator[str]:
+        """`url` as this machine reaches it: itself, or an SSH tunnel's local URL while inside."""
+        if not self.tunnel:
+            yield self.url
+            return
+        from urllib.parse import urlsplit
+
+        from vpscluster.monitor.tunnel import Tunnel
+
+        where = urlsplit(self.url)
+        with Tunnel(cluster, self.head, where.hostname or "", where.port or T.PROMETHEUS_PORT) as t:
+            yield f"http://127.0.0.1:{t.port}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,7 +170,7 @@ def up(cluster, *, port: int = T.PROMETHEUS_PORT, scrape_interval_s: float = 5.0
     if node_exporter not in NODE_EXPORTERS:
         raise UserError(f"--node-exporter {node_exporter!r}: choose one of {', '.join(NODE_EXPORTERS)}")
     rec = load_record(cluster)
-    if rec is not None and _ready(rec.url):
+    if rec is not None and _answers(cluster, rec):
         raise UserError(f"monitoring already runs for this cluster at {rec.url}; `vpscluster monitor down` first")
     if rec is not None:  # recorded but not answering (a node rebooted, Prometheus died): clear what is left
         try:
@@ -284,11 +307,16 @@ async def _start_prometheus(cluster, head, workdirs, exporters, port, scrape_int
                             timeout_s, say) -> MonitorRecord:
     from vpscluster.launch.preflight import resolve_address
 
+    from vpscluster.launch.preflight import node_endpoints
+
     mdir = posixpath.join(workdirs[cluster.head], MONITOR_DIR)
-    # Prometheus itself listens on the head's own address, overlay or not: this machine (`top`,
-    # `report`, batch's load figures) queries it and is not on the mesh.
+    # Prometheus listens on the head's cluster address: the overlay's once provisioned, where
+    # this machine (`top`, `report`, batch's load figures; not on the mesh) reaches it through
+    # an SSH tunnel; else the cluster file's host (private, or accepted with --insecure-network).
     node = next(n for n in cluster.nodes if n.name == cluster.head)
-    address = "127.0.0.1" if node.local else resolve_address(node.host)
+    endpoint = None if node.local else node_endpoints(cluster, resolve=False)[cluster.head]
+    tunnel = endpoint is not None and endpoint.via == "overlay"
+    address = "127.0.0.1" if node.local else endpoint.address if tunnel else resolve_address(node.host)
     with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
         Path(tmp, "prometheus.yml").write_text(prometheus_config(mdir, scrape_interval_s))
         Path(tmp, "nodes.json").write_text(json.dumps(node_targets(exporters), indent=2))
@@ -303,19 +331,35 @@ async def _start_prometheus(cluster, head, workdirs, exporters, port, scrape_int
                        timeout_s=timeout_s)
     if not r.ok:
         raise RemoteError(f"node {cluster.head}: could not start Prometheus: {r.stderr.strip() or r.error}")
-    rec = MonitorRecord(head=cluster.head, url=f"http://{address}:{port}", monitor_dir=mdir,
+    host = f"[{address}]" if ":" in address else address
+    rec = MonitorRecord(head=cluster.head, url=f"http://{host}:{port}", monitor_dir=mdir,
                         prometheus_pid=int(r.stdout.strip().splitlines()[-1]), scrape_interval_s=scrape_interval_s,
-                        node_exporters=exporters, started_at=time.time())
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _ready(rec.url):
-        alive = await head.run(f"kill -0 {rec.prometheus_pid}", timeout_s=timeout_s)
-        if not alive.ok or time.monotonic() > deadline:
-            tail = await head.run(f"tail -n 5 {log}", timeout_s=timeout_s)
-            await _stop_all(executors, rec, timeout_s)
-            raise RemoteError(f"node {cluster.head}: Prometheus did not come up at {rec.url}: {tail.stdout.strip()[-500:]}")
-        await asyncio.sleep(0.3)
+                        node_exporters=exporters, started_at=time.time(), tunnel=tunnel)
+    listener = await head.forward_local(address, port) if tunnel else None
+    here = f"http://127.0.0.1:{listener.get_port()}" if listener is not None else rec.url
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not await asyncio.to_thread(_ready, here):  # a thread: the tunnel needs this loop
+            alive = await head.run(f"kill -0 {rec.prometheus_pid}", timeout_s=timeout_s)
+            if not alive.ok or time.monotonic() > deadline:
+                tail = await head.run(f"tail -n 5 {log}", timeout_s=timeout_s)
+                await _stop_all(executors, rec, timeout_s)
+                raise RemoteError(f"node {cluster.head}: Prometheus did not come up at {rec.url}: {tail.stdout.strip()[-500:]}")
+            await asyncio.sleep(0.3)
+    finally:
+        if listener is not None:
+            listener.close()
     say(f"Prometheus at {rec.url} (data in {mdir}/data, kept {RETENTION_TIME} or {RETENTION_SIZE})")
     return rec
+
+
+def _answers(cluster, rec: MonitorRecord) -> bool:
+    """Whether the recorded Prometheus answers (through its tunnel where it has one)."""
+    try:
+        with rec.reached(cluster) as url:
+            return _ready(url)
+    except RemoteError:  # the head cannot be reached: not answering
+        return False
 
 
 def _ready(url: str, timeout_s: float = 2.0) -> bool:
@@ -372,9 +416,13 @@ def status(cluster) -> dict[str, Any]:
     rec = load_record(cluster)
     if rec is None:
         return {"running": False}
-    if not _ready(rec.url):
-        return {"running": False, "url": rec.url, "note": "recorded but not answering; `monitor down` cleans up"}
-    return {"running": True, **rec.to_dict(), "targets": Prometheus(rec.url).targets()}
+    try:
+        with rec.reached(cluster) as url:
+            if _ready(url):
+                return {"running": True, **rec.to_dict(), "targets": Prometheus(url).targets()}
+    except RemoteError:  # the head cannot be reached: not answering
+        pass
+    return {"running": False, "url": rec.url, "note": "recorded but not answering; `monitor down` cleans up"}
 
 
 # --- the current run's targets ---------------------------------------------------------------------

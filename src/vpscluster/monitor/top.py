@@ -40,9 +40,15 @@ def link_capacity(probe: dict | None) -> dict[str, float]:
 
 def snapshot(cluster, window: str = "30s") -> dict[str, Any]:
     from vpscluster.monitor import query
+
+    with query.prometheus_for(cluster) as prom:  # an SSH tunnel to the head over an overlay, closed after
+        return _snapshot(cluster, window, prom)
+
+
+def _snapshot(cluster, window: str, prom) -> dict[str, Any]:
+    from vpscluster.monitor import query
     from vpscluster.probe.store import load_probe
 
-    prom = query.prometheus_for(cluster)
     local = all(n.local for n in cluster.nodes)  # the local cluster's traffic is all on loopback
     cpu = query.cpu_utilization(prom, window)
     cap = query.cpu_capacity(prom)

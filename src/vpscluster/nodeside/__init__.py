@@ -15,6 +15,7 @@ vpscluster installed to be probed, synced, torn down or given a port.
     free_port.py   a free TCP port on the node (IPv4 or IPv6 by the address)
     run_module.py  run a module of a package sent as a zip on stdin (calibration: the real model)
     queue_exporter.py  NATS JetStream monitoring as Prometheus metrics (`queue up` starts it on the head)
+    torchrun.py    torch.distributed.run with its TCPStore servers bound to their own address
 
 `command(python, name, *args)` is the argv that runs program `name`: its source travels inside
 the command line (zlib + base64 in a one-line `python -c` bootstrap), so nothing is copied to
@@ -37,7 +38,8 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
-PROGRAMS = ("facts", "links", "allreduce", "reap", "tree_hash", "unpack", "free_port", "run_module", "queue_exporter")
+PROGRAMS = ("facts", "links", "allreduce", "reap", "tree_hash", "unpack", "free_port", "run_module", "queue_exporter",
+            "torchrun")
 
 # The bootstrap puts argv in place as the program expects it (argv[0] = the program's file name).
 _BOOTSTRAP = (

@@ -13,6 +13,7 @@ the NTP-style clock offset (server time minus the midpoint of the client's send 
 """
 
 import argparse
+import errno
 import json
 import socket
 import statistics
@@ -99,7 +100,13 @@ def _handle(conn, state):
 def serve(bind, port, idle_timeout_s):
     srv = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((bind, port))
+    try:
+        srv.bind((bind, port))
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        # Not an address of this node (a provider's 1:1 NAT): every interface of that family.
+        srv.bind(("::" if ":" in bind else "0.0.0.0", port))
     srv.listen(64)
     srv.settimeout(1.0)
     print(f"LISTENING {srv.getsockname()[1]}", flush=True)

@@ -74,7 +74,9 @@ async def measure_links(
     idle_s = max(60.0, 3 * (settings.duration_s + settings.warmup_s + 20))
     try:
         for n in nodes:
-            bind = "::" if ":" in n.host else "0.0.0.0"
+            # The address its peers connect to, not every interface (the server is unauthenticated);
+            # the server falls back to all of them where that address is not its own (1:1 NAT).
+            bind = _address(n.host)
             try:
                 handles[n.name] = await executors[n.name].start(
                     nodeside.command(n.python, "links", "server", "--bind", bind, "--idle-timeout-s", str(idle_s)),
@@ -91,6 +93,15 @@ async def measure_links(
         return links
     finally:
         await asyncio.gather(*(h.stop(grace_s=2.0) for h in handles.values()), return_exceptions=True)
+
+
+def _address(host: str) -> str:
+    """`host` as an IP address (resolved here once); the wildcard when it does not resolve."""
+    from vpscluster.cluster.netsafety import resolve
+
+    found = resolve(host)
+    v4 = [a for a in found if ":" not in a]
+    return (v4 or found)[0] if found else ("::" if ":" in host else "0.0.0.0")
 
 
 async def _wait_ready(server: _Server, timeout_s: float) -> None:

@@ -1,0 +1,58 @@
+"""torch's elastic launcher, `python -m torch.distributed.run ARGS`, with its stores bound.
+
+torch's TCPStore server listens on every interface whatever host it is given: the c10d
+rendezvous store on the head, and the store rank 0's agent shares with its workers. torchrun has
+no flag to change that, and the store accepts anyone (no authentication). So each store server
+is handed a socket bound to the address it was asked for (TCPStore's `master_listen_fd`): the
+rendezvous endpoint on the head, the node's --local-addr for the shared store. Where that address
+is not the node's own (a provider's 1:1 NAT), torch does as it always did (the firewall then
+closes the port); a host name is left to torch too (the launcher always gives addresses).
+
+    torchrun.py ARGS...     exactly torchrun's arguments
+"""
+
+import ipaddress
+import socket
+import sys
+
+
+def bound_store(base):
+    """A TCPStore class whose servers listen on their host address only."""
+
+    class BoundTCPStore(base):
+        def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
+            try:
+                ip = ipaddress.ip_address(host_name)
+            except ValueError:
+                ip = None
+            if (is_master and ip is not None and not ip.is_unspecified and len(args) < 4
+                    and kwargs.get("master_listen_fd") is None):
+                sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((host_name, port))
+                    sock.listen(2048)
+                except OSError:  # served by this process already (multi-tenant), NAT, or taken: as torch
+                    sock.close()
+                else:
+                    port = sock.getsockname()[1]
+                    kwargs["master_listen_fd"] = sock.detach()
+            super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+    return BoundTCPStore
+
+
+def main(argv):
+    import torch.distributed as dist
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+
+    dist.TCPStore = c10d_backend.TCPStore = bound_store(dist.TCPStore)
+    from torch.distributed.run import main as torchrun
+
+    sys.argv = ["torchrun", *argv]
+    torchrun(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
