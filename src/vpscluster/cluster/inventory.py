@@ -7,7 +7,7 @@
     command_timeout_s: 60        # optional
     dead_after_s: 20             # optional; a node that answers nothing, not even SSH keepalives, this long is gone
     defaults: {user: root, port: 22, identity_file: id_ed25519, python: ..., workdir: ...}
-    firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24]}   # optional; see `vpscluster provision`
+    firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24], controller: [203.0.113.7]}   # optional; see `vpscluster provision`
     insecure_network: false      # optional; true: launch over public addresses anyway (cluster/netsafety.py)
     nodes:
       - {name: node-a, host: 203.0.113.10, port: 22, user: root, identity_file: ~/.ssh/id_ed25519,
@@ -90,6 +90,7 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         dead_after_s=spec.dead_after_s,
         firewall_allow=tuple(spec.firewall.allow),
         firewall_ssh_from=tuple(spec.firewall.ssh_from),
+        firewall_controller=tuple(spec.firewall.controller),
         insecure_network=spec.insecure_network,
     )
 
@@ -234,6 +235,9 @@ class FirewallSettings:
     __pydantic_config__ = _FILE_CONFIG
     allow: Annotated[list[int], Before(_allow_ports)] = field(default_factory=list)  # TCP ports open to anyone
     ssh_from: Annotated[list[str], Before(_sources)] = field(default_factory=list)  # SSH sources; empty: anywhere
+    # Where this machine (the controller) connects from; SSH is always open to it. Unset: each
+    # node's SSH_CLIENT, and only when ssh_from limits SSH (said in provision's report).
+    controller: Annotated[list[str], Before(_sources)] = field(default_factory=list)
 
 
 @dataclass

@@ -76,6 +76,10 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
                        progress=progress)
     report = summarize(raw, [n.name for n in cluster.nodes], chosen, check)
     report["tcp_buffer_bytes"] = extra["tcp_buffer_bytes"]
+    if "firewall" in chosen and cluster.firewall_ssh_from and not cluster.firewall_controller:
+        for n in report["nodes"]:  # said out loud: the fallback that sudo may clear and NAT may share
+            n["notes"].append("firewall: SSH is limited to firewall.ssh_from, and this machine's address was taken "
+                              "from the node's SSH_CLIENT; set firewall.controller in the cluster file")
     if "overlay" in chosen and not check:
         report["overlay"] = record_overlay(cluster, report)
     if "env" in chosen:
