@@ -14,6 +14,13 @@ cluster file (inventory.py), and returns what happened per node and role:
 Idempotent: a second run reports "no changes". `check=True` is Ansible's check mode with diffs:
 what would change, nothing changed. The playbook is plain Ansible and may be run by hand
 (`playbook_dir()`), e.g. `ansible-playbook -i inventory.json site.yml --check --diff`.
+What provision sets up survives a reboot: the firewall role writes /etc/vpscluster/firewall.nft,
+includes it from /etc/nftables.conf and enables nftables.service; the overlay role writes the
+mesh's peers and a unit (vpscluster-overlay.service) that brings the interface up at boot and,
+where the kernel has no WireGuard, runs wireguard-go under systemd (Restart=always). The
+controller gets SSH only: its address is the cluster file's `firewall: {controller: [...]}`, and
+only where `ssh_from` limits SSH and that key is unset, each node's SSH_CLIENT (a note says so).
+Inventory values are tagged `!unsafe`: cluster-file text is never an Ansible template.
 Safety (refusing public launches without an overlay) is in `netsafety.py`. After the overlay
 role ran on every node, `report["overlay"]` holds each node's private address and the record
 (cluster/overlay.py) from which train, run and batch bind to the mesh.
