@@ -6,7 +6,7 @@
             processes, files
     status  what exists and whether every node's sshd is alive
     set     change a running node's CPU share or link rate (rehearse a node that degrades)
-    fault   inject a fault into a node (kill, stop, link-down, throttle, disk-full) or clear them
+    fault   inject a fault into a node (kill, reboot, stop, link-down, throttle, disk-full) or clear them
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_flag(p)
 
     p = sub.add_parser("fault", help="inject a fault into a node, or clear faults",
-                       description="Inject a fault: kill | stop SECONDS | link-down SECONDS | throttle RATE SECONDS | "
+                       description="Inject a fault: kill | reboot | stop SECONDS | link-down SECONDS | throttle RATE SECONDS | "
                                    "disk-full [SECONDS]; or clear (every active fault, or the node's). Timed faults end "
                                    "by themselves, also after this command has exited.")
     p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name (default {DEFAULT_NAME})")
     p.add_argument("--node", default=None, help="the node, e.g. node-2 (required except for clear)")
-    p.add_argument("fault", nargs="+", metavar="KIND", help="kill | stop S | link-down S | throttle RATE S | disk-full [S] | clear")
+    p.add_argument("fault", nargs="+", metavar="KIND", help="kill | reboot | stop S | link-down S | throttle RATE S | disk-full [S] | clear")
     add_json_flag(p)
 
 
@@ -111,15 +111,15 @@ def _fault(args: argparse.Namespace) -> int:
         return 0
     if args.node is None:
         raise UserError(f"fault {kind}: needs --node NODE (e.g. --node node-2)")
-    wants = {"kill": 0, "stop": 1, "link-down": 1, "throttle": 2, "disk-full": len(rest[:1])}.get(kind)
+    wants = {"kill": 0, "reboot": 0, "stop": 1, "link-down": 1, "throttle": 2, "disk-full": len(rest[:1])}.get(kind)
     if wants is None:
-        raise UserError(f"fault: unknown kind {kind!r}; choose kill, stop, link-down, throttle, disk-full or clear")
+        raise UserError(f"fault: unknown kind {kind!r}; choose kill, reboot, stop, link-down, throttle, disk-full or clear")
     if len(rest) != wants:
-        usage = {"kill": "kill", "stop": "stop SECONDS", "link-down": "link-down SECONDS",
+        usage = {"kill": "kill", "reboot": "reboot", "stop": "stop SECONDS", "link-down": "link-down SECONDS",
                  "throttle": "throttle RATE SECONDS", "disk-full": "disk-full [SECONDS]"}[kind]
         raise UserError(f"fault {kind}: expected `{usage}`, got `{' '.join(args.fault)}`")
     rate = rest[0] if kind == "throttle" else None
-    seconds = rest[-1] if rest and kind != "kill" and not (kind == "throttle" and len(rest) < 2) else None
+    seconds = rest[-1] if rest and kind not in ("kill", "reboot") and not (kind == "throttle" and len(rest) < 2) else None
     record = faults.inject(args.name, args.node, kind, seconds=seconds, rate=rate)
     if args.json:
         emit_json(record)

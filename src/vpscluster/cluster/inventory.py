@@ -7,7 +7,7 @@
     command_timeout_s: 60        # optional
     dead_after_s: 20             # optional; a node that answers nothing, not even SSH keepalives, this long is gone
     defaults: {user: root, port: 22, identity_file: id_ed25519, python: ..., workdir: ...}
-    firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24]}   # optional; see `vpscluster provision`
+    firewall: {allow: [5432, 9092], ssh_from: [198.51.100.0/24], controller: [203.0.113.7]}   # optional; see `vpscluster provision`
     insecure_network: false      # optional; true: launch over public addresses anyway (cluster/netsafety.py)
     queue: {url: nats://10.0.0.5:4222, token_file: nats.token}   # optional; a NATS server of your own
                                  # instead of `vpscluster queue up` (or user + password_file); see queue/server.py
@@ -102,6 +102,7 @@ def cluster_from_mapping(data: Any, where: str, base_dir: Path) -> Cluster:
         dead_after_s=spec.dead_after_s,
         firewall_allow=tuple(spec.firewall.allow),
         firewall_ssh_from=tuple(spec.firewall.ssh_from),
+        firewall_controller=tuple(spec.firewall.controller),
         insecure_network=spec.insecure_network,
         queue=_queue_server(spec.queue, base_dir, where),
     )
@@ -283,6 +284,9 @@ class FirewallSettings:
     __pydantic_config__ = _FILE_CONFIG
     allow: Annotated[list[int], Before(_allow_ports)] = field(default_factory=list)  # TCP ports open to anyone
     ssh_from: Annotated[list[str], Before(_sources)] = field(default_factory=list)  # SSH sources; empty: anywhere
+    # Where this machine (the controller) connects from; SSH is always open to it. Unset: each
+    # node's SSH_CLIENT, and only when ssh_from limits SSH (said in provision's report).
+    controller: Annotated[list[str], Before(_sources)] = field(default_factory=list)
 
 
 @dataclass

@@ -59,6 +59,7 @@ class Cluster:
     dead_after_s: float = 20.0  # no answer at all (SSH keepalives included) this long: the node is gone
     firewall_allow: tuple[int, ...] = ()  # extra TCP ports every node opens to anyone (cluster file `firewall: {allow}`)
     firewall_ssh_from: tuple[str, ...] = ()  # where SSH may come from; empty: anywhere
+    firewall_controller: tuple[str, ...] = ()  # the controller's addresses (SSH open to them); empty: SSH_CLIENT
     insecure_network: bool = False  # launch over public addresses anyway (see cluster/netsafety.py)
     queue: QueueServer | None = None  # the user's own NATS server (cluster file `queue:`); None: `queue up`'s
 

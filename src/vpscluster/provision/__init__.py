@@ -14,6 +14,13 @@ cluster file (inventory.py), and returns what happened per node and role:
 Idempotent: a second run reports "no changes". `check=True` is Ansible's check mode with diffs:
 what would change, nothing changed. The playbook is plain Ansible and may be run by hand
 (`playbook_dir()`), e.g. `ansible-playbook -i inventory.json site.yml --check --diff`.
+What provision sets up survives a reboot: the firewall role writes /etc/vpscluster/firewall.nft,
+includes it from /etc/nftables.conf and enables nftables.service; the overlay role writes the
+mesh's peers and a unit (vpscluster-overlay.service) that brings the interface up at boot and,
+where the kernel has no WireGuard, runs wireguard-go under systemd (Restart=always). The
+controller gets SSH only: its address is the cluster file's `firewall: {controller: [...]}`, and
+only where `ssh_from` limits SSH and that key is unset, each node's SSH_CLIENT (a note says so).
+Inventory values are tagged `!unsafe`: cluster-file text is never an Ansible template.
 Safety (refusing public launches without an overlay) is in `netsafety.py`. After the overlay
 role ran on every node, `report["overlay"]` holds each node's private address and the record
 (cluster/overlay.py) from which train, run and batch bind to the mesh.
@@ -76,6 +83,10 @@ def provision(cluster: Cluster, roles: Sequence[str] | str | None = None, check:
                        progress=progress)
     report = summarize(raw, [n.name for n in cluster.nodes], chosen, check)
     report["tcp_buffer_bytes"] = extra["tcp_buffer_bytes"]
+    if "firewall" in chosen and cluster.firewall_ssh_from and not cluster.firewall_controller:
+        for n in report["nodes"]:  # said out loud: the fallback that sudo may clear and NAT may share
+            n["notes"].append("firewall: SSH is limited to firewall.ssh_from, and this machine's address was taken "
+                              "from the node's SSH_CLIENT; set firewall.controller in the cluster file")
     if "overlay" in chosen and not check:
         report["overlay"] = record_overlay(cluster, report)
     if "env" in chosen:

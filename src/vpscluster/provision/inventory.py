@@ -3,6 +3,11 @@
     {"all": {"children": {"cluster": {"hosts": {<node>: {ansible_host, ansible_port, ansible_user,
       ansible_ssh_private_key_file, firewall_peers, workdir, ...}}, "vars": {...}}}}}
 
+Every string in it comes from the cluster file or this machine and is data, never a template:
+`inventory_yaml` writes the file Ansible reads with each one tagged `!unsafe`, so a `workdir`
+holding `{{ lookup('pipe', ...) }}` reaches the node as those characters and runs nothing on the
+controller.
+
 Host keys are checked as everywhere else in vpscluster: against the cluster's known_hosts only
 (StrictHostKeyChecking=yes; `accept-new` when the cluster file says accept_new_host_keys,
 which still refuses a changed key). Nothing in ~/.ssh/known_hosts or /etc/ssh is consulted
@@ -107,6 +112,7 @@ def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) 
         "ansible_ssh_common_args": ssh_args(cluster),
         "firewall_allow": list(cluster.firewall_allow),
         "firewall_ssh_from": list(cluster.firewall_ssh_from),
+        "firewall_controller": list(cluster.firewall_controller),
         "firewall_overlay_port": OVERLAY_PORT,
         "overlay_port": OVERLAY_PORT,
         "overlay_interface": OVERLAY_INTERFACE,
@@ -114,3 +120,29 @@ def build_inventory(cluster: Cluster, extra_vars: dict[str, Any] | None = None) 
         **(extra_vars or {}),
     }
     return {"all": {"children": {"cluster": {"hosts": hosts, "vars": group_vars}}}}
+
+
+class _Unsafe(str):
+    """A string Ansible must not template (written with the `!unsafe` tag)."""
+
+
+def _mark_unsafe(value: Any) -> Any:
+    if isinstance(value, str):
+        return _Unsafe(value)
+    if isinstance(value, dict):
+        return {k: _mark_unsafe(v) for k, v in value.items()}  # keys (host and variable names) stay plain
+    if isinstance(value, (list, tuple)):
+        return [_mark_unsafe(v) for v in value]
+    return value
+
+
+def inventory_yaml(inventory: dict) -> str:
+    """The inventory as the YAML file Ansible reads, every string value tagged `!unsafe`."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(_Unsafe, lambda d, v: d.represent_scalar("!unsafe", str(v)))
+    return yaml.dump(_mark_unsafe(inventory), Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1 << 16,
+                     allow_unicode=True)

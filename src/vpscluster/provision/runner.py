@@ -41,8 +41,10 @@ def run_playbook(playbook: Path, inventory: dict, tags: Sequence[str], check: bo
     exe = ansible_playbook()
     with tempfile.TemporaryDirectory(prefix="vpsc-ans-") as tmp:
         t = Path(tmp)
-        inv = t / "inventory.json"
-        inv.write_text(json.dumps(inventory, indent=1))
+        from vpscluster.provision.inventory import inventory_yaml
+
+        inv = t / "inventory.yml"  # values tagged !unsafe: cluster-file text is never templated
+        inv.write_text(inventory_yaml(inventory))
         result_file = t / "result.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
         env.update({

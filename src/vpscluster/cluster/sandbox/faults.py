@@ -11,6 +11,10 @@ Kinds (`vpscluster sandbox fault --name N --node X KIND ...`):
                         and SSH sessions are gone, and it is reachable again (as a VPS back from a
                         reboot). The daemon is kept on purpose, so that rejoin can be tested; use
                         link-down to make a node unreachable as well. Nothing to restore.
+    reboot              (nodes with their own root) as kill, then the node's interfaces, nftables
+                        ruleset and /run are reset and the units it enabled in its own /etc are
+                        started as a boot would (boot.py): what a provisioned node keeps over a
+                        real reboot comes back, and what it does not keep stays gone.
     stop SECONDS        SIGSTOP every process of the node except sshd (daemon and sessions), then
                         SIGCONT after SECONDS: a hung process (or a VM frozen by its host) whose
                         TCP connections stay open, so only a time-out can notice it.
@@ -46,7 +50,7 @@ from vpscluster.cluster.sandbox.system import require_root, run_tool
 from vpscluster.errors import UserError
 from vpscluster.units import parse_rate_mbit
 
-KINDS = ("kill", "stop", "link-down", "throttle", "disk-full")
+KINDS = ("kill", "reboot", "stop", "link-down", "throttle", "disk-full")
 TIMED = ("stop", "link-down", "throttle")  # need SECONDS; disk-full takes it optionally
 MAX_SECONDS = 7 * 24 * 3600
 FILL_NAME = ".vpscluster-disk-full"
@@ -249,8 +253,8 @@ def inject(name: str, node: str, kind: str, seconds: float | str | None = None, 
         raise UserError(f"fault: unknown kind {kind!r}; choose one of {', '.join(KINDS)} (or clear)")
     info = _load(name)
     n = _node(info, node)
-    if kind == "kill" and seconds is not None:
-        raise UserError("fault kill: takes no SECONDS (the node's processes are gone; nothing comes back by itself)")
+    if kind in ("kill", "reboot") and seconds is not None:
+        raise UserError(f"fault {kind}: takes no SECONDS (the node's processes are gone; nothing comes back by itself)")
     secs = _check_seconds(kind, seconds)
     rate_mbit = None
     if kind == "throttle":
@@ -258,7 +262,7 @@ def inject(name: str, node: str, kind: str, seconds: float | str | None = None, 
             raise UserError("fault throttle: needs RATE and SECONDS, e.g. `throttle 1mbit 60`")
         rate_mbit = parse_rate_mbit(rate, "throttle RATE")
     with _locked(name) as faults:
-        if kind != "kill" and any(f["node"] == node and f["kind"] == kind for f in faults):
+        if kind not in ("kill", "reboot") and any(f["node"] == node and f["kind"] == kind for f in faults):
             raise UserError(f"sandbox {name}: {node} already has a {kind} fault; end it first with "
                             f"`vpscluster sandbox fault --name {name} --node {node} clear`")
         record = {"id": secrets.token_hex(4), "node": node, "kind": kind, "started": time.time(),
@@ -266,6 +270,11 @@ def inject(name: str, node: str, kind: str, seconds: float | str | None = None, 
         if kind == "kill":
             record.update(_kill(info, n))
             return record  # nothing to restore: not recorded as active
+        if kind == "reboot":
+            from vpscluster.cluster.sandbox import boot
+
+            record.update(boot.reboot(info, n, _kill))
+            return record
         if kind == "stop":
             record.update(_stop(info, n))
         elif kind == "link-down":
