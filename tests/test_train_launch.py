@@ -22,6 +22,7 @@ def test_local_dry_run_snapshot_runs_and_creates_nothing(tmp_path, cli):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     check_snapshot("train_dry_run_local.json", _normalised(doc, tmp_path.resolve()))
+    assert doc["recovery"]["max_restarts"] == 0  # the local cluster has no node to lose
     (node,) = doc["nodes"]
     argv = node["argv"]
     # One local node (loopback) running every rank, a c10d rendezvous on loopback, the trainer.
@@ -51,6 +52,12 @@ def test_cluster_dry_run_snapshot(tmp_path, cli):
     assert all(n["env"]["PYTHONPATH"] == "/srv/vpscluster/code/src" for n in doc["nodes"])
     assert all("--run-dir runs/fixed" in n["command"] for n in doc["nodes"])
     assert not (tmp_path / "runs").exists()
+    # No recovery flag: on by default, the survivors go on while half the nodes (1 of 2) remain.
+    assert doc["recovery"] == {"max_restarts": 4, "min_nodes": 1, "nodes": 2, "by_default": True}
+    assert any(n.startswith("recovery: on (") and "at least 1 of 2 nodes remain" in n for n in doc["notes"]), doc["notes"]
+    off = cli("train", "--cluster", str(cluster), "--dry-run", "--run-dir", "runs/fixed", "--max-restarts", "0",
+              timeout=120, cwd=str(tmp_path))
+    assert off.returncode == 0 and "recovery: off (--max-restarts 0: the first failure ends the run)" in off.stdout, off
 
 
 def test_refused_commands_create_no_run_folder(tmp_path, cli):

@@ -204,9 +204,11 @@ class RecoveryConfig:
 
     __pydantic_config__ = PYDANTIC_CONFIG
 
-    # Relaunches from the last checkpoint after a node fails (0: the first failure ends the run).
-    max_restarts: Int = 0
-    # The fewest nodes the run goes on with when some stop answering (0: every node is needed).
+    # Relaunches from the last checkpoint after a failure (0: the first failure ends the run;
+    # None: the default, `launch/recovery.py` `policy`: on for a cluster of two or more nodes).
+    max_restarts: Int | None = None
+    # The fewest nodes the run goes on with when some stop answering (0: the default, half the
+    # nodes rounded up, `recovery.default_min_nodes`).
     min_nodes: Int = 0
     # While a node is out, how often the launcher looks whether it answers again (it then takes
     # part again: the run stops at a checkpoint and relaunches with it).
@@ -216,7 +218,7 @@ class RecoveryConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.max_restarts < 0 or self.min_nodes < 0:
+        if (self.max_restarts or 0) < 0 or self.min_nodes < 0:
             raise UserError(f"recovery.max_restarts and min_nodes must not be negative, got "
                             f"{self.max_restarts} and {self.min_nodes}")
         if self.rejoin_poll_s <= 0:
