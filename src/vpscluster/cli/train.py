@@ -263,6 +263,8 @@ def _run(args: argparse.Namespace) -> int:
             from vpscluster.cluster.netsafety import require_safe_network
 
             require_safe_network(prepared.cluster)
+            if not args.json and not prepared.local:  # the background launcher says it again in its log
+                out.print(prepared.recovery().line(), markup=False, soft_wrap=True)
         return _detach(args, prepared, out)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run

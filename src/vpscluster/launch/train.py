@@ -82,6 +82,12 @@ class TrainingRun:
         """Every node is this machine (the local cluster)."""
         return all(n.local for n in self.cluster.nodes)
 
+    def recovery(self):
+        """What the run does after a failure (launch/recovery.py `policy`: on by default on a cluster)."""
+        from vpscluster.launch.recovery import policy
+
+        return policy(self.cfg.recovery, len(self.cluster.nodes), self.local)
+
 
 def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
                      accept_new_host_keys: bool = False, insecure_network: bool = False,
@@ -332,11 +338,10 @@ def _as_seen_here(run_dir: Path, cluster) -> str:
 
 def dry_run_training(run: TrainingRun) -> dict[str, Any]:
     """The exact per-node commands and environment of this run; runs and creates nothing."""
-    from vpscluster.launch import recovery
     from vpscluster.launch.pipeline import dry_run
 
     doc = dry_run(training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force))
-    plan = recovery.policy(run.cfg.recovery, len(run.cluster.nodes), run.local)
+    plan = run.recovery()
     doc["recovery"] = {"max_restarts": plan.max_restarts, "min_nodes": plan.min_nodes, "nodes": plan.nodes,
                        "by_default": plan.by_default}
     doc["notes"] = [*doc.get("notes", []), plan.line()]
@@ -417,7 +422,7 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
             on_event(event)
 
     everyone = [n.name for n in run.cluster.nodes]
-    plan = recovery.policy(run.cfg.recovery, len(everyone), run.local)  # prepare_training checked --min-nodes
+    plan = run.recovery()  # prepare_training checked --min-nodes against the cluster
     need = plan.min_nodes
     say(plan.line())
     current, resume, restarts, launch_ids = list(everyone), run.resume, 0, []
