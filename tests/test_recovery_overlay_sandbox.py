@@ -139,7 +139,7 @@ def test_a_killed_node_is_left_out_and_the_survivors_go_on_over_the_overlay(over
         faults.inject(info.name, "node-3", "kill")  # wireguard-go too: vpsc0 is gone
         assert "vpsc0" not in ssh_run(info, "node-3", "ip -o link").stdout
 
-    run_dir = tmp_path / "run-kill"  # its own name: the run dir on the nodes is runs/<that name>
+    run_dir = tmp_path / "run-kill"
     report, said = train_through(info, config, run_dir, kill, recovery_flags=())  # survival is the default
     assert "recovery: on (after a failure the run relaunches from the last checkpoint on the nodes that answer " \
         "while at least 2 of 3 nodes remain (half, rounded up; --min-nodes M sets it), up to 6 restarts; " \

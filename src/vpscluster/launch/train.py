@@ -14,9 +14,10 @@ and the run dir on the node is the launcher's own.
 On a cluster file each node gets the vpscluster package source (synced by content hash to
 `<workdir>/code/src/vpscluster`, put first on PYTHONPATH, so the nodes run the launcher's code
 even where an older vpscluster is installed), the user's `--data` (to `<workdir>/data/`), and
-its own `runs/<run id>/config.yaml` — the run's configuration with `data` and `run_dir`
-rewritten to paths valid on that node. torchrun then starts
-`python -m vpscluster.train.worker --run-dir runs/<run id>` from the node's workdir. Rank 0's
+its own `runs/<name>-<uid>/config.yaml` (the local run folder's name and the run's random
+`run_uid`, `rundir.node_name`: a new run named as an older one gets a folder of its own) — the
+run's configuration with `data` and `run_dir` rewritten to paths valid on that node. torchrun
+then starts `python -m vpscluster.train.worker --run-dir runs/<name>-<uid>` from the node's workdir. Rank 0's
 events go to `on_event`; report.json and metrics.jsonl are fetched from the node that ran rank 0
 into the local run directory.
 
@@ -149,6 +150,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cfg.lr = cfg.peak_lr()  # the preset's default written down: a resume keeps it
         run_dir = rundir.fresh_path(cfg.run_dir)
         cfg.run_dir = str(run_dir)
+        cfg.run_uid = rundir.new_uid()  # a folder of its own on the nodes, whatever its name
     return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,
                        force=force, strategy_reason=reason, speeds_note=speeds_note, auto=auto,
                        prediction=predict_run(cfg))
@@ -253,7 +255,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
     """The pipeline's job for this run (pure: touches no node and creates nothing)."""
     import vpscluster
 
-    run_id = Path(run_dir).name
+    run_id = rundir.node_name(run_dir, cfg.run_uid)  # the run's folder on the nodes: runs/<run_id>
     here = all(n.local for n in cluster.nodes)
     syncs: list[SyncItem] = []
     if cfg.data and not os.path.exists(cfg.data):

@@ -255,6 +255,10 @@ class TrainConfig:
     exporters: bool = True  # Prometheus metrics from every rank and node while training (telemetry.py)
     cluster: str | None = None
     run_dir: str | None = None
+    # Set when the run is created (random, kept by --resume): the run's folder on the nodes is
+    # runs/<run dir's name>-<run_uid> (`rundir.node_name`), so a new run whose folder has an older
+    # run's name never picks up that run's checkpoints there. Empty in runs made before it.
+    run_uid: str = ""
     # `strategy: diloco` is what users write; it means `strategy: {name: diloco}`.
     strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
@@ -356,7 +360,7 @@ def strategy_choices(key: str) -> tuple[str, ...]:
 def config_keys() -> str:
     """The keys a config file takes, for help texts (read from the classes, never copied)."""
     groups = (("strategy", StrategyConfig), ("timeouts", TimeoutConfig), ("recovery", RecoveryConfig))
-    top = [f.name for f in fields(TrainConfig) if f.name not in dict(groups)]
+    top = [f.name for f in fields(TrainConfig) if f.name not in dict(groups) and f.name != "run_uid"]  # set at creation
     nested = {n: [f.name for f in fields(c)] for n, c in groups}
     return ", ".join(top) + "; " + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
 
