@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+from pathlib import Path
 from typing import Sequence
 
 import pytest
@@ -106,3 +107,14 @@ def ns_popen(info, node: str, argv: Sequence[str], **kwargs) -> subprocess.Popen
 
     n = info.node(node)
     return subprocess.Popen(enter_argv(n.cgroup, n.namespace, argv), **kwargs)
+
+
+def node_run_dir(node, run_dir) -> Path:
+    """A `train` run's folder on a sandbox node: runs/<the local folder's name>-<its run_uid>
+    (`rundir.node_name`), read from the local run's config.yaml."""
+    import yaml
+
+    from vpscluster.train import rundir
+
+    uid = yaml.safe_load((Path(run_dir) / rundir.CONFIG).read_text()).get("run_uid") or ""
+    return Path(node.workdir, "runs", rundir.node_name(run_dir, uid))

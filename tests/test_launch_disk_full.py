@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fault_helpers import sandbox_name
-from sandbox_fixtures import SandboxFactory
+from sandbox_fixtures import SandboxFactory, node_run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -74,7 +74,7 @@ def test_disk_full_during_checkpoints_keeps_training(tmp_path, sandbox2):
         victim = next(n for n in info.nodes if n.name != rank0)
         faults.inject(info.name, victim.name, "disk-full")
         wait_until(lambda: events(run_dir, "checkpoint_failed"), proc, 120)
-        ckpts = Path(victim.workdir, "runs", run_dir.name, "checkpoints")
+        ckpts = node_run_dir(victim, run_dir) / "checkpoints"
         intact = sorted(p.name for p in ckpts.iterdir() if (p / "manifest.json").exists())
         assert intact, "the checkpoint from before the disk filled is gone"
         faults.clear(info.name)
@@ -98,7 +98,7 @@ def test_disk_full_on_rank0s_node_keeps_training(tmp_path, sandbox2):
     from vpscluster.cluster.sandbox import faults
 
     info = sandbox2
-    run_dir = tmp_path / "run-rank0-full"  # its own folder on the nodes (runs/<name>)
+    run_dir = tmp_path / "run-rank0-full"  # its own folder on the nodes (runs/<name>-<run_uid>)
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
          "--max-steps", "40", "--checkpoint-every", "5", "--eval-every", "1000", "--run-dir", str(run_dir)],

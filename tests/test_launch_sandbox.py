@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sandbox_fixtures import node_run_dir
+
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +72,7 @@ def test_train_cluster_completes_and_learns(sandbox3, cli, tmp_path):
     assert all(re.search(rf"{name}/\d+ ", text) for name, text in logs.items())
     assert sum("VPSC_EVENT" in t for t in logs.values()) == 1  # rank 0 only
     # Every node trained from the node-side config, with the data path rewritten for it.
-    node_cfg = yaml.safe_load(Path(sandbox3.nodes[1].workdir, "runs", "run", "config.yaml").read_text())
+    node_cfg = yaml.safe_load((node_run_dir(sandbox3.nodes[1], run_dir) / "config.yaml").read_text())
     assert node_cfg["data"].endswith("corpus.txt")
     assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
 

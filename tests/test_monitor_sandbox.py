@@ -17,6 +17,7 @@ import pytest
 
 from conftest import pid_alive, run_cli
 from test_monitor_exporters import scrape, value
+from sandbox_fixtures import node_run_dir
 from test_monitor_prometheus import wait_for
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
@@ -74,7 +75,7 @@ def test_monitor_a_sandbox_run(make_sandbox, tmp_path):
                  "three steps on every rank")
         rank0 = next(e for e in exporters if e["rank"] == 0)
         samples = scrape(rank0["address"], rank0["rank_port"])
-        metrics_file = Path(info.node(rank0["node"]).workdir) / "runs" / "mon-run" / "metrics.jsonl"
+        metrics_file = node_run_dir(info.node(rank0["node"]), tmp_path / "mon-run") / "metrics.jsonl"
         lines = [json.loads(x) for x in metrics_file.read_text().splitlines()]
         step = int(value(samples, "vpscluster_step"))
         upto = [x for x in lines if "loss" in x and x["step"] <= step]

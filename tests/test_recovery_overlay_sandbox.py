@@ -1,15 +1,16 @@
 """Recovery over the WireGuard overlay: relaunches on the survivors run encrypted.
 
 Three own-root sandbox nodes get the overlay (`provision` with the overlay role, as
-test_overlay_sandbox.py does) and train DiLoCo with `--max-restarts 2 --min-nodes 2`.
+test_overlay_sandbox.py does) and train DiLoCo.
 
-- node-3 is killed mid-run (`sandbox fault kill`: every process but the sshd daemon, as a VPS
+- node-3 is killed mid-run, in a run started with no recovery flag (survival is the default:
+  at least 2 of the 3 nodes must remain) (`sandbox fault kill`: every process but the sshd daemon, as a VPS
   reboot would leave it); its wireguard-go dies with the rest, taking vpsc0 along. It still
   answers over SSH. Whether the failed launch's teardown reaches it depends on timing: if it
   does, the relaunch takes it along and its pre-flight fails ("the overlay is not up there"); if
   not, it is out at once and the rejoin watcher sees it answer without its overlay. Either way
   it is left out, and the survivors relaunch over their overlay addresses and finish.
-- node-2's overlay interface is deleted mid-run and its ranks killed: every node still answers,
+- node-2's overlay interface is deleted mid-run (`--max-restarts 2 --min-nodes 2` given) and its ranks killed: every node still answers,
   so the relaunch takes all three and node-2 fails its pre-flight; it is left out (a second restart) and the
   run finishes on node-1 and node-3, over the overlay.
 """
@@ -81,12 +82,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def train_through(info, config, run_dir, fault) -> tuple[dict, str]:
+def train_through(info, config, run_dir, fault, recovery_flags=("--min-nodes", "2", "--max-restarts", "2")) -> tuple[dict, str]:
     """Train on the three nodes, call `fault()` after the first checkpoint; the report and what
     the launcher said (whitespace collapsed: the console wraps long lines)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--config", str(config),
-         "--preset", "tiny", "--strategy", "diloco", "--min-nodes", "2", "--max-restarts", "2",
+         "--preset", "tiny", "--strategy", "diloco", *recovery_flags,
          "--max-steps", str(MAX_STEPS), "--run-dir", str(run_dir), "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -138,8 +139,11 @@ def test_a_killed_node_is_left_out_and_the_survivors_go_on_over_the_overlay(over
         faults.inject(info.name, "node-3", "kill")  # wireguard-go too: vpsc0 is gone
         assert "vpsc0" not in ssh_run(info, "node-3", "ip -o link").stdout
 
-    run_dir = tmp_path / "run-kill"  # its own name: the run dir on the nodes is runs/<that name>
-    report, said = train_through(info, config, run_dir, kill)
+    run_dir = tmp_path / "run-kill"
+    report, said = train_through(info, config, run_dir, kill, recovery_flags=())  # survival is the default
+    assert "recovery: on (after a failure the run relaunches from the last checkpoint on the nodes that answer " \
+        "while at least 2 of 3 nodes remain (half, rounded up; --min-nodes M sets it), up to 6 restarts; " \
+        "--max-restarts 0 turns it off)" in said, said[:3000]
     assert_finished_over_the_overlay(info, report, run_dir, ["node-1", "node-2"])
     last = report["recoveries"][-1]
     assert last["out"] == ["node-3"], report["recoveries"]

@@ -125,3 +125,55 @@ def test_a_node_whose_overlay_is_down_is_not_ready(tmp_path):
     overlay.save(cluster, "lo", {"a": "127.0.0.1", "node-1": "10.77.0.2", "node-10": "10.77.0.3"}, "10.77.0.0/24")
     assert asyncio.run(asyncio.wait_for(recovery.ready(cluster, ["a", "node-1"]), 20)) == ["a"]
     assert asyncio.run(recovery.wait_for_any(cluster, ["a", "node-1"], 0.1)) == ["a"]
+
+
+# ---------------------------------------------------------------- survival by default
+
+
+def _recovery(**kw):
+    from vpscluster.train.config import RecoveryConfig
+
+    return RecoveryConfig(**kw)
+
+
+def test_recovery_is_on_by_default_on_a_cluster_while_half_its_nodes_remain():
+    assert [recovery.default_min_nodes(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 1, 2, 2, 3, 4]
+    plan = recovery.policy(_recovery(), 3, local=False)
+    assert plan.on and plan.by_default and plan.min_nodes == 2 and plan.max_restarts == recovery.default_restarts(3) == 6
+    assert plan.line() == ("recovery: on (after a failure the run relaunches from the last checkpoint on the nodes "
+                           "that answer while at least 2 of 3 nodes remain (half, rounded up; --min-nodes M sets it), "
+                           "up to 6 restarts; --max-restarts 0 turns it off)")
+    two = recovery.policy(_recovery(), 2, local=False)  # a two-node run goes on with one
+    assert two.on and two.min_nodes == 1 and two.max_restarts == 4
+
+
+def test_recovery_flags_override_the_default_and_zero_turns_it_off():
+    off = recovery.policy(_recovery(max_restarts=0), 3, local=False)
+    assert not off.on and off.line() == "recovery: off (--max-restarts 0: the first failure ends the run)"
+    given = recovery.policy(_recovery(max_restarts=1, min_nodes=3), 3, local=False)
+    assert (given.max_restarts, given.min_nodes, given.by_default) == (1, 3, False)
+    assert "at least 3 of 3 nodes remain, up to 1 restart;" in given.line()
+    floor_only = recovery.policy(_recovery(min_nodes=3), 4, local=False)  # the default count, the user's floor
+    assert (floor_only.max_restarts, floor_only.min_nodes, floor_only.by_default) == (8, 3, False)
+
+
+def test_no_node_to_lose_keeps_recovery_off_unless_asked():
+    local = recovery.policy(_recovery(), 1, local=True)
+    assert not local.on and local.line().startswith("recovery: off (the local cluster has no node to lose")
+    assert recovery.policy(_recovery(max_restarts=2), 1, local=True).max_restarts == 2
+    one = recovery.policy(_recovery(), 1, local=False)
+    assert not one.on and one.line().startswith("recovery: off (one node")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "diloco"])
+def test_fewer_nodes_need_no_more_memory_per_rank(strategy):
+    """Why memory does not raise the default floor: every node holds a whole replica, so a rank
+    on the survivors needs at most what it needed on all the nodes (plan/memory.py)."""
+    from vpscluster.plan import memory
+    from vpscluster.plan.shapes import load_model
+
+    model = load_model("small")
+    for wire in ("fp32", "bf16", "int8"):
+        need = [memory.estimate(model, strategy, world, mixed_precision=False, wire_dtype=wire).total_bytes
+                for world in (1, 2, 3, 4, 8)]
+        assert need == sorted(need), (wire, need)  # never more on fewer ranks

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import pid_alive, processes_mentioning
-from sandbox_fixtures import SandboxFactory
+from sandbox_fixtures import SandboxFactory, node_run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -118,8 +118,8 @@ def test_time_budget_stops_every_rank_with_a_checkpoint(sandbox2, workspace, cli
     # The checkpoint at the stop was written on the nodes (each in its own work directory).
     step_dir = f"step-{report['steps']:08d}"
     written = [n.name for n in sandbox2.nodes
-               if Path(n.workdir, "runs", "budget", "checkpoints", step_dir, "manifest.json").exists()]
-    assert written, [str(Path(n.workdir, "runs", "budget")) for n in sandbox2.nodes]
+               if (node_run_dir(n, root / "budget") / "checkpoints" / step_dir / "manifest.json").exists()]
+    assert written, [str(node_run_dir(n, root / "budget")) for n in sandbox2.nodes]
 
 
 @pytest.mark.timeout(600)
@@ -136,8 +136,10 @@ def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resume
     log = run / "logs" / "detached.log"
 
     def steps_done() -> int:  # rank 0 writes a metrics line per step on its node
-        return max((Path(n.workdir, "runs", "detached", "metrics.jsonl").read_text().count('"loss"')
-                    for n in sandbox2.nodes if Path(n.workdir, "runs", "detached", "metrics.jsonl").exists()), default=0)
+        if not (run / "config.yaml").exists():  # written once the nodes passed pre-flight
+            return 0
+        files = [node_run_dir(n, run) / "metrics.jsonl" for n in sandbox2.nodes]
+        return max((f.read_text().count('"loss"') for f in files if f.exists()), default=0)
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and steps_done() < 3:
@@ -155,7 +157,7 @@ def test_detached_run_stopped_checkpoints_on_the_nodes_leaves_nothing_and_resume
     assert_replicas_identical(report)  # both nodes stopped after the same step
     step_dir = f"step-{k:08d}"
     written = [n.name for n in sandbox2.nodes
-               if Path(n.workdir, "runs", "detached", "checkpoints", step_dir, "manifest.json").exists()]
+               if (node_run_dir(n, run) / "checkpoints" / step_dir / "manifest.json").exists()]
     assert written, "no node holds the stop's checkpoint"
     time.sleep(1.0)
     assert not pid_alive(pid)
@@ -190,4 +192,4 @@ def test_preflight_refuses_a_node_whose_torch_differs(sandbox2, workspace, cli, 
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and "pre-flight: node-2: PyTorch versions differ" in err[0], r.stderr[-2000:]
     assert "2.0.0 on node-2" in err[0] and "--force" in err[0], err[0]
-    assert not any(Path(n.workdir, "runs", "refused", "logs").exists() for n in sandbox2.nodes)  # nothing started
+    assert not any(list(Path(n.workdir, "runs").glob("refused*")) for n in sandbox2.nodes)  # nothing started

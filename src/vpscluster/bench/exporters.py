@@ -79,7 +79,8 @@ def run_exporters(settings: ExporterSettings, say: Callable[[str], None] = lambd
             run_dir = out / f"{i:02d}-{mode}"
             argv = ["train", "--cluster", info.cluster_file, "--preset", s.preset, "--strategy", "diloco",
                     "--sync-every", str(s.sync_every), "--wire-dtype", "fp32", "--time-budget", str(s.budget_s), "--max-steps", str(BIG_STEPS),
-                    "--eval-every", str(BIG_STEPS), "--checkpoint-every", str(BIG_STEPS), "--run-dir", str(run_dir), "--json"]
+                    "--eval-every", str(BIG_STEPS), "--checkpoint-every", str(BIG_STEPS), "--run-dir", str(run_dir), "--json",
+                    "--max-restarts", "0"]  # a row measures one launch (recovery is on by default)
             if mode == "off":
                 argv.append("--no-exporters")
             pids = monitor_pids(info.cluster_file) if mode == "on" else []

@@ -139,7 +139,8 @@ def _argv(s: UnevenSettings, info, strategy: str, balance: bool, run_dir: Path) 
     argv = ["train", "--cluster", info.cluster_file, "--preset", s.preset, "--strategy", strategy,
             "--batch-size", str(s.batch_size), "--micro-batches", str(s.micro_batches),
             "--rebalance-every", str(s.rebalance_every), "--eval-every", str(s.eval_every),
-            "--checkpoint-every", str(s.sync_every * BIG_STEPS), "--run-dir", str(run_dir), "--json"]
+            "--checkpoint-every", str(s.sync_every * BIG_STEPS), "--run-dir", str(run_dir), "--json",
+            "--max-restarts", "0"]  # a row measures one launch: a failure ends it (recovery is on by default)
     if strategy == "diloco":
         argv += ["--sync-every", str(s.sync_every)]
     if balance:

@@ -263,7 +263,8 @@ def _run_train(args, info, name: str, flags: list[str], out: Path) -> dict[str, 
                       f"lr: {args.lr!r}\n")
     argv = ["train", "--cluster", info.cluster_file, "--preset", args.preset, *extra, "--time-budget", str(args.budget_s),
             "--max-steps", str(BIG_STEPS), "--eval-every", str(eval_every), "--checkpoint-every", str(H * BIG_STEPS),
-            "--config", str(config), "--run-dir", str(run_dir), "--json"]
+            "--config", str(config), "--run-dir", str(run_dir), "--json",
+            "--max-restarts", "0"]  # a row measures one launch: a failure ends it (recovery is on by default)
     report = json.loads(_cli(argv, out / f"{name}.log", args.budget_s + 900).stdout)
     evals = evals_from_metrics(run_dir / "metrics.jsonl")
     # Utilisation while training: compute / (compute + communication) per rank, averaged; the

@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # light: no torch, no pydantic. Defaults, keys and choices are read from the typed config and
     # the strategy registry: help shows the real ones, never a copy of them.
     from vpscluster.train.config import TrainConfig, config_keys, strategy_choices
+    from vpscluster.launch.recovery import default_restarts
     from vpscluster.train.presets import preset_lrs_text
 
     d = TrainConfig()
@@ -71,9 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nodes", type=int, metavar="N", help=f"number of local worker processes when there is no cluster file (default {d.nodes})")
     where.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per cluster node (default: one per GPU, else one)")
     where.add_argument("--max-restarts", type=int, metavar="N",
-                       help=f"after a node fails, relaunch from the last checkpoint up to N times (default {d.recovery.max_restarts}: the first failure ends the run)")
+                       help=f"after a failure, relaunch from the last checkpoint on the nodes that answer, up to N times "
+                            f"(default on a cluster of two or more nodes: twice the node count, at least {default_restarts(1)}; "
+                            "on this machine's local cluster: 0. 0 turns recovery off: the first failure ends the run)")
     where.add_argument("--min-nodes", type=int, metavar="N",
-                       help="go on with at least N nodes when some stop answering; a node that answers again takes part again (default: every node)")
+                       help="go on with at least N nodes when some stop answering; a node that answers again takes part "
+                            "again (default: half the nodes, rounded up; each node holds a whole replica, so fewer "
+                            "nodes need no more memory per node)")
     where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the CPUs the node really grants, cgroup quota included, divided among its ranks)")
 
     what = parser.add_argument_group("what to train")
@@ -258,6 +263,8 @@ def _run(args: argparse.Namespace) -> int:
             from vpscluster.cluster.netsafety import require_safe_network
 
             require_safe_network(prepared.cluster)
+            if not args.json and not prepared.local:  # the background launcher says it again in its log
+                out.print(prepared.recovery().line(), markup=False, soft_wrap=True)
         return _detach(args, prepared, out)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run

@@ -24,6 +24,16 @@ torchrun's own `--max-restarts` for the workers of one node):
 
 At most `max_restarts` relaunches after failures (a rejoin is not a failure and is not
 counted); every one is recorded in the report's `recoveries`.
+
+Survival is the default (`policy`): on a cluster file of two or more nodes, with neither flag
+given, a failed launch is relaunched up to `default_restarts(N)` times while at least
+`default_min_nodes(N)` of the N nodes answer — half of them, rounded up. Half, not a strict
+majority: only the launcher decides who takes part, so two halves never train apart, and a
+majority would leave a two-node run no survivor. Memory does not raise that floor: every node
+holds a whole replica (DDP and DiLoCo alike; vpscluster's trainer shards nothing), so a rank on
+fewer nodes needs no more memory than on all of them (plan/memory.py; DiLoCo's int8 buffers
+shrink) — each node was checked at the start. `--max-restarts 0` turns it off; the local
+cluster (one machine, no node to lose) keeps it off unless `--max-restarts` is given.
 """
 
 from __future__ import annotations
@@ -32,6 +42,55 @@ import asyncio
 import dataclasses
 import re
 from typing import Sequence
+
+
+def default_min_nodes(nodes: int) -> int:
+    """The fewest nodes a run goes on with when `--min-nodes` is not given: half, rounded up."""
+    return max(1, (nodes + 1) // 2)
+
+
+def default_restarts(nodes: int) -> int:
+    """Relaunches after failures when `--max-restarts` is not given: two per node, at least 3."""
+    return max(3, 2 * nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a run does after a failure: `max_restarts` relaunches while `min_nodes` of `nodes` answer."""
+
+    max_restarts: int
+    min_nodes: int
+    nodes: int
+    by_default: bool  # neither --max-restarts nor --min-nodes came from the user
+    local: bool = False
+
+    @property
+    def on(self) -> bool:
+        return self.max_restarts > 0
+
+    def line(self) -> str:
+        """One line for the start of the run (and the dry run)."""
+        if not self.on:
+            if self.local and self.by_default:
+                return ("recovery: off (the local cluster has no node to lose; --max-restarts N relaunches "
+                        "from the last checkpoint after a failure)")
+            if self.nodes < 2 and self.by_default:
+                return "recovery: off (one node: none to lose; --max-restarts N relaunches it after a failure)"
+            return "recovery: off (--max-restarts 0: the first failure ends the run)"
+        floor = f"at least {self.min_nodes} of {self.nodes} node{'s' if self.nodes != 1 else ''} remain"
+        how = " (half, rounded up; --min-nodes M sets it)" if self.by_default else ""
+        return (f"recovery: on (after a failure the run relaunches from the last checkpoint on the nodes that "
+                f"answer while {floor}{how}, up to {self.max_restarts} restart{'s' if self.max_restarts != 1 else ''}; "
+                "--max-restarts 0 turns it off)")
+
+
+def policy(recovery_cfg, nodes: int, local: bool) -> Policy:
+    """The run's recovery: `recovery_cfg` (TrainConfig.recovery) as given, its defaults filled in
+    for a cluster of `nodes` (`local`: this machine's local cluster)."""
+    given = recovery_cfg.max_restarts
+    restarts = given if given is not None else (0 if local or nodes < 2 else default_restarts(nodes))
+    return Policy(max_restarts=restarts, min_nodes=recovery_cfg.min_nodes or default_min_nodes(nodes), nodes=nodes,
+                  by_default=given is None and not recovery_cfg.min_nodes, local=local)
 
 
 def subset(cluster, names: Sequence[str]):

@@ -14,9 +14,10 @@ and the run dir on the node is the launcher's own.
 On a cluster file each node gets the vpscluster package source (synced by content hash to
 `<workdir>/code/src/vpscluster`, put first on PYTHONPATH, so the nodes run the launcher's code
 even where an older vpscluster is installed), the user's `--data` (to `<workdir>/data/`), and
-its own `runs/<run id>/config.yaml` — the run's configuration with `data` and `run_dir`
-rewritten to paths valid on that node. torchrun then starts
-`python -m vpscluster.train.worker --run-dir runs/<run id>` from the node's workdir. Rank 0's
+its own `runs/<name>-<uid>/config.yaml` (the local run folder's name and the run's random
+`run_uid`, `rundir.node_name`: a new run named as an older one gets a folder of its own) — the
+run's configuration with `data` and `run_dir` rewritten to paths valid on that node. torchrun
+then starts `python -m vpscluster.train.worker --run-dir runs/<name>-<uid>` from the node's workdir. Rank 0's
 events go to `on_event`; report.json and metrics.jsonl are fetched from the node that ran rank 0
 into the local run directory.
 
@@ -82,6 +83,12 @@ class TrainingRun:
         """Every node is this machine (the local cluster)."""
         return all(n.local for n in self.cluster.nodes)
 
+    def recovery(self):
+        """What the run does after a failure (launch/recovery.py `policy`: on by default on a cluster)."""
+        from vpscluster.launch.recovery import policy
+
+        return policy(self.cfg.recovery, len(self.cluster.nodes), self.local)
+
 
 def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
                      accept_new_host_keys: bool = False, insecure_network: bool = False,
@@ -143,6 +150,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cfg.lr = cfg.peak_lr()  # the preset's default written down: a resume keeps it
         run_dir = rundir.fresh_path(cfg.run_dir)
         cfg.run_dir = str(run_dir)
+        cfg.run_uid = rundir.new_uid()  # a folder of its own on the nodes, whatever its name
     return TrainingRun(cfg=cfg, cluster=cluster, run_dir=run_dir, resume=resume_dir is not None,
                        force=force, strategy_reason=reason, speeds_note=speeds_note, auto=auto,
                        prediction=predict_run(cfg))
@@ -247,7 +255,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
     """The pipeline's job for this run (pure: touches no node and creates nothing)."""
     import vpscluster
 
-    run_id = Path(run_dir).name
+    run_id = rundir.node_name(run_dir, cfg.run_uid)  # the run's folder on the nodes: runs/<run_id>
     here = all(n.local for n in cluster.nodes)
     syncs: list[SyncItem] = []
     if cfg.data and not os.path.exists(cfg.data):
@@ -334,7 +342,12 @@ def dry_run_training(run: TrainingRun) -> dict[str, Any]:
     """The exact per-node commands and environment of this run; runs and creates nothing."""
     from vpscluster.launch.pipeline import dry_run
 
-    return dry_run(training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force))
+    doc = dry_run(training_job(run.cfg, run.run_dir, run.cluster, resume=run.resume, force=run.force))
+    plan = run.recovery()
+    doc["recovery"] = {"max_restarts": plan.max_restarts, "min_nodes": plan.min_nodes, "nodes": plan.nodes,
+                       "by_default": plan.by_default}
+    doc["notes"] = [*doc.get("notes", []), plan.line()]
+    return doc
 
 
 def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | None = None) -> dict[str, Any]:
@@ -358,8 +371,9 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | None) -> dict[str, Any]:
     """launch_training's body (`lock`: the run's, taken when a new run is created).
 
-    With `recovery.max_restarts`, a failed launch is relaunched from the last checkpoint on the
-    nodes that still answer (at least `recovery.min_nodes`), a relaunch that fails before it
+    As `recovery.policy` says (on by default on a cluster of two or more nodes), a failed launch
+    is relaunched from the last checkpoint on the nodes that still answer (at least its
+    `min_nodes`), a relaunch that fails before it
     trains (a node's pre-flight or sync) is relaunched again without the nodes at fault, each
     counted as a restart, and a node that is ready again is taken back (launch/recovery.py); the
     report lists each in `recoveries`."""
@@ -410,7 +424,9 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
             on_event(event)
 
     everyone = [n.name for n in run.cluster.nodes]
-    need = run.cfg.recovery.min_nodes or len(everyone)  # prepare_training checked it against the cluster
+    plan = run.recovery()  # prepare_training checked --min-nodes against the cluster
+    need = plan.min_nodes
+    say(plan.line())
     current, resume, restarts, launch_ids = list(everyone), run.resume, 0, []
 
     def go_on_without(gone: list[str], error: str, failed_node: str | None, ended_at: float | None) -> None:
@@ -421,12 +437,12 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
             say(f"{error}")
             raise TrainingFailed(
                 f"training failed and only {len(live)} of {len(everyone)} nodes answer ({', '.join(live) or 'none'}), "
-                f"fewer than the {need} the run needs (--min-nodes); the checkpoints stay on the nodes: "
+                f"fewer than the {need} the run needs (--min-nodes{'' if run.cfg.recovery.min_nodes else ', by default half'}); the checkpoints stay on the nodes: "
                 f"continue with vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>")
         restarts += 1
         out = [n for n in everyone if n not in live]
         say(f"{error}; relaunching on {len(live)} node{'s' if len(live) != 1 else ''} from the last checkpoint"
-            + (f" without {', '.join(out)}" if out else "") + f" (restart {restarts} of {run.cfg.recovery.max_restarts})")
+            + (f" without {', '.join(out)}" if out else "") + f" (restart {restarts} of {plan.max_restarts})")
         # Timed from the moment the launcher saw the failure (a worker's time-out fired), so
         # teardown and the relaunch count, as a person waiting for training would count them.
         recoveries.append({"kind": "restart", "after_step": last_step[0], "error": error,
@@ -453,7 +469,7 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
                 raise  # the first launch is refused as any command is
             # A relaunch: a node failed its pre-flight or sync, or a returning one dropped again.
             gone = asyncio.run(recovery.at_fault(run.cluster, current, e))
-            if not gone or restarts >= run.cfg.recovery.max_restarts:
+            if not gone or restarts >= plan.max_restarts:
                 raise
             go_on_without(gone, f"the relaunch failed before training: {e}", gone[0], None)
             continue
@@ -483,7 +499,7 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
             raise Interrupted()
         if result.ok:
             break
-        if restarts >= run.cfg.recovery.max_restarts:
+        if restarts >= plan.max_restarts:
             _raise_failed(run, result)
         # A node that teardown could not reach is out (the watcher takes it back when it answers).
         unreached = [o.name for o in result.nodes if o.name in current and o.teardown_error]
@@ -494,7 +510,7 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
         report["node_run_dir"] = report.get("run_dir")
         report["run_dir"] = str(run.run_dir)
         report["rank0_node"] = result.rank0_node
-    if recoveries or run.cfg.recovery.max_restarts:
+    if recoveries or plan.on:
         for r in recoveries:
             r.pop("_at", None)
         report["recoveries"] = recoveries

@@ -204,9 +204,11 @@ class RecoveryConfig:
 
     __pydantic_config__ = PYDANTIC_CONFIG
 
-    # Relaunches from the last checkpoint after a node fails (0: the first failure ends the run).
-    max_restarts: Int = 0
-    # The fewest nodes the run goes on with when some stop answering (0: every node is needed).
+    # Relaunches from the last checkpoint after a failure (0: the first failure ends the run;
+    # None: the default, `launch/recovery.py` `policy`: on for a cluster of two or more nodes).
+    max_restarts: Int | None = None
+    # The fewest nodes the run goes on with when some stop answering (0: the default, half the
+    # nodes rounded up, `recovery.default_min_nodes`).
     min_nodes: Int = 0
     # While a node is out, how often the launcher looks whether it answers again (it then takes
     # part again: the run stops at a checkpoint and relaunches with it).
@@ -216,7 +218,7 @@ class RecoveryConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.max_restarts < 0 or self.min_nodes < 0:
+        if (self.max_restarts or 0) < 0 or self.min_nodes < 0:
             raise UserError(f"recovery.max_restarts and min_nodes must not be negative, got "
                             f"{self.max_restarts} and {self.min_nodes}")
         if self.rejoin_poll_s <= 0:
@@ -253,6 +255,10 @@ class TrainConfig:
     exporters: bool = True  # Prometheus metrics from every rank and node while training (telemetry.py)
     cluster: str | None = None
     run_dir: str | None = None
+    # Set when the run is created (random, kept by --resume): the run's folder on the nodes is
+    # runs/<run dir's name>-<run_uid> (`rundir.node_name`), so a new run whose folder has an older
+    # run's name never picks up that run's checkpoints there. Empty in runs made before it.
+    run_uid: str = ""
     # `strategy: diloco` is what users write; it means `strategy: {name: diloco}`.
     strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
@@ -354,7 +360,7 @@ def strategy_choices(key: str) -> tuple[str, ...]:
 def config_keys() -> str:
     """The keys a config file takes, for help texts (read from the classes, never copied)."""
     groups = (("strategy", StrategyConfig), ("timeouts", TimeoutConfig), ("recovery", RecoveryConfig))
-    top = [f.name for f in fields(TrainConfig) if f.name not in dict(groups)]
+    top = [f.name for f in fields(TrainConfig) if f.name not in dict(groups) and f.name != "run_uid"]  # set at creation
     nested = {n: [f.name for f in fields(c)] for n, c in groups}
     return ", ".join(top) + "; " + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
 

@@ -31,6 +31,18 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
+def new_uid() -> str:
+    """A new run's `run_uid`: keys its folder on the nodes (`node_name`)."""
+    return secrets.token_hex(4)
+
+
+def node_name(run_dir: str | Path, run_uid: str) -> str:
+    """The run's folder name under runs/ on the nodes: the local folder's name and the run's
+    `run_uid` (a run made before run_uid existed: the folder's name alone, as it was then)."""
+    name = Path(run_dir).name
+    return f"{name}-{run_uid}" if run_uid else name
+
+
 def fresh_path(run_dir: str | Path | None, base: str | Path = "runs") -> Path:
     """Where a new run goes (`run_dir`, or base/<new run id>), refused if a run is there; creates nothing."""
     d = Path(run_dir) if run_dir else Path(base) / new_run_id()
