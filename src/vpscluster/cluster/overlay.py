@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from vpscluster import fsutil
+from vpscluster.cluster import records
 
 DEFAULT_INTERFACE = "vpsc0"
 
@@ -66,12 +66,7 @@ def identities(cluster) -> dict[str, dict]:
 
 
 def _candidates(cluster) -> list[Path]:
-    if not getattr(cluster, "source", None):
-        return []  # the local cluster has no overlay
-    src = Path(cluster.source).expanduser().resolve()
-    keyed = hashlib.sha256(str(src).encode()).hexdigest()[:12]
-    cache = Path(os.path.expanduser("~/.cache/vpscluster"))
-    return [src.parent / ".vpscluster" / f"{src.stem}.overlay.json", cache / f"{src.stem}-{keyed}.overlay.json"]
+    return records.candidates(cluster, "overlay")
 
 
 def load(cluster) -> Overlay | None:
@@ -122,16 +117,7 @@ def _upgrade(path: Path, doc: dict, nodes: dict[str, dict]) -> None:
 def save(cluster, interface: str, addresses: dict[str, str], subnet: str) -> Path:
     doc = {"fingerprint": fingerprint(cluster), "nodes": identities(cluster), "interface": interface, "subnet": subnet,
            "addresses": dict(addresses), "provisioned_at_unix": time.time()}
-    candidates = _candidates(cluster)
-    last: OSError | None = None
-    for p in candidates:
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fsutil.write_json(p, doc)
-            return p
-        except OSError as e:
-            last = e
-    raise OSError(f"cannot record the overlay in {', '.join(map(str, candidates))}: {last}")
+    return records.save(cluster, "overlay", doc, "the overlay")
 
 
 def forget(cluster) -> None:

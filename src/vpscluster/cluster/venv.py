@@ -20,23 +20,16 @@ runs on the provisioned venv without the cluster file being edited:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from vpscluster import fsutil
+from vpscluster.cluster import records
 
 
 def _candidates(cluster) -> list[Path]:
-    if not getattr(cluster, "source", None):
-        return []  # the local cluster runs this machine's interpreter
-    src = Path(cluster.source).expanduser().resolve()
-    keyed = hashlib.sha256(str(src).encode()).hexdigest()[:12]
-    cache = Path(os.path.expanduser("~/.cache/vpscluster"))
-    return [src.parent / ".vpscluster" / f"{src.stem}.venv.json", cache / f"{src.stem}-{keyed}.venv.json"]
+    return records.candidates(cluster, "venv")
 
 
 def load(cluster) -> dict[str, Any] | None:
@@ -79,13 +72,4 @@ def save(cluster, pythons: dict[str, str]) -> Path:
         entries[n.name] = {"host": n.host, "port": n.port, "python": pythons[n.name], "file_python": file_python,
                            "provisioned_at_unix": time.time()}
     doc = {"nodes": entries}
-    candidates = _candidates(cluster)
-    last: OSError | None = None
-    for p in candidates:
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fsutil.write_json(p, doc)
-            return p
-        except OSError as e:
-            last = e
-    raise OSError(f"cannot record the provisioned venvs in {', '.join(map(str, candidates))}: {last}")
+    return records.save(cluster, "venv", doc, "the provisioned venvs")
