@@ -111,3 +111,12 @@ def test_slow_links_inside_one_region_are_still_flagged():
     links = matrix({"x": NAMES}, {"x": 60}, 0)
     codes = [p["code"] for p in find_problems(_probe(links, None))]
     assert "bandwidth_below_advertised" in codes
+
+
+def test_rich_output_has_a_regions_line():
+    from vpscluster.probe.report import regions_line
+
+    links = matrix({"fra": NAMES[:2], "lax": NAMES[2:]}, {"fra": 190, "lax": 180}, 29)
+    probe = _probe(links, {"node-1": "fra", "node-2": "fra", "node-3": "lax", "node-4": "lax"})
+    assert regions_line(probe) == ("regions (from labels.region): fra node-1,node-2 190 Mbit/s inside, 29 between; "
+                                   "lax node-3,node-4 180 Mbit/s inside, 29 between")

@@ -132,3 +132,15 @@ def test_set_changes_one_pair_and_a_port_while_running(regions):
     finally:
         sandbox.set_rate(regions.name, "node-1", "200mbit")
         sandbox.set_pair_rate(regions.name, "node-2", "node-4", "30mbit")
+
+
+def test_throttle_fault_keeps_the_pairs_and_restores_them(regions):
+    from vpscluster.cluster.sandbox import faults
+
+    faults.inject(regions.name, "node-3", "throttle", seconds=60, rate="20mbit")
+    try:
+        within(regions, "node-3", "node-4", 20.0)  # the port, inside the region
+    finally:
+        faults.clear(regions.name, "node-3")
+    within(regions, "node-3", "node-1", BETWEEN)  # back to the pair's rate, not the port's
+    within(regions, "node-3", "node-4", INSIDE)
