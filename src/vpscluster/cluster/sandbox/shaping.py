@@ -45,7 +45,10 @@ def _netns_prefix(namespace: str | None) -> list[str]:
 def shape(device: str, rate_mbit: float, namespace: str | None = None, delay_ms: float | None = None) -> None:
     """Root tbf at `rate_mbit` on `device`; with `delay_ms`, a netem child adds one-way delay."""
     tc = _netns_prefix(namespace) + ["tc"]
-    run_tool(tc + ["qdisc", "replace", "dev", device, "root", "handle", "1:"] + tbf_args(rate_mbit))
+    root = tc + ["qdisc", "replace", "dev", device, "root", "handle", "1:"] + tbf_args(rate_mbit)
+    if run_tool(root, check=False).returncode != 0:  # a root of another kind (the htb of `shape_pairs`)
+        run_tool(tc + ["qdisc", "del", "dev", device, "root"], check=False)
+        run_tool(root)
     if delay_ms:
         run_tool(tc + ["qdisc", "replace", "dev", device, "parent", "1:1", "handle", "10:",
                        "netem", "delay", f"{delay_ms:g}ms", "limit", "100000"])
