@@ -49,7 +49,8 @@ class SandboxFactory:
         self.prefix = f"{TEST_PREFIX}{kind}"
         self.names: list[str] = []
 
-    def __call__(self, nodes: int = 3, bandwidth="100mbit", cpu=None, latency_ms: float | None = None, name: str | None = None):
+    def __call__(self, nodes: int | None = 3, bandwidth="100mbit", cpu=None, latency_ms: float | None = None,
+                 name: str | None = None, **options):
         from vpscluster.cluster import sandbox
 
         why = sandbox_unavailable_reason()
@@ -57,7 +58,7 @@ class SandboxFactory:
             pytest.skip(f"sandbox unavailable: {why}")
         name = name or f"{self.prefix}{secrets.token_hex(3)}"
         self.names.append(name)  # before up: teardown covers a half-finished up too
-        return sandbox.up(name, nodes=nodes, bandwidth=bandwidth, cpu=cpu, latency_ms=latency_ms)
+        return sandbox.up(name, nodes=nodes, bandwidth=bandwidth, cpu=cpu, latency_ms=latency_ms, **options)
 
     def close(self) -> None:
         from vpscluster.cluster import sandbox

@@ -327,7 +327,7 @@ def evals_from_metrics(path: Path) -> list[dict[str, float]]:
 @contextlib.contextmanager
 def unthrottled(info, say: Callable[[str], None]):
     """The sandbox's links without shaping for the block (the `ideal` row); shaping restored after."""
-    from vpscluster.cluster.sandbox import shaping
+    from vpscluster.cluster.sandbox import links, shaping
 
     say("  links unthrottled (no tc shaping) for this row")
     try:
@@ -336,7 +336,7 @@ def unthrottled(info, say: Callable[[str], None]):
         yield
     finally:
         for node in info.nodes:
-            shaping.shape_node(node.namespace, node.veth, node.bandwidth_mbit, info.latency_ms)
+            links.shape(info, node)  # its port and its per-pair rates
         say(f"  links shaped again ({', '.join(f'{n.bandwidth_mbit:g}' for n in info.nodes)} Mbit/s)")
 
 

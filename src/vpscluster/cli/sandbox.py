@@ -25,9 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("up", help="build a sandbox and write its cluster file",
                        description="Build an emulated cluster: namespaces, shaped links, CPU quotas, an sshd per node.")
     p.add_argument("--name", default=DEFAULT_NAME, help=f"sandbox name, so several can live side by side (default {DEFAULT_NAME})")
-    p.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default 3, or what --regions adds up to)")
     p.add_argument("--bandwidth", default="1gbit",
-                   help="link rate of every node, or one per node: 100mbit or 50mbit,200mbit,1gbit (default 1gbit)")
+                   help="link rate of every node, or one per node: 100mbit or 50mbit,200mbit,1gbit (default 1gbit); "
+                        "with --regions, the rate inside a region")
+    p.add_argument("--regions", default=None, metavar="SPEC",
+                   help="nodes per region, in order: fra:2,lax:2 (each node's region goes to the cluster file's labels)")
+    p.add_argument("--region-bandwidth", default=None, metavar="RATE",
+                   help="rate between two nodes of different regions, e.g. 30mbit (default: as inside)")
+    p.add_argument("--links", default=None, metavar="FILE",
+                   help="rates per pair of nodes: lines src,dst,rate (node-1,node-3,30mbit), both directions "
+                        "unless the reverse has its own line; over --region-bandwidth")
     p.add_argument("--cpu", default=None,
                    help="CPU share per node as a fraction of one core, or one per node: 0.45 or 1,0.5 (default unlimited)")
     p.add_argument("--latency", type=float, default=None, metavar="MS",
@@ -56,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--node", required=True, help="the node to change, e.g. node-2")
     p.add_argument("--cpu", default=None, help="new CPU share, a fraction of one core (e.g. 0.15), or 'unlimited'")
     p.add_argument("--bandwidth", default=None, help="new link rate, e.g. 50mbit")
+    p.add_argument("--peer", default=None, metavar="NODE",
+                   help="with --bandwidth: change only the rate between --node and this node (both directions)")
     add_json_flag(p)
 
     p = sub.add_parser("fault", help="inject a fault into a node, or clear faults",
@@ -78,10 +88,15 @@ def _set(args: argparse.Namespace) -> int:
 
     if args.cpu is None and args.bandwidth is None:
         raise UserError("sandbox set: nothing to change; give --cpu SHARE and/or --bandwidth RATE")
+    if args.peer is not None and args.bandwidth is None:
+        raise UserError(f"sandbox set: --peer {args.peer} needs --bandwidth RATE (the new rate between the two nodes)")
     out: dict = {"name": args.name, "node": args.node}
     if args.cpu is not None:
         out["cpu"] = sandbox.set_cpu(args.name, args.node, args.cpu)
-    if args.bandwidth is not None:
+    if args.peer is not None:
+        out["peer"] = args.peer
+        out["bandwidth_mbit"] = sandbox.set_pair_rate(args.name, args.node, args.peer, args.bandwidth)
+    elif args.bandwidth is not None:
         out["bandwidth_mbit"] = sandbox.set_rate(args.name, args.node, args.bandwidth)
     if args.json:
         emit_json(out)
@@ -90,7 +105,7 @@ def _set(args: argparse.Namespace) -> int:
     if "cpu" in out:
         changes.append(f"cpu {_cpu(out['cpu'])}")
     if "bandwidth_mbit" in out:
-        changes.append(f"bandwidth {_rate(out['bandwidth_mbit'])}")
+        changes.append(f"bandwidth {_rate(out['bandwidth_mbit'])}" + (f" to and from {out['peer']}" if "peer" in out else ""))
     console().print(f"sandbox {args.name} {args.node}: {', '.join(changes)}")
     return 0
 
@@ -135,18 +150,24 @@ def _up(args: argparse.Namespace) -> int:
     con = console(args.json)
     with con.status(f"sandbox {args.name}: starting", spinner="dots") as spinner:
         info = sandbox.up(args.name, nodes=args.nodes, bandwidth=args.bandwidth, cpu=args.cpu, latency_ms=args.latency,
-                          own_root=args.own_root, progress=lambda msg: spinner.update(f"sandbox {args.name}: {msg}"))
+                          own_root=args.own_root, regions=args.regions, region_bandwidth=args.region_bandwidth,
+                          links_file=args.links, progress=lambda msg: spinner.update(f"sandbox {args.name}: {msg}"))
     if args.json:
         emit_json(info.to_dict())
         return 0
     from rich.table import Table
 
     table = Table(title=f"sandbox {info.name}  ({info.subnet}, this machine is {info.gateway})")
-    for col in ("node", "address", "namespace", "bandwidth", "cpu"):
+    regions = any(n.region for n in info.nodes)
+    for col in ("node", "address", "namespace", "bandwidth", "cpu") + (("region",) if regions else ()):
         table.add_column(col, no_wrap=True)
     for n in info.nodes:
-        table.add_row(n.name, n.address, n.namespace, _rate(n.bandwidth_mbit), _cpu(n.cpu))
+        table.add_row(n.name, n.address, n.namespace, _rate(n.bandwidth_mbit), _cpu(n.cpu), *((n.region,) if regions else ()))
     con.print(table)
+    if info.links:
+        from vpscluster.cluster.sandbox.links import matrix
+
+        con.print(_matrix_table(matrix(info), [n.name for n in info.nodes]))
     con.print(f"CPU limits: {_cgroup(info.cgroup)}", soft_wrap=True)
     con.print(f"cluster file: {info.cluster_file}", soft_wrap=True)
     con.print(f"try: vpscluster exec --cluster {info.cluster_file} -- hostname", soft_wrap=True)
@@ -190,16 +211,20 @@ def _status(args: argparse.Namespace) -> int:
 
     for rec in records:
         table = Table(title=f"sandbox {rec['name']}: {rec['state']}" + (f"  ({rec['subnet']})" if rec.get("subnet") else ""))
-        for col in ("node", "address", "namespace", "bandwidth", "cpu", "sshd"):
+        regions = any(n.get("region") for n in rec["nodes"])
+        for col in ("node", "address", "namespace", "bandwidth", "cpu", "sshd") + (("region",) if regions else ()):
             table.add_column(col, no_wrap=True)
         for n in rec["nodes"]:
             ns = n["namespace"] if n["namespace_exists"] else f"[red]{n['namespace']} (missing)[/red]"
             if "address" not in n:  # a half-built sandbox: only its namespaces are known
-                table.add_row(n["name"], "?", ns, "?", "?", "?")
+                table.add_row(n["name"], "?", ns, "?", "?", "?", *(("?",) if regions else ()))
                 continue
             sshd = f"pid {n['sshd_pid']}" if n["sshd_alive"] else "[red]dead[/red]"
-            table.add_row(n["name"], n["address"], ns, _rate(n["bandwidth_mbit"]), _cpu(n["cpu"]), sshd)
+            table.add_row(n["name"], n["address"], ns, _rate(n["bandwidth_mbit"]), _cpu(n["cpu"]), sshd,
+                          *((n.get("region") or "-",) if regions else ()))
         con.print(table)
+        if any(l["bandwidth_mbit"] != min(_port(rec, l["src"]), _port(rec, l["dst"])) for l in rec.get("links", [])):
+            con.print(_matrix_table(rec["links"], [n["name"] for n in rec["nodes"]]))
         if rec.get("cgroup"):
             con.print(f"CPU limits: {_cgroup(rec['cgroup'])}", soft_wrap=True)
         if rec.get("cluster_file"):
@@ -207,6 +232,24 @@ def _status(args: argparse.Namespace) -> int:
         elif rec["state"] == "partial":
             con.print(f"half-built; remove it with: vpscluster sandbox down --name {rec['name']}")
     return 0
+
+
+def _port(rec: dict, node: str) -> float:
+    return next(n["bandwidth_mbit"] for n in rec["nodes"] if n["name"] == node)
+
+
+def _matrix_table(matrix: list[dict], names: list[str]):
+    """The shaped rate of every ordered pair (row -> column)."""
+    from rich.table import Table
+
+    rates = {(l["src"], l["dst"]): l["bandwidth_mbit"] for l in matrix}
+    table = Table(title="link rates (row -> column)")
+    table.add_column("", no_wrap=True)
+    for name in names:
+        table.add_column(name, no_wrap=True)
+    for src in names:
+        table.add_row(src, *("-" if src == dst else _rate(rates[(src, dst)]) for dst in names))
+    return table
 
 
 def _rate(mbit: float) -> str:

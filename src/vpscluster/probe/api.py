@@ -138,6 +138,9 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
         "overlay_links": overlay_links,
         "overlay_cost": overlay_cost(links, overlay_links) if mesh is not None else None,
     }
+    from vpscluster.probe.regions import probe_section
+
+    probe.update(probe_section(probe, cluster))
     probe["problems"] = find_problems(probe, settings.thresholds)
     probe["duration_s"] = round(time.time() - started, 2)
     if save:

@@ -49,7 +49,10 @@ def find_problems(probe: dict, thresholds: Thresholds = Thresholds()) -> list[di
     up = [n for n in nodes if n.get("reachable")]
     out += _software(up)
     out += _resources(up, thresholds)
-    out += _links(probe.get("links", []), {n["name"]: n for n in nodes}, thresholds)
+    from vpscluster.probe.regions import region_of, region_problems
+
+    out += _links(probe.get("links", []), {n["name"]: n for n in nodes}, thresholds, region_of(probe))
+    out += region_problems(probe)
     for c in probe.get("collectives", []):
         if c.get("error"):
             out.append(problem("warning", "collective_failed", f"all-reduce sweep failed: {c['error']}",
@@ -163,7 +166,8 @@ def _advertised(a: dict | None, b: dict | None) -> float | None:
     return min(rates) if rates else None
 
 
-def _links(links: list[dict], nodes: dict[str, dict], t: Thresholds) -> list[dict]:
+def _links(links: list[dict], nodes: dict[str, dict], t: Thresholds, regions: dict[str, str] | None = None) -> list[dict]:
+    regions = regions or {}
     out = []
     by_pair = {(l["src"], l["dst"]): l for l in links}
     # (node, sysctl key) -> the worst shortfall over its links: {"have", "need", "where"}
@@ -176,7 +180,9 @@ def _links(links: list[dict], nodes: dict[str, dict], t: Thresholds) -> list[dic
             continue
         bw, rtt = l.get("bandwidth_mbit"), l.get("rtt_ms")
         adv = _advertised(nodes.get(src), nodes.get(dst))
-        if bw is not None and adv and bw < t.bandwidth_ratio * adv:
+        # A port's advertised rate promises nothing about the long-distance links between regions.
+        across = regions.get(src) is not None and regions.get(src) != regions.get(dst)
+        if bw is not None and adv and bw < t.bandwidth_ratio * adv and not across:
             out.append(problem("warning", "bandwidth_below_advertised",
                                f"{src} -> {dst}: {bw:.0f} Mbit/s measured, {adv:.0f} Mbit/s advertised",
                                [src, dst], "ask the provider, try other regions, or plan with the measured rate "

@@ -137,11 +137,25 @@ def problems_table(problems: list[dict]):
     return t
 
 
+def regions_line(probe: dict) -> str:
+    """`regions (from the links): region-1 node-1,node-2 190 Mbit/s inside, 29 between; ...`"""
+    source = {"labels": "from labels.region", "measured": "from the links"}.get(probe.get("regions_from"), "")
+    parts = []
+    for r in probe["regions"]:
+        rates = [f"{_num(r['inside_mbit'], '.0f')} Mbit/s inside"] if r.get("inside_mbit") is not None else []
+        if r.get("between_mbit") is not None:
+            rates.append(f"{_num(r['between_mbit'], '.0f')} between")
+        parts.append(f"{r['name']} {','.join(r['nodes'])}" + (f" {', '.join(rates)}" if rates else ""))
+    return f"regions ({source}): " + "; ".join(parts)
+
+
 def render(probe: dict, console) -> None:
     console.print(node_table(probe))
     if probe["links"]:
         console.print(matrix_table(probe, "bandwidth_mbit", "Bandwidth Mbit/s (row -> column)", ".1f"))
         console.print(matrix_table(probe, "rtt_ms", "RTT ms (median)", ".2f"))
+    if len(probe.get("regions") or []) > 0 and probe["links"]:
+        console.print(regions_line(probe), soft_wrap=True)
     for entry in probe.get("collectives", []):
         if entry.get("error"):
             console.print(f"[yellow]all-reduce sweep failed:[/] {entry['error']}")

@@ -62,6 +62,10 @@ def restrict(probe: dict, cluster) -> dict:
     for key in ("links", "overlay_links"):
         out[key] = [l for l in probe.get(key) or [] if l.get("src") in keep and l.get("dst") in keep]
     out["collectives"] = [c for c in probe.get("collectives") or [] if set(c.get("nodes") or ()) <= keep]
+    if "regions" in probe:  # found again among the nodes left
+        from vpscluster.probe.regions import probe_section
+
+        out.update(probe_section(out, cluster))
     try:
         thresholds = Thresholds(**((probe.get("settings") or {}).get("thresholds") or {}))
     except TypeError:

@@ -5,6 +5,7 @@
     down(name) / down_prefix(p) / down_all()                    remove all of it (idempotent)
     status(name=None)                                           what exists, and whether sshd lives
     set_link(name, node, up) / set_rate(name, node, rate)       faults: a link down, a slower link
+    set_pair_rate(name, node, peer, rate)                       a slower link between two nodes
 
 Every node is a network namespace on this machine with its own sshd; the filesystem is shared,
 but commands reach the nodes through SSH exactly as on rented VPS nodes. The pieces live in
@@ -19,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
-from vpscluster.cluster.sandbox import cgroup, checks, netns, rootfs, shaping, sshd, state
+from vpscluster.cluster.sandbox import cgroup, checks, links, netns, rootfs, shaping, sshd, state
 from vpscluster.cluster.sandbox.checks import ssh_command
 from vpscluster.cluster.sandbox.clusterfile import write_cluster_file
 from vpscluster.cluster.sandbox.workdir import mount_workdir, unmount_below
@@ -28,7 +29,7 @@ from vpscluster.cluster.sandbox.system import require_root, require_sandbox_supp
 from vpscluster.errors import UserError
 from vpscluster.units import parse_list, parse_rate_mbit
 
-__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "down_prefix", "status", "info", "set_link", "set_rate", "ssh_command", "DEFAULT_NAME"]
+__all__ = ["SandboxInfo", "SandboxNode", "up", "down", "down_all", "down_prefix", "status", "info", "set_link", "set_rate", "set_pair_rate", "ssh_command", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "default"
 Progress = Callable[[str], None]
@@ -57,16 +58,37 @@ def _per_node(value, parse, what: str, count: int) -> list:
 
 def up(
     name: str = DEFAULT_NAME,
-    nodes: int = 3,
+    nodes: int | None = None,
     bandwidth: str | float | Sequence = "1gbit",
     cpu: str | float | Sequence | None = None,
     latency_ms: float | None = None,
     progress: Progress | None = None,
     own_root: bool = False,
+    regions: str | Sequence[tuple[str, int]] | None = None,
+    region_bandwidth: str | float | None = None,
+    links_file: str | None = None,
 ) -> SandboxInfo:
-    """Build sandbox `name`; raise UserError (and leave nothing behind) when it cannot."""
+    """Build sandbox `name`; raise UserError (and leave nothing behind) when it cannot.
+
+    `regions` ("fra:2,lax:2") names the nodes' regions in order (and so their number);
+    `region_bandwidth` is the rate of every pair across two regions, `bandwidth` the port (the
+    rate inside a region); `links_file` gives rates per pair (links.py), over the regions'.
+    """
     say = progress or (lambda _msg: None)
     state.check_name(name)
+    spans = links.parse_regions(regions) if isinstance(regions, str) else list(regions or [])
+    if spans:
+        total = sum(count for _, count in spans)
+        if nodes is not None and nodes != total:
+            raise UserError(f"sandbox: --nodes {nodes} but --regions gives {total} nodes; drop --nodes or make them agree")
+        nodes = total
+    elif region_bandwidth is not None:
+        raise UserError("sandbox: --region-bandwidth needs --regions (e.g. --regions fra:2,lax:2 --region-bandwidth 30mbit)")
+    nodes = 3 if nodes is None else nodes
+    between = parse_rate_mbit(region_bandwidth, "--region-bandwidth") if region_bandwidth is not None else None
+    if latency_ms and (spans or links_file):
+        raise UserError("sandbox: --latency cannot be combined with --regions or --links (per-pair delay is not "
+                        "emulated); drop --latency")
     if not isinstance(nodes, int) or not 1 <= nodes <= state.MAX_NODES:
         raise UserError(f"sandbox: --nodes {nodes} is outside 1-{state.MAX_NODES}")
     rates = _per_node(bandwidth, parse_rate_mbit, "--bandwidth", nodes)
@@ -100,7 +122,13 @@ def up(
                 name=node, address=f"{prefix}.{i + 2}", namespace=state.netns_name(name, node),
                 bandwidth_mbit=rates[i], cpu=shares[i], veth=state.veth_name(name, i + 1),
                 workdir=str(root / "nodes" / node / "work"), cgroup=str(hierarchy.parent / name / node),
+                region=[r for r, count in spans for _ in range(count)][i] if spans else None,
             ))
+        if between is not None:
+            info.links = links.region_links(info.nodes, between)
+        if links_file:
+            info.links = links.merge(info.links, links.read_links_file(links_file, [n.name for n in info.nodes]))
+        links.check_ports(info)
         try:
             root.mkdir(parents=True, mode=0o700)
             state.save_info(info)  # first, so a later `up` sees the subnet taken and `down` the record
@@ -147,7 +175,7 @@ def _build(info: SandboxInfo, say: Progress) -> None:
         mount_workdir(n.workdir)
         cg = Path(n.cgroup)
         netns.create_node(n.namespace, n.veth, state.peer_name(info.name, index), info.bridge, f"{n.address}/24")
-        shaping.shape_node(n.namespace, n.veth, n.bandwidth_mbit, info.latency_ms)
+        links.shape(info, n)
         sshd.write_etc_hosts(n.namespace, n.name, {n.name: n.address, **hosts})
         host_key = node_dir / "ssh_host_ed25519_key"
         host_pub = sshd.generate_key(host_key, f"{n.name}.{info.name}")
@@ -278,12 +306,13 @@ def _status_of(name: str) -> dict | None:
         except (FileNotFoundError, ValueError):
             pid = None
         nodes.append({"name": n.name, "address": n.address, "namespace": n.namespace,
-                      "bandwidth_mbit": n.bandwidth_mbit, "cpu": n.cpu,
+                      "bandwidth_mbit": n.bandwidth_mbit, "cpu": n.cpu, "region": n.region,
                       "namespace_exists": Path(netns.NETNS_DIR, n.namespace).exists(),
                       "sshd_pid": pid, "sshd_alive": sshd.alive(pid)})
     healthy = all(x["namespace_exists"] and x["sshd_alive"] for x in nodes)
     return {"name": name, "state": "up" if healthy else "degraded", "cluster_file": info.cluster_file,
-            "subnet": info.subnet, "latency_ms": info.latency_ms, "cgroup": info.cgroup or None, "nodes": nodes}
+            "subnet": info.subnet, "latency_ms": info.latency_ms, "cgroup": info.cgroup or None, "nodes": nodes,
+            "links": links.matrix(info)}
 
 
 def set_link(name: str, node: str, up: bool) -> None:
@@ -300,11 +329,28 @@ def set_rate(name: str, node: str, bandwidth: str | float) -> float:
     """
     n = _node_of(name, node)
     rate_mbit = parse_rate_mbit(bandwidth, "bandwidth")
-    shaping.shape_node(n.namespace, n.veth, rate_mbit, state.load_info(name).latency_ms)
+    links.shape(state.load_info(name), n, port_mbit=rate_mbit)
     with state.sandbox_lock():
         info = state.load_info(name)
         info.node(node).bandwidth_mbit = rate_mbit
         state.save_info(info)
+    return rate_mbit
+
+
+def set_pair_rate(name: str, node: str, peer: str, bandwidth: str | float) -> float:
+    """Change the rate between `node` and `peer`, both directions, while they run (a long-distance
+    link that degrades); returns the new Mbit/s. Each end still caps it at its port."""
+    n, p = _node_of(name, node), _node_of(name, peer)
+    if n.name == p.name:
+        raise UserError(f"sandbox set: --peer {peer} is the node itself; give another node")
+    rate_mbit = parse_rate_mbit(bandwidth, "bandwidth")
+    with state.sandbox_lock():
+        info = state.load_info(name)
+        info.links = links.merge(info.links, [{"src": a, "dst": b, "bandwidth_mbit": rate_mbit}
+                                              for a, b in ((n.name, p.name), (p.name, n.name))])
+        state.save_info(info)
+    for x in (n.name, p.name):
+        links.shape(info, info.node(x))
     return rate_mbit
 
 

@@ -37,7 +37,7 @@ def cluster_document(info: "SandboxInfo") -> dict:
         "command_timeout_s": COMMAND_TIMEOUT_S,
         "defaults": {"user": "root", "port": 22, "identity_file": info.identity_file, "python": sys.executable},
         "nodes": [
-            {"name": n.name, "host": n.address, "workdir": n.workdir, "labels": {"sandbox": info.name},
+            {"name": n.name, "host": n.address, "workdir": n.workdir, "labels": {"sandbox": info.name, **({"region": n.region} if n.region else {})},
              "advertised_bandwidth": format_rate(n.bandwidth_mbit)}
             for n in info.nodes
         ],

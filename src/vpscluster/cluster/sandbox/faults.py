@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from vpscluster.cluster.sandbox import cgroup, netns, shaping, state
+from vpscluster.cluster.sandbox import cgroup, links, netns, state
 from vpscluster.cluster.sandbox.system import require_root, run_tool
 from vpscluster.errors import UserError
 from vpscluster.units import parse_rate_mbit
@@ -282,7 +282,7 @@ def inject(name: str, node: str, kind: str, seconds: float | str | None = None, 
         elif kind == "throttle":
             record["rate_mbit"] = rate_mbit
             record["restore_mbit"] = n.bandwidth_mbit
-            shaping.shape_node(n.namespace, n.veth, rate_mbit, info.latency_ms)
+            links.shape(info, n, port_mbit=rate_mbit)  # its per-pair rates stay, capped by RATE
         elif kind == "disk-full":
             record.update(_disk_full(info, n))
         if secs:
@@ -299,7 +299,7 @@ def _restore(info, fault: dict) -> None:
     elif kind == "link-down":
         run_tool(["ip", "link", "set", n.veth, "up"], check=False)
     elif kind == "throttle":
-        shaping.shape_node(n.namespace, n.veth, fault.get("restore_mbit") or n.bandwidth_mbit, info.latency_ms)
+        links.shape(info, n, port_mbit=fault.get("restore_mbit") or n.bandwidth_mbit)
     elif kind == "disk-full":
         _undo_disk_full(info, n, fault)
 

@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -89,6 +89,7 @@ class SandboxNode:
     veth: str  # host (bridge) side
     workdir: str
     cgroup: str | None = None
+    region: str | None = None  # `up --regions`: written to the cluster file as labels.region
 
 
 @dataclass
@@ -105,18 +106,21 @@ class SandboxInfo:
     identity_file: str = ""
     known_hosts: str = ""
     cgroup: str = ""  # the hierarchy limiting CPU: "v1" (cpu.cfs_quota_us) or "v2" (cpu.max)
+    # Per-pair rates that differ from the ports: [{"src", "dst", "bandwidth_mbit"}] (links.py).
+    links: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The `sandbox up --json` document: name, cluster_file, nodes[...] first, extras after."""
         nodes = [
             {"name": n.name, "address": n.address, "namespace": n.namespace, "bandwidth_mbit": n.bandwidth_mbit,
-             "cpu": n.cpu, "veth": n.veth, "workdir": n.workdir, "cgroup": n.cgroup}
+             "cpu": n.cpu, "veth": n.veth, "workdir": n.workdir, "cgroup": n.cgroup, "region": n.region}
             for n in self.nodes
         ]
+        from vpscluster.cluster.sandbox.links import matrix
         return {"name": self.name, "cluster_file": self.cluster_file, "nodes": nodes, "subnet": self.subnet,
                 "bridge": self.bridge, "gateway": self.gateway, "latency_ms": self.latency_ms,
                 "state_dir": self.state_dir, "identity_file": self.identity_file, "known_hosts": self.known_hosts,
-                "cgroup": self.cgroup or None}
+                "cgroup": self.cgroup or None, "links": matrix(self)}
 
     def node(self, name: str) -> SandboxNode:
         for n in self.nodes:
