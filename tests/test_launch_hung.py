@@ -3,6 +3,7 @@
 Training on a 2-node sandbox with a 10 s collective time-out; `sandbox fault stop` freezes every
 process of node-2 (sshd spared): node-1's collective times out, the launcher finds node-2's
 processes in state T and fails with one line naming node-2, long before the stop would end.
+Recovery is turned off (`--max-restarts 0`): this test is about the detection and the line.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def test_stopped_node_is_named_after_the_collective_timeout(tmp_path):
         run_dir = tmp_path / "run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--config", str(config),
-             "--preset", "tiny", "--max-steps", "100000", "--run-dir", str(run_dir)],
+             "--preset", "tiny", "--max-steps", "100000", "--run-dir", str(run_dir),
+             "--max-restarts", "0"],  # the detection itself: recovery (on by default) would relaunch without node-2
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
