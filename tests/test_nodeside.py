@@ -134,21 +134,45 @@ def test_unpack_refuses_a_path_outside_the_destination_in_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and "'../escaped.txt' refused" in out.stderr, out.stderr
 
 
-def test_unpack_refuses_on_a_python_without_the_data_filter(tmp_path):
-    """A node whose Python's tarfile predates the "data" filter: simulated by that very thing
-    (a sitecustomize removes `tarfile.data_filter` before the program runs), not by touching unpack."""
+def _run_without_data_filter(tmp_path, archive: Path, dest: Path) -> subprocess.CompletedProcess:
+    """unpack on a Python whose tarfile predates the "data" filter (Debian 12's 3.11.2): simulated
+    by that very thing (a sitecustomize removes `tarfile.data_filter` before the program runs),
+    not by touching unpack."""
     site = tmp_path / "oldpython"
-    site.mkdir()
+    site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text("import tarfile\ndel tarfile.data_filter\n")
-    archive = _escaping_archive(tmp_path / "evil.tar")
-    cmd = nodeside.command(sys.executable, "unpack", str(archive), str(tmp_path / "dest"))
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"})
+    cmd = nodeside.command(sys.executable, "unpack", str(archive), str(dest))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"})
+
+
+def test_unpack_without_the_data_filter_refuses_what_escapes_and_unpacks_plain_files(tmp_path):
+    import io
+
+    out = _run_without_data_filter(tmp_path, _escaping_archive(tmp_path / "evil.tar"), tmp_path / "dest")
     assert out.returncode == 1 and not (tmp_path / "escaped.txt").exists() and not (tmp_path / "dest").exists()
     line = out.stderr.strip()
-    assert len(line.splitlines()) == 1, line
-    version = ".".join(map(str, sys.version_info[:3]))
-    assert f"Python {version} cannot unpack safely" in line and "3.11.4" in line, line
+    assert len(line.splitlines()) == 1 and "'../escaped.txt' refused (outside the destination)" in line, line
+
+    with tarfile.open(tmp_path / "link.tar", "w") as t:  # a link: the data filter's job, refused here
+        info = tarfile.TarInfo("key")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
+        t.addfile(info)
+    out = _run_without_data_filter(tmp_path, tmp_path / "link.tar", tmp_path / "dest2")
+    assert out.returncode == 1 and "'key' refused (not a regular file or directory" in out.stderr, out.stderr
+    assert not (tmp_path / "dest2").exists()
+
+    with tarfile.open(tmp_path / "plain.tar", "w") as t:  # what vpscluster sends: files and folders
+        info = tarfile.TarInfo("pkg")
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        t.addfile(info)
+        info = tarfile.TarInfo("pkg/run.sh")
+        info.size, info.mode, info.uid = 3, 0o6777, 4242  # setuid, world-writable, someone else's
+        t.addfile(info, io.BytesIO(b"hi\n"))
+    out = _run_without_data_filter(tmp_path, tmp_path / "plain.tar", tmp_path / "dest3")
+    assert out.returncode == 0, out.stderr
+    f = tmp_path / "dest3" / "pkg" / "run.sh"
+    assert f.read_text() == "hi\n" and f.stat().st_mode & 0o7777 == 0o755 and f.stat().st_uid == os.getuid()
 
 
 def _sleeper(env_extra: dict) -> subprocess.Popen:

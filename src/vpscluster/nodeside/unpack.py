@@ -1,11 +1,14 @@
 """Unpack a tar archive into a directory (created if missing), then delete the archive.
 
-Members are extracted with tarfile's "data" filter (no absolute paths, no `..`, no links out
-of the destination, no devices), checked for every member before the first is written, so a
-refused archive leaves the destination as it was. A Python whose tarfile lacks the filter
-(before 3.12, 3.11.4, 3.10.12, 3.9.17 or 3.8.17) is refused in one line: a plain `extractall`
-writes wherever the archive says. Standard library only; run with the node's own Python (see
-`vpscluster.nodeside`).
+Every member is checked before the first is written, so a refused archive leaves the
+destination as it was. Where tarfile has the "data" filter (Python 3.12, 3.11.4, 3.10.12, 3.9.17,
+3.8.17 or later), members are checked and extracted with it: no absolute paths, no `..`, no
+links out of the destination, no devices. A Python without it (Debian 12's 3.11.2, for one) gets
+a stricter rule instead of a plain `extractall`, which would write wherever the archive says:
+only regular files and directories whose path stays inside the destination, written with this
+user as owner and without setuid/setgid or group/other write bits (what vpscluster's own
+archives hold: they carry files, links followed). Anything else is refused in one line. Standard
+library only; run with the node's own Python (see `vpscluster.nodeside`).
 
 Usage: python unpack.py ARCHIVE DEST     (`~` expanded in both)
 """
@@ -14,29 +17,48 @@ import os
 import sys
 import tarfile
 
-NEEDS = "Python 3.12, or 3.11.4, 3.10.12, 3.9.17, 3.8.17 or later"
-
 
 class Refused(Exception):
     pass
 
 
+def _check_plain(member, dest):
+    """The rule where tarfile has no data filter: a regular file or a directory inside `dest`,
+    made ours and stripped of special mode bits; anything else raises Refused."""
+    if not (member.isreg() or member.isdir()):
+        raise Refused(f"member {member.name!r} refused (not a regular file or directory, and this node's "
+                      f"Python {'.'.join(map(str, sys.version_info[:3]))} has no tarfile 'data' filter to "
+                      f"check it); nothing unpacked")
+    root = os.path.realpath(dest)
+    target = os.path.realpath(os.path.join(root, member.name))
+    if os.path.isabs(member.name) or os.path.commonpath([root, target]) != root:
+        raise Refused(f"member {member.name!r} refused (outside the destination); nothing unpacked")
+    member.mode &= 0o755  # no setuid/setgid/sticky, no group or other write
+    member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
+
+
 def unpack(archive, dest):
     archive, dest = os.path.expanduser(archive), os.path.expanduser(dest)
+    has_filter = hasattr(tarfile, "data_filter")
     try:
-        if not hasattr(tarfile, "data_filter"):
-            version = ".".join(str(n) for n in sys.version_info[:3])
-            raise Refused(f"this node's Python {version} cannot unpack safely (its tarfile has no "
-                          f"'data' filter); install {NEEDS} there and name it as the node's python")
         with tarfile.open(archive) as t:
             members = t.getmembers()
             for m in members:  # every member first: nothing is written from a refused archive
+                if not has_filter:
+                    try:
+                        _check_plain(m, dest)
+                    except Refused as e:
+                        raise Refused(f"{archive}: {e}") from None
+                    continue
                 try:
                     tarfile.data_filter(m, dest)
                 except tarfile.FilterError as e:
                     raise Refused(f"{archive}: member {m.name!r} refused ({e}); nothing unpacked") from None
             os.makedirs(dest, exist_ok=True)
-            t.extractall(dest, members=members, filter="data")
+            if has_filter:
+                t.extractall(dest, members=members, filter="data")
+            else:
+                t.extractall(dest, members=members)  # checked above, member by member
     finally:
         try:
             os.remove(archive)
