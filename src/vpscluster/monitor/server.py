@@ -432,19 +432,25 @@ def publish_run_targets(cluster, run_id: str, exporters: list[dict[str, Any]]) -
     """Write the run's targets where Prometheus reads them (if monitoring runs): the path, or None.
 
     An empty `exporters` clears them (the run ended: its stored series stay in Prometheus)."""
-    from vpscluster.cluster.inventory import executor_for
-
     rec = load_record(cluster)
     if rec is None:
         return None
-    remote = posixpath.join(rec.monitor_dir, "targets", "run.json")
+    return write_targets(cluster, rec, "run.json", run_targets(run_id, exporters))
+
+
+def write_targets(cluster, rec: "MonitorRecord", name: str, targets: list[dict[str, Any]]) -> str:
+    """Put `targets` in `targets/NAME` of the running Prometheus (file discovery), atomically
+    (written aside, then renamed); the remote path. Used for the run's ranks and the queue."""
+    from vpscluster.cluster.inventory import executor_for
+
+    remote = posixpath.join(rec.monitor_dir, "targets", name)
 
     async def put() -> None:
         ex = executor_for(cluster.node(rec.head), cluster)
         try:
             with tempfile.TemporaryDirectory(prefix="vpsc-mon-") as tmp:
-                local = Path(tmp, "run.json")
-                local.write_text(json.dumps(run_targets(run_id, exporters), indent=2))
+                local = Path(tmp, name)
+                local.write_text(json.dumps(targets, indent=2))
                 await ex.put(str(local), remote + ".tmp", timeout_s=30.0)
                 r = await ex.run(["mv", remote + ".tmp", remote], timeout_s=30.0)  # atomic for Prometheus
                 if not r.ok:

@@ -401,26 +401,12 @@ def queue_targets(rec: QueueRecord) -> list[dict[str, Any]]:
 
 def _publish_target(cluster, rec: QueueRecord | None, say: Callable[[str], None] = _quiet) -> None:
     """Write (or, with None, clear) targets/queue.json where the cluster's Prometheus reads it, if it runs."""
-    from vpscluster.cluster.inventory import executor_for
-    from vpscluster.monitor.server import load_record as monitor_record
+    from vpscluster.monitor import server as monitor
 
-    mon = monitor_record(cluster)
+    mon = monitor.load_record(cluster)
     if mon is None:
         return
-    remote = posixpath.join(mon.monitor_dir, "targets", "queue.json")
-
-    async def put() -> None:
-        ex = executor_for(cluster.node(mon.head), cluster)
-        try:
-            with tempfile.TemporaryDirectory(prefix="vpsc-queue-") as tmp:
-                local = Path(tmp, "queue.json")
-                local.write_text(json.dumps(queue_targets(rec) if rec else [], indent=2))
-                await ex.put(str(local), remote + ".tmp", timeout_s=30.0)
-                await ex.run(["mv", remote + ".tmp", remote], timeout_s=30.0)  # atomic for Prometheus
-        finally:
-            await ex.close()
-
     try:
-        asyncio.run(put())
+        monitor.write_targets(cluster, mon, "queue.json", queue_targets(rec) if rec else [])
     except Exception as e:  # monitoring is a bystander here: the queue runs either way
-        say(f"note: could not update Prometheus's targets ({remote} on {mon.head}): {e}")
+        say(f"note: could not update Prometheus's targets (targets/queue.json on {mon.head}): {e}")
