@@ -65,6 +65,25 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# The job's key-value store, made once per process; every process group this process joins
+# (a session closed and another started) gets a fresh prefix in it. Re-running env://
+# rendezvous instead reuses the old keys: on torchrun's agent store (which outlives the group),
+# or on rank 0's own store while a user's reference (their DDP model) keeps the old group
+# alive, the second group then waits forever on keys of the first.
+_STORE: Any = None
+_JOINS = 0
+
+
+def _job_store(timeout: timedelta):
+    import torch.distributed as dist
+
+    global _STORE, _JOINS
+    if _STORE is None:
+        _STORE, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    _JOINS += 1
+    return dist.PrefixStore(f"vpscluster/{_JOINS}", _STORE)
+
+
 def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
     """Join the job torchrun started (env:// rendezvous) with the long start-up time-out."""
     import torch
@@ -79,7 +98,8 @@ def init_distributed(cfg: TrainConfig, backend: str) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeouts.startup_collective_s))
+        timeout = timedelta(seconds=cfg.timeouts.startup_collective_s)
+        dist.init_process_group(backend, store=_job_store(timeout), rank=rank, world_size=world, timeout=timeout)
         group = dist.group.WORLD
     else:
         group = None  # started without a launcher: a single process, nothing to join
