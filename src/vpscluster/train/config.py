@@ -126,6 +126,13 @@ class StrategyConfig:
     min_share: Int = 1
     max_spread: Float = 8.0
     rebalance_every: Int = 5
+    # hierarchical (`strategies/hierarchical.py`): the region of each rank, by rank (e.g.
+    # [fra, fra, lax, lax]), or of each node, by node name: the launcher fills `node_regions`
+    # from the cluster file's labels.region or the probe's regions and each rank looks up its
+    # node (`regions`, per rank, wins). Ranks of a region all-reduce gradients every step; the
+    # regions meet in a DiLoCo outer sync every sync_every steps.
+    regions: list[str] | None = None
+    node_regions: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,6 +177,13 @@ class StrategyConfig:
             raise UserError(f"strategy.speeds must be positive numbers, one per rank, got {self.speeds}")
         if self.node_speeds is not None and (not self.node_speeds or any(v <= 0 for v in self.node_speeds.values())):
             raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
+        if self.regions is not None and (not self.regions or not all(isinstance(r, str) and r for r in self.regions)):
+            raise UserError(f"strategy.regions must name the region of each rank, got {self.regions}")
+        if self.node_regions is not None and not all(r for r in self.node_regions.values()):
+            raise UserError(f"strategy.node_regions must map node names to region names, got {self.node_regions}")
+        if self.name == "hierarchical" and self.micro_batches:
+            raise UserError("uneven shares (--micro-batches) are not supported by --strategy hierarchical yet; "
+                            "leave them out or use --strategy diloco")
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
                 "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"
@@ -319,7 +333,7 @@ class TrainConfig:
         s = self.strategy
         if s.name not in CHOICES:  # a name assigned after construction (e.g. by the planner)
             raise UserError(f"unknown strategy {s.name!r}; choose one of: {', '.join(CHOICES)}")
-        if s.compress != "none" and s.name == "diloco":
+        if s.compress != "none" and s.name == "diloco":  # hierarchical: it compresses the all-reduce inside a region
             raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
         if s.micro_batches and self.cluster is None:
             # nproc_per_node 0 = one per GPU: at least one per node (the trainer checks the rest).
@@ -331,7 +345,7 @@ class TrainConfig:
                     f"--micro-batches {s.micro_batches} cannot give each of {world} ranks at least "
                     f"{s.min_share}; use at least {s.min_share * world} or lower strategy.min_share"
                 )
-        if outer_steps and s.name == "diloco" and self.checkpoint_every % s.sync_every:
+        if outer_steps and s.name in ("diloco", "hierarchical") and self.checkpoint_every % s.sync_every:
             raise UserError(
                 f"checkpoint_every ({self.checkpoint_every}) must be a multiple of sync_every "
                 f"({s.sync_every}) so checkpoints fall on outer steps"

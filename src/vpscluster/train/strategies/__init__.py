@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 STRATEGIES: dict[str, str] = {
     "ddp": "vpscluster.train.strategies.ddp:DDPStrategy",
     "diloco": "vpscluster.train.strategies.diloco:DiLoCoStrategy",
+    "hierarchical": "vpscluster.train.strategies.hierarchical:HierarchicalStrategy",
 }
 # Not a strategy: asks the planner (`plan/auto.py`) to choose one of STRATEGIES before training.
 AUTO = "auto"
