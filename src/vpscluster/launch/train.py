@@ -139,6 +139,12 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cfg.strategy = plan_diloco(cfg, model, res, eff.value, given_keys(cfg.strategy) if given is None else given)
         cfg.validate()
         reason = cfg.strategy.planned_reason
+    elif cfg.strategy.name == "hierarchical" and resume_dir is None:
+        from vpscluster.plan.hierarchical import plan_for_training
+
+        cfg.strategy = plan_for_training(cfg, cluster if cfg.cluster else None, given)
+        cfg.validate()
+        reason = cfg.strategy.planned_reason
     else:
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)

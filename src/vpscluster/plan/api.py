@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vpscluster.errors import UserError
-from vpscluster.plan import auto, comm, memory
+from vpscluster.plan import auto, comm, hierarchical, memory
+from vpscluster.plan.compute import tokens_per_rank_step
 from vpscluster.plan import steptime
 from vpscluster.plan.calibrate import efficiency_for
 from vpscluster.plan.guidance import guidance
@@ -131,6 +132,13 @@ def make_plan(req: PlanRequest) -> dict:
     options = auto.candidates(res.world_size, strategies=("ddp",), base=base)
     if rule is not None:
         options.append(dataclasses.replace(base, name="diloco", compress="none"))
+    # With regions (labels.region, or the probe's): DiLoCo across them, DDP inside (`plan/hierarchical.py`).
+    hier = hierarchical.plan_option(model, res, eff.value, base, hierarchical.cluster_regions(cluster, probe),
+                                    req.sync_every, req.wire_dtype,
+                                    math.ceil(tokens / (tokens_per_rank_step(model) * res.world_size)))
+    if hier is not None:
+        options.append(hier)
+        preds.append(predict(model, res, hier, tokens, eff.value))
     auto_pred, auto_reason, _ = auto.choose(model, res, tokens, eff.value, options)
     if auto_pred.settings.name == "diloco" and rule is not None:  # and why this H and wire, as `train` says it
         auto_reason = f"{auto_reason}; {rule.reason}"
@@ -138,6 +146,11 @@ def make_plan(req: PlanRequest) -> dict:
         chosen, reason = auto_pred, auto_reason
     else:
         settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if req.strategy == "ddp" else "none")
+        if req.strategy == hierarchical.NAME:
+            if hier is None:
+                raise UserError("--strategy hierarchical needs at least two regions: give every node a labels.region "
+                                "in the cluster file, or run `vpscluster probe` (it finds regions from the links)")
+            settings = hier
         chosen = predict(model, res, settings, tokens, eff.value)
         reason = f"as asked (--strategy {req.strategy}); auto would choose {auto_pred.settings.label()}"
         if req.strategy == "diloco" and rule is not None and not (req.sync_every and req.wire_dtype):
@@ -179,7 +192,6 @@ def _sync_rule(req: PlanRequest, model, res, efficiency: float, tokens: float):
     for a run of `tokens` (the egress quotas' share); a value the request sets is kept. None with
     one rank or without a usable link figure."""
     from vpscluster.plan import sync_rule
-    from vpscluster.plan.compute import tokens_per_rank_step
 
     if res.world_size <= 1:
         return None
@@ -328,6 +340,7 @@ def _representative(preds: list[Prediction]) -> list[Prediction]:
     """Every DDP variant and, per DiLoCo wire dtype, a spread of H (the table stays readable)."""
     keep = [p for p in preds if p.settings.name == "ddp"]
     keep += [p for p in preds if p.settings.name == "diloco" and p.settings.sync_every in (10, 50, 100, 500)]
+    keep += [p for p in preds if p.settings.name == hierarchical.NAME]
     return sorted(keep, key=lambda p: p.time_to_train_seconds)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from vpscluster.plan import sync_rule
+from vpscluster.plan import hierarchical, sync_rule
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
@@ -216,8 +216,14 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     if res.world_size > 1:
         dl = plan_diloco(cfg, model, res, eff.value, given, strategy=dataclasses.replace(s, fragments=1))
         options.append(Settings.of(dl, name="diloco", compress="none", fragments=1))
+        hier = hierarchical.option_for_auto(cfg, model, res, eff.value, cluster, given)  # None without regions
+        if hier is not None:
+            options.append(Settings.of(hier))
     chosen, reason, _ = choose(model, res, tokens, eff.value, options)
     c = chosen.settings
+    if c.name == hierarchical.NAME:
+        reason = f"{reason}; {hier.planned_reason}" if hier.planned_reason else reason
+        return dataclasses.replace(hier, planned_reason=reason), reason
     if c.name == "diloco" and dl is not None:
         out = dataclasses.replace(dl, name="diloco", compress="none", fragments=1)
         if out.planned_reason:

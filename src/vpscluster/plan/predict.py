@@ -41,7 +41,7 @@ class Settings(StrategyConfig):
             return "ddp" if self.compress == "none" else f"ddp+{self.compress}" + (
                 f" r={self.powersgd_rank}" if self.compress == "powersgd" else "")
         frag = f" F={self.fragments}" if self.fragments > 1 else ""
-        return f"diloco H={self.sync_every} {self.wire_dtype}{frag}"
+        return f"{self.name} H={self.sync_every} {self.wire_dtype}{frag}"
 
     def quality_risk(self, total_steps: int | None = None) -> float:
         """0 = the same updates as one big machine; larger = further from it (heuristic scale)."""
@@ -184,6 +184,10 @@ def ring_for(res: Resources) -> comm.Ring:
 
 def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float, efficiency: float,
             ring: comm.Ring | None = None) -> Prediction:
+    if settings.name == "hierarchical":  # its own cost model, on the regions (`plan/hierarchical.py`)
+        from vpscluster.plan.hierarchical import predict_hierarchical
+
+        return predict_hierarchical(model, res, settings, tokens, efficiency)
     n = res.world_size
     ring = ring or ring_for(res)
     computes = [compute.node_compute(model, node, efficiency) for node in res.nodes]
