@@ -216,7 +216,7 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     if res.world_size > 1:
         dl = plan_diloco(cfg, model, res, eff.value, given, strategy=dataclasses.replace(s, fragments=1))
         options.append(Settings.of(dl, name="diloco", compress="none", fragments=1))
-        hier = hierarchical.option_for_auto(cfg, model, res, eff.value, cluster, given)  # None without regions
+        hier = hierarchical.option_for_auto(cfg, model, res, eff.value, cluster, probe, given)  # None without regions
         if hier is not None:
             options.append(Settings.of(hier))
     chosen, reason, _ = choose(model, res, tokens, eff.value, options)

@@ -177,11 +177,12 @@ def plan_for_training(cfg: "TrainConfig", cluster: "Cluster | None", given: set[
 
 
 def option_for_auto(cfg: "TrainConfig", model: "ModelSpec", res: Resources, efficiency: float,
-                    cluster: "Cluster | None", given: set[str]) -> "StrategyConfig | None":
-    """The hierarchical candidate `train --strategy auto` weighs, or None without regions."""
+                    cluster: "Cluster | None", probe: dict | None, given: set[str]) -> "StrategyConfig | None":
+    """The hierarchical candidate `train --strategy auto` weighs, or None without regions
+    (`probe`: the plan's; None: the cluster's last saved one)."""
     if cfg.strategy.micro_batches:
         return None
-    regions = cfg.strategy.node_regions or cluster_regions(cluster, _load_probe(cluster))
+    regions = cfg.strategy.node_regions or cluster_regions(cluster, probe if probe is not None else _load_probe(cluster))
     if not regions or len(set(regions.values())) < 2:
         return None
     return plan_settings(cfg, model, res, efficiency, regions, given)
