@@ -53,6 +53,15 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         run_id = Path(run_dir).name
     here = all(n.local for n in cluster.nodes)
     session = session or SessionConfig()
+    s = session.strategy
+    if s.name == "hierarchical" and s.regions is None and not s.node_regions:
+        # Each rank looks up its node's region (`train/strategies/hierarchical.py`): from the
+        # cluster file's labels.region, else the last probe's regions.
+        from vpscluster.plan.hierarchical import cluster_regions, saved_probe
+
+        regions = cluster_regions(cluster, saved_probe(cluster))
+        if regions:
+            session = dataclasses.replace(session, strategy=dataclasses.replace(s, node_regions=regions))
     threads = None
     if in_place:  # this machine: the script runs from its own folder; nothing is copied
         if not here:

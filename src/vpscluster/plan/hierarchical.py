@@ -167,7 +167,7 @@ def plan_for_training(cfg: "TrainConfig", cluster: "Cluster | None", given: set[
     s = cfg.strategy
     if s.regions is not None:
         return s
-    probe = _load_probe(cluster)
+    probe = saved_probe(cluster)
     regions = s.node_regions or cluster_regions(cluster, probe)
     if not regions:
         raise UserError("--strategy hierarchical needs at least two regions: give every node a labels.region in "
@@ -182,7 +182,7 @@ def option_for_auto(cfg: "TrainConfig", model: "ModelSpec", res: Resources, effi
     (`probe`: the plan's; None: the cluster's last saved one)."""
     if cfg.strategy.micro_batches:
         return None
-    regions = cfg.strategy.node_regions or cluster_regions(cluster, probe if probe is not None else _load_probe(cluster))
+    regions = cfg.strategy.node_regions or cluster_regions(cluster, probe if probe is not None else saved_probe(cluster))
     if not regions or len(set(regions.values())) < 2:
         return None
     return plan_settings(cfg, model, res, efficiency, regions, given)
@@ -209,7 +209,8 @@ def plan_option(model: "ModelSpec", res: Resources, efficiency: float, base: "Se
                                wire_dtype=rule.wire_dtype, fragments=1, overlap_steps=0, node_regions=node_regions)
 
 
-def _load_probe(cluster: "Cluster | None") -> dict | None:
+def saved_probe(cluster: "Cluster | None") -> dict | None:
+    """The cluster's last probe (`vpscluster probe`), or None."""
     if cluster is None:
         return None
     from vpscluster.probe.store import load_probe

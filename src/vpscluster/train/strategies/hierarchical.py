@@ -244,6 +244,11 @@ class HierarchicalStrategy(DiLoCoStrategy):
         self.intra_seconds += seconds
         return buf.cpu()
 
+    def retune(self, settings: dict[str, Any]) -> None:
+        """DiLoCo's retune; the syncs stay blocking (DiLoCo's would turn the overlap back on)."""
+        super().retune(settings)
+        self.overlap = 0
+
     # -- what the loop reads ----------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
