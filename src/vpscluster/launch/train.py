@@ -97,7 +97,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
     Loads the cluster file (or takes the local cluster), resolves `strategy auto` with the
     planner, sets DiLoCo's H, wire format and outer optimizer from the plan where the user did
-    not (`plan/sync_rule.py`; `given`: the strategy keys the user set, as the CLI knows them;
+    not (`train/strategies/sync_rule.py`; `given`: the strategy keys the user set, as the CLI knows them;
     None: those differing from the defaults), reads the data once (bad data fails here, in one
     line), fixes the LR schedule's horizon (so a later `--resume --max-steps` does not change it)
     and picks the run dir. A resumed run keeps its stored configuration as it is.

@@ -47,7 +47,7 @@ class PlanRequest:
     compress: str = _STRATEGY.compress
     powersgd_rank: int = _STRATEGY.powersgd_rank
     bucket_mb: float = _STRATEGY.bucket_mb
-    # None: DiLoCo's H and wire come from the sync rule (plan/sync_rule.py), as `train` picks them
+    # None: DiLoCo's H and wire come from the sync rule (train/strategies/sync_rule.py), as `train` picks them
     sync_every: int | None = None
     wire_dtype: str | None = None
     fragments: int = _STRATEGY.fragments
@@ -178,7 +178,7 @@ def _sync_rule(req: PlanRequest, model, res, efficiency: float, tokens: float):
     """The sync rule's DiLoCo H and wire for this plan (what `train --strategy diloco` would run),
     for a run of `tokens` (the egress quotas' share); a value the request sets is kept. None with
     one rank or without a usable link figure."""
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
     from vpscluster.plan.compute import tokens_per_rank_step
 
     if res.world_size <= 1:

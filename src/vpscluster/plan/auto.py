@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from vpscluster.plan import sync_rule
+from vpscluster.train.strategies import sync_rule
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
@@ -122,7 +122,7 @@ def given_keys(s: "StrategyConfig") -> set[str]:
 
 def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires,
                 overlap_steps: int | None = None, run_steps: int = 0) -> "sync_rule.SyncChoice":
-    """The sync rule (`plan/sync_rule.py`) on this plan: the slowest node's step, the ring's
+    """The sync rule (`train/strategies/sync_rule.py`) on this plan: the slowest node's step, the ring's
     bandwidth and latency, the model's size, the nodes' egress quotas over `run_steps` inner
     steps; `choices`/`wires`: the H values and formats allowed; `overlap_steps`: τ (None: the
     strategy's default)."""
@@ -157,7 +157,7 @@ def rule_inputs(model: ModelSpec, res: Resources, efficiency: float) -> tuple[fl
 def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency: float,
                 given: set[str] | frozenset[str] = frozenset(), strategy: "StrategyConfig | None" = None,
                 ) -> "StrategyConfig":
-    """cfg.strategy as DiLoCo with the sync rule's H, wire and outer optimizer (`plan/sync_rule.py`)
+    """cfg.strategy as DiLoCo with the sync rule's H, wire and outer optimizer (`train/strategies/sync_rule.py`)
     for every one of those keys not in `given` (what the user set wins); `planned` and
     `planned_reason` record what was chosen and why. `strategy`: the settings to start from
     (default cfg.strategy).

@@ -27,7 +27,7 @@ WireDtype = Literal["fp32", "bf16", "int8", "sparse2", "sparse4"]  # diloco: the
 
 @dataclass
 class ReplanInputs:
-    """diloco: the sync rule's inputs other than the step time (`plan/sync_rule.py: choose_sync`),
+    """diloco: the sync rule's inputs other than the step time (`train/strategies/sync_rule.py: choose_sync`),
     written by the launcher with the plan. The ranks measure their real step in the first steps
     of each session and, where it is off the plan's `step_seconds` by more than
     `train/replan.py: TOLERANCE`, apply the rule again on the measured step (`train/replan.py`)."""
@@ -85,7 +85,7 @@ class StrategyConfig:
     # a global step (one per rank unless --micro-batches): `lr` is set for the global batch, as
     # for ddp, and a replica steps on 1/M of it (`strategies/diloco.py: inner_lr_scale`).
     inner_lr_scale: Float = 0.0
-    # diloco: the keys above whose values the launcher chose from the plan (`plan/sync_rule.py`:
+    # diloco: the keys above whose values the launcher chose from the plan (`train/strategies/sync_rule.py`:
     # every one of sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup the user did
     # not set), and its one-line reason; a record, kept in the run's config and report.
     planned: list[str] = field(default_factory=list)

@@ -95,7 +95,7 @@ STATE_FORMAT = 1
 
 
 MAX_FAILED_SYNCS_IN_A_ROW = 3
-# The settings `retune` may change mid-run: the sync rule's (`plan/sync_rule.py: KEYS`).
+# The settings `retune` may change mid-run: the sync rule's (`train/strategies/sync_rule.py: KEYS`).
 RETUNABLE = ("sync_every", "wire_dtype", "outer_lr", "outer_momentum", "outer_warmup")
 
 
