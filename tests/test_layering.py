@@ -65,12 +65,13 @@ def test_lower_layers_never_import_higher_ones():
     assert offenders == [], offenders
 
 
-def test_the_sync_rule_loads_without_torch():
-    """plan imports it at module level; `vpscluster plan` and `--help` must not pay for torch."""
+def test_the_sync_rule_and_every_cost_companion_load_without_torch():
+    """plan imports them at module level; `vpscluster plan` and `--help` must not pay for torch."""
     import subprocess
     import sys
 
     code = ("import sys; import vpscluster.train.strategies.sync_rule; "
+            "from vpscluster.train.strategies import COSTS, costs_for; [costs_for(n) for n in COSTS]; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False", out.stderr

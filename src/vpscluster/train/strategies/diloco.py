@@ -226,7 +226,6 @@ class _InFlight:
 
 class DiLoCoStrategy(Strategy):
     name = "diloco"
-    micro_batches_are_steps = True  # uneven shares: a faster rank does more inner steps per round
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         super().__init__(config, ctx)
