@@ -132,7 +132,7 @@ def make_plan(req: PlanRequest) -> dict:
     if rule is not None:
         options.append(dataclasses.replace(base, name="diloco", compress="none"))
     auto_pred, auto_reason, _ = auto.choose(model, res, tokens, eff.value, options)
-    if rule is not None and auto_pred.settings.costs().planned_keys:  # and why this H and wire, as `train` says it
+    if rule is not None and auto_pred.settings.costs.planned_keys:  # and why this H and wire, as `train` says it
         auto_reason = f"{auto_reason}; {rule.reason}"
     if req.strategy == AUTO:
         chosen, reason = auto_pred, auto_reason
@@ -210,7 +210,7 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
     if len(per_rank) < 2 or min(per_rank) <= 0:
         return None
     world, comm = len(per_rank), chosen.step_seconds - chosen.compute_seconds
-    per_round = chosen.settings.costs().micro_batches_are_steps  # a micro-batch is an inner step of a round
+    per_round = chosen.settings.costs.micro_batches_are_steps  # a micro-batch is an inner step of a round
     if per_round:
         H = chosen.settings.sync_every
         speeds = [1 / c for c in per_rank]  # inner steps (micro-batches) per second of each rank
@@ -327,7 +327,7 @@ def _candidate_doc(p: Prediction) -> dict:
 
 def _representative(preds: list[Prediction]) -> list[Prediction]:
     """Every DDP variant and, per DiLoCo wire dtype, a spread of H (the table stays readable)."""
-    keep = [p for p in preds if p.settings.costs().representative(p.settings)]
+    keep = [p for p in preds if p.settings.costs.representative(p.settings)]
     return sorted(keep, key=lambda p: p.time_to_train_seconds)
 
 

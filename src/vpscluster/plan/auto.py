@@ -43,7 +43,7 @@ def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
     options = options or candidates(res.world_size)
     preds = sorted((predict(model, res, s, tokens, efficiency) for s in options), key=lambda p: p.time_to_train_seconds)
     if res.world_size <= 1:
-        chosen = next(p for p in preds if p.settings.costs().is_plain(p.settings))
+        chosen = next(p for p in preds if p.settings.costs.is_plain(p.settings))
         return chosen, "one rank: nothing to synchronise, plain training", preds
     pool = [p for p in preds if p.fits] or preds
     pool = [p for p in pool if not p.quota_exceeded] or pool
@@ -55,7 +55,7 @@ def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
 
 
 def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
-    ddp = next(p for p in preds if p.settings.costs().is_plain(p.settings))  # the plain baseline
+    ddp = next(p for p in preds if p.settings.costs.is_plain(p.settings))  # the plain baseline
     share = ddp.comm_seconds / ddp.step_seconds if ddp.step_seconds else 0.0
     mem = "" if fits_any else "; nothing fits in memory as configured — see the memory options"
     if chosen is ddp:

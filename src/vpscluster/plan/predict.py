@@ -37,18 +37,20 @@ class Settings(StrategyConfig):
     def of(cls, config: StrategyConfig, **changes) -> "Settings":
         return cls(**{**dataclasses.asdict(config), **changes})
 
+    @property
     def costs(self) -> StrategyCosts:
+        """The strategy's cost companion (`train/strategies/costs.py`)."""
         return costs_for(self.name)
 
     def label(self) -> str:
-        return self.costs().label(self)
+        return self.costs.label(self)
 
     def quality_risk(self, total_steps: int | None = None) -> float:
         """0 = the same updates as one big machine; larger = further from it (heuristic scale)."""
-        return self.costs().quality_risk(self, total_steps)
+        return self.costs.quality_risk(self, total_steps)
 
     def to_dict(self) -> dict:
-        return self.costs().describe(self)
+        return self.costs.describe(self)
 
 
 def risk_label(risk: float) -> str:
@@ -117,7 +119,7 @@ class Prediction:
 def sync_traffic(settings: Settings, model: ModelSpec, world_size: int) -> list[tuple[str, float]]:
     """The collectives of one sync as (kind, buffer bytes): the strategy's companion says
     (`train/strategies/*_costs.py`)."""
-    return settings.costs().sync_traffic(settings, model, world_size)
+    return settings.costs.sync_traffic(settings, model, world_size)
 
 
 def bytes_sent(traffic: list[tuple[str, float]], world_size: int) -> float:
@@ -155,7 +157,7 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
             ring: comm.Ring | None = None) -> Prediction:
     n = res.world_size
     ring = ring or ring_for(res)
-    costs = settings.costs()
+    costs = settings.costs
     computes = [compute.node_compute(model, node, efficiency) for node in res.nodes]
     if n > 1:  # a sync's own work, where measured, spread over its round
         computes = [compute.with_extra(c, costs.sync_compute_s(settings, node.sync_extra_s or {}))
