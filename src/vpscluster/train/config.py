@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, load_yaml, merge, shorthand
 from vpscluster.errors import UserError
-from vpscluster.train.strategies import CHOICES
+from vpscluster.train.strategies import CHOICES, STRATEGIES, costs_for
 
 StrategyName = Literal[CHOICES]  # the registry's names and "auto"
 Compress = Literal["none", "bf16", "powersgd"]  # ddp: gradients on the wire
@@ -319,8 +319,8 @@ class TrainConfig:
         s = self.strategy
         if s.name not in CHOICES:  # a name assigned after construction (e.g. by the planner)
             raise UserError(f"unknown strategy {s.name!r}; choose one of: {', '.join(CHOICES)}")
-        if s.compress != "none" and s.name == "diloco":
-            raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
+        if s.compress != "none" and s.name in STRATEGIES and not costs_for(s.name).takes("compress"):
+            raise UserError(f"--compress applies to ddp; for {s.name} choose the pseudo-gradient's --wire-dtype")
         if s.micro_batches and self.cluster is None:
             # nproc_per_node 0 = one per GPU: at least one per node (the trainer checks the rest).
             world = self.nodes * max(1, self.nproc_per_node)
@@ -331,7 +331,7 @@ class TrainConfig:
                     f"--micro-batches {s.micro_batches} cannot give each of {world} ranks at least "
                     f"{s.min_share}; use at least {s.min_share * world} or lower strategy.min_share"
                 )
-        if outer_steps and s.name == "diloco" and self.checkpoint_every % s.sync_every:
+        if outer_steps and s.name in STRATEGIES and self.checkpoint_every % costs_for(s.name).steps_per_sync(s):
             raise UserError(
                 f"checkpoint_every ({self.checkpoint_every}) must be a multiple of sync_every "
                 f"({s.sync_every}) so checkpoints fall on outer steps"
