@@ -298,7 +298,7 @@ def test_cli_choices_and_planner_read_the_registry_and_the_typed_config():
     seen = {(s.name, s.compress, s.wire_dtype) for s in candidates(4, sync_every_choices=(10,))}
     assert {c for n, c, _ in seen if n == "ddp"} == set(strategy_choices("compress"))
     # auto weighs the dense wires; the sparse ones (not yet measured for learning, issue 36) only when asked for.
-    from vpscluster.plan.sync_rule import WIRES
+    from vpscluster.train.strategies.sync_rule import WIRES
 
     assert {w for n, _, w in seen if n == "diloco"} == set(WIRES) == set(strategy_choices("wire_dtype")) - {"sparse2", "sparse4"}
 

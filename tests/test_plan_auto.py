@@ -176,7 +176,7 @@ def test_gpu_nodes_plan_gpu_memory_and_precision_as_asked(tmp_path):
     assert mixed["memory_bytes_per_node"] < fp32["memory_bytes_per_node"]
 
 
-# -- DiLoCo's H, wire and outer optimizer from the plan (plan/sync_rule.py) ---------------------
+# -- DiLoCo's H, wire and outer optimizer from the plan (train/strategies/sync_rule.py) ---------------------
 
 
 def _diloco_cfg(**strategy):
@@ -188,7 +188,7 @@ def _diloco_cfg(**strategy):
 
 
 def test_plan_diloco_fills_in_every_key_the_user_left_open():
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
 
     cfg = _diloco_cfg()
     slow = auto.plan_diloco(cfg, *_inputs(cfg, 20.0), given=set())
@@ -233,7 +233,7 @@ def test_auto_choosing_diloco_uses_the_sync_rule():
 
 def test_an_egress_quota_in_the_cluster_file_bounds_the_plan():
     from vpscluster.config import build
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
     from vpscluster.plan.compute import tokens_per_rank_step
     from vpscluster.train.config import TrainConfig
 

@@ -16,6 +16,7 @@ from vpscluster.plan.predict import Settings, predict
 from vpscluster.plan.resources import LinkMatrix, NodeResources, Resources
 from vpscluster.plan.shapes import load_model
 from vpscluster.train.config import TrainConfig
+from vpscluster.train.strategies.hierarchical_costs import FEWER_REPLICAS
 
 REGIONS = {"n0": "fra", "n1": "fra", "n2": "lax", "n3": "lax"}
 TOKENS = 2e8
@@ -58,7 +59,7 @@ def test_cost_is_ddp_inside_each_region_plus_the_leaders_sync_spread_over_h():
     # Longer rounds: the sync's share shrinks towards DDP inside the regions.
     longer = predict(model, res, dataclasses.replace(h, sync_every=500), TOKENS, 0.5)
     assert inside.step_seconds < longer.step_seconds < p.step_seconds
-    assert p.quality_risk == flat.quality_risk - hierarchical.FEWER_REPLICAS  # 2 replicas, not 4
+    assert p.quality_risk == flat.quality_risk - FEWER_REPLICAS  # 2 replicas, not 4
     assert p.settings.label() == "hierarchical H=50 int8"
     # One region: ddp, the same prediction.
     one = predict(model, res, dataclasses.replace(h, node_regions=dict.fromkeys(REGIONS, "fra")), TOKENS, 0.5)

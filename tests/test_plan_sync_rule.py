@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vpscluster.plan.sync_rule import (FRACTION, H_MIN, OVERLAP_HEADROOM, SYNC_EVERY_CHOICES, WIRES, EgressBudget,
+from vpscluster.train.strategies.sync_rule import (FRACTION, H_MIN, OVERLAP_HEADROOM, SYNC_EVERY_CHOICES, WIRES, EgressBudget,
                                        choose_sync, outer_lr_for, outer_warmup_for, sync_bytes, sync_seconds)
 
 MBIT = 1e6 / 8

@@ -6,7 +6,7 @@ import argparse
 
 from conftest import run_cli
 
-from vpscluster.plan import sync_rule
+from vpscluster.train.strategies import sync_rule
 
 
 def _args(*argv):

@@ -164,3 +164,35 @@ def test_cli_rejects_bad_flags_in_one_line(cli):
     assert res.stderr.strip().count("\n") == 0 and "--streams 0" in res.stderr
     res = cli("probe", "--cluster", "/nonexistent/cluster.yaml", timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr and "cluster" in res.stderr
+
+
+@pytest.mark.slow
+def test_sweep_store_listens_on_master_addr_only():
+    # env:// let torch's TCPStore listen on every interface, whatever MASTER_ADDR said; the sweep
+    # program's own store binds the address (seen with ss while it runs, then its sums checked).
+    import subprocess
+
+    from conftest import free_port
+    from vpscluster import nodeside
+
+    port = free_port()
+    opts = json.dumps({"sizes": [4096], "min_time_s": 3.0, "max_iters": 100000, "timeout_s": 30, "max_size_s": 10})
+    procs = [subprocess.Popen(nodeside.command(sys.executable, "allreduce", opts), stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.2",
+                                   "MASTER_PORT": str(port)}) for r in range(2)]
+    try:
+        listeners, deadline = [], time.monotonic() + 20
+        while not listeners and time.monotonic() < deadline:
+            out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True, timeout=10).stdout
+            listeners = [line.split()[3] for line in out.splitlines() if line.split()[3].endswith(f":{port}")]
+            time.sleep(0.1)
+        assert listeners == [f"127.0.0.2:{port}"], listeners
+        out0, _ = procs[0].communicate(timeout=60)
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs)
+    (result,) = json.loads(out0.strip().splitlines()[-1])["results"]
+    assert result["correct"] and result["iters"] > 1

@@ -42,7 +42,7 @@ def test_within_the_tolerance_the_plan_stands():
 
 
 def test_far_off_the_plan_the_rule_is_applied_to_the_measured_step():
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
     from vpscluster.train import replan
 
     inputs = _inputs()
@@ -69,7 +69,7 @@ def test_the_overlap_counts_as_the_launcher_planned_it():
 
 
 def test_the_egress_quota_holds_on_the_measured_step():
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
     from vpscluster.train import replan
 
     # A run as long as the quota's period sends per second: a step 2.7x faster than planned sends
@@ -162,7 +162,7 @@ def _run(run_dir, max_steps, resume):
 
 @pytest.mark.slow  # two short runs of 2 ranks; start-up dominates
 def test_ranks_switch_together_and_a_resumed_run_keeps_the_new_settings(tmp_path):
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
     from vpscluster.train import prediction, replan
 
     run_dir = tmp_path / "run"

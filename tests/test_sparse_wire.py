@@ -234,7 +234,8 @@ def test_resume_mid_round_equals_a_straight_run(ranks, name):
 
 
 def test_the_plan_counts_the_sparse_wires_bytes_as_the_strategy_sends_them():
-    from vpscluster.plan import memory, predict, sync_rule
+    from vpscluster.plan import memory, predict
+    from vpscluster.train.strategies import sync_rule
     from vpscluster.plan.shapes import load_model
 
     model = load_model("small")

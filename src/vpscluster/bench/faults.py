@@ -49,6 +49,7 @@ from typing import Any, Callable
 from vpscluster.bench import table
 from vpscluster.bench.run_events import RunEvents
 from vpscluster.bench.wan import _cli, _machine, evals_from_metrics, loss_at_tokens
+from vpscluster.train.strategies import STRATEGIES, costs_for
 
 SCHEDULE = ("worker-kill", "link-5s", "node-kill", "stop", "link-long", "disk-full", "throttle")
 KNOWN = (*SCHEDULE, "head-down", "node-dead")
@@ -80,8 +81,8 @@ def run_faults(settings: FaultSettings, say: Callable[[str], None] = lambda line
 
     s = settings
     strategies = [v.strip() for v in s.strategies.split(",") if v.strip()]
-    if not strategies or any(v not in ("ddp", "diloco") for v in strategies):
-        raise UserError(f"--strategies: choose from ddp, diloco (got {s.strategies!r})")
+    if not strategies or any(v not in STRATEGIES for v in strategies):
+        raise UserError(f"--strategies: choose from {', '.join(STRATEGIES)} (got {s.strategies!r})")
     faults = [v.strip() for v in s.faults.split(",") if v.strip()]
     if any(f not in KNOWN for f in faults):
         raise UserError(f"--faults: choose from {', '.join(KNOWN)} (got {s.faults!r})")
@@ -137,11 +138,11 @@ def _config(s: FaultSettings, strategy: str) -> str:
     lines = [f"checkpoint_every: {s.checkpoint_every}", "eval_every: 10", "eval_batches: 4", "keep_checkpoints: 3",
              f"timeouts: {{train_collective_s: {2 * t:g}, startup_collective_s: 90, rendezvous_s: 120, stop_grace_s: 10}}",
              "recovery: {max_restarts: 12, min_nodes: 2, rejoin_poll_s: 2}"]
-    if strategy == "diloco":
-        lines.append(f"strategy: {{name: diloco, sync_every: {s.checkpoint_every}, sync_timeout_s: {t:g}, sync_retries: 1, "
-                     "sync_hashes: true}")
-    else:
-        lines.append("strategy: {name: ddp}")
+    # A sync every checkpoint, each timed out and retried once, replicas' hashes logged: where the
+    # strategy takes those settings (`costs.settings_keys`).
+    sync = {"sync_every": s.checkpoint_every, "sync_timeout_s": f"{t:g}", "sync_retries": 1, "sync_hashes": "true"}
+    costs = costs_for(strategy)
+    lines.append("strategy: {" + ", ".join([f"name: {strategy}"] + [f"{k}: {v}" for k, v in sync.items() if costs.takes(k)]) + "}")
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 
     run_overlap(OverlapSettings(...), say=print) -> results document   (CLI: `vpscluster bench overlap`)
 
-The sync rule (`plan/sync_rule.py`, rule 2) counts an outer sync as hidden when it lasts at most
+The sync rule (`train/strategies/sync_rule.py`, rule 2) counts an outer sync as hidden when it lasts at most
 `OVERLAP_HEADROOM` of the τ inner steps it runs behind. This measures that boundary: one
 sandbox (the reference nodes: 4 x 0.45 CPU, `small`), DiLoCo with a fixed H, wire and τ, and
 the links' rate changed between rows (`sandbox.set_rate`) so that one sync lasts from well
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from vpscluster.bench import page, table
 from vpscluster.bench.wan import BIG_STEPS, WanSettings, _machine, _run_train
-from vpscluster.plan import sync_rule
+from vpscluster.train.strategies import sync_rule
 
 DEFAULT_ROWS = "int8@100mbit,int8@80mbit,int8@68mbit,int8@58mbit,bf16@100mbit"
 COLUMNS: table.Columns = [

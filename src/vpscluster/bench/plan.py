@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from vpscluster.train.strategies import costs_for
+
 SANDBOX = "planbench"
 # One torch thread per rank: on a shared 2-core machine, two OpenMP threads per rank stall at
 # every barrier whenever another process holds a core, which is noise, not the model's cost.
@@ -132,8 +134,9 @@ def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_d
     from vpscluster.plan.api import PlanRequest, make_plan
 
     h = args.sync_every
-    steps = args.steps if strategy == "ddp" else max(3 * h + h, args.steps)  # a warm-up round, then whole rounds
-    steps = steps if strategy == "ddp" else -(-steps // h) * h
+    rounds = costs_for(strategy).takes("sync_every")  # ranks meet every h steps, not every step
+    steps = max(3 * h + h, args.steps) if rounds else args.steps  # a warm-up round, then whole rounds
+    steps = -(-steps // h) * h if rounds else steps
     plan = make_plan(PlanRequest(model=sc.model, cluster=cluster_file, probe=str(probe_file), strategy=strategy,
                                  sync_every=h, calibrate=calibrate, tokens=1e6, threads_per_rank=THREADS))
     cfg = run_dir.with_suffix(".yaml")
@@ -146,21 +149,21 @@ def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_d
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     per_step = [m for m in metrics if "step_seconds" in m]
     # Skip the warm-up (first steps: allocations, connections; for diloco the whole first round).
-    first = 3 if strategy == "ddp" else h + 1
+    first = h + 1 if rounds else 3
     measured = [m for m in per_step if m["step"] >= first]
     rank0 = report.get("rank0_node")
     node = next((n for n in plan["nodes"] if n["name"] == rank0), plan["nodes"][0])
     # The machine is shared: other work stretches some steps' compute several-fold. The median
     # resists those spikes; communication is a mean (DiLoCo's sits in 1 of H steps).
     meas_comm = statistics.fmean(m["comm_seconds"] for m in measured)
-    meas_compute = round_median([m["compute_seconds"] for m in measured], 1 if strategy == "ddp" else h)
+    meas_compute = round_median([m["compute_seconds"] for m in measured], h if rounds else 1)
     meas_step = meas_compute + meas_comm
     pred_step, pred_comm = plan["step_seconds"], node["comm_seconds"]
     online = report.get("prediction") or {}
     corr, after = online.get("corrected") or {}, online.get("measured_after_correction") or {}
     return {
         "scenario": sc.label(), "nodes": sc.nodes, "bandwidth": sc.bandwidth, "cpu": sc.cpu, "model": sc.model,
-        "strategy": strategy if strategy == "ddp" else f"diloco H={h}", "rank0_node": rank0,
+        "strategy": f"{strategy} H={h}" if rounds else strategy, "rank0_node": rank0,
         "steps_measured": len(measured), "efficiency": plan["efficiency"],
         "predicted_step_s": pred_step, "measured_step_s": meas_step, "step_error": _err(pred_step, meas_step),
         "predicted_comm_s": pred_comm, "measured_comm_s": meas_comm, "comm_error": _err(pred_comm, meas_comm),

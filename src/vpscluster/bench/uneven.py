@@ -40,6 +40,7 @@ from typing import Any, Callable
 from vpscluster.bench import table
 from vpscluster.bench.run_events import RunEvents
 from vpscluster.bench.wan import BIG_STEPS, _cli, _machine, evals_from_metrics, loss_at_tokens
+from vpscluster.train.strategies import STRATEGIES, costs_for
 
 MODES = ("even", "uneven", "balanced")
 
@@ -71,8 +72,8 @@ def run_uneven(settings: UnevenSettings, say: Callable[[str], None] = lambda lin
     if len(quotas) < 2:
         raise UserError("--cpu: give one uneven share per node, e.g. 0.6,0.3,0.15")
     strategies = [v.strip() for v in s.strategies.split(",") if v.strip()]
-    if any(v not in ("ddp", "diloco") for v in strategies) or not strategies:
-        raise UserError(f"--strategies: choose from ddp, diloco (got {s.strategies!r})")
+    if any(v not in STRATEGIES for v in strategies) or not strategies:
+        raise UserError(f"--strategies: choose from {', '.join(STRATEGIES)} (got {s.strategies!r})")
     drop, back = (int(v) for v in s.change_steps.split(","))
     if not 0 < drop < back < s.change_max_steps:
         raise UserError("--change-steps DROP,BACK must satisfy 0 < DROP < BACK < --change-max-steps")
@@ -141,7 +142,7 @@ def _argv(s: UnevenSettings, info, strategy: str, balance: bool, run_dir: Path) 
             "--rebalance-every", str(s.rebalance_every), "--eval-every", str(s.eval_every),
             "--checkpoint-every", str(s.sync_every * BIG_STEPS), "--run-dir", str(run_dir), "--json",
             "--max-restarts", "0"]  # a row measures one launch: a failure ends it (recovery is on by default)
-    if strategy == "diloco":
+    if costs_for(strategy).takes("sync_every"):
         argv += ["--sync-every", str(s.sync_every)]
     if balance:
         argv.append("--balance")
@@ -260,7 +261,7 @@ def compare(runs: dict[str, dict[str, Any]], quotas: list[float], drop: int, bac
         if name.endswith("-change") and even_tps:
             total = sum(quotas)
             low = (total - quotas[1] * 2 / 3) / total
-            if strategy == "diloco":
+            if costs_for(strategy).takes("sync_every"):  # shares move at syncs: count whole rounds
                 row["rounds_to_90pct_after_drop"] = rounds_to_recover(r["metrics"], drop, back, even_tps * low, sync_every)
                 row["rounds_to_90pct_after_recovery"] = rounds_to_recover(r["metrics"], back, 10**9, even_tps, sync_every)
             else:

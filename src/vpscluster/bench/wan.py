@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vpscluster.bench import table
+from vpscluster.train.strategies import AUTO, COSTS, costs_for
 
 BASELINE = Path(__file__).resolve().parent / "baselines" / "torchrun_ddp.py"
 BIG_STEPS = 1_000_000  # runs end by the time budget; the LR schedule is then warm-up + ~flat
@@ -254,9 +255,10 @@ def _cli(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedPr
 def _run_train(args, info, name: str, flags: list[str], out: Path) -> dict[str, Any]:
     H = args.sync_every
     extra = [a.replace("{H}", str(H)) for a in flags]
-    diloco = "diloco" in extra or "auto" in extra  # auto: most likely diloco on slow links
-    # diloco: due every H/5 steps, run where the next outer update lands (auto's H may be smaller)
-    eval_every = (args.diloco_eval_every or max(1, H // 5)) if diloco else args.ddp_eval_every
+    # A strategy that meets in rounds (diloco); auto: most likely diloco on slow links.
+    rounds = any(a == AUTO or (a in COSTS and costs_for(a).takes("sync_every")) for a in extra)
+    # in rounds (diloco): due every H/5 steps, run where the next outer update lands (auto's H may be smaller)
+    eval_every = (args.diloco_eval_every or max(1, H // 5)) if rounds else args.ddp_eval_every
     run_dir = out / name
     config = out / f"{name}.config.yaml"
     config.write_text(f"eval_batches: {args.eval_batches}\nlr_decay_steps: {BIG_STEPS}\nwarmup_steps: {args.warmup_steps}\n"

@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--strategy", choices=strategy_choices("name"), help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: let the planner choose (default {s.name})")
     strat.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {s.compress})")
     strat.add_argument("--powersgd-rank", type=int, metavar="R", help=f"rank of PowerSGD's low-rank factors (default {s.powersgd_rank})")
-    strat.add_argument("--sync-every", type=int, metavar="H", help="diloco: inner steps between outer syncs (default: from the plan, see plan/sync_rule.py)")
+    strat.add_argument("--sync-every", type=int, metavar="H", help="diloco: inner steps between outer syncs (default: from the plan, see train/strategies/sync_rule.py)")
     strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr}, the plan's)")
     strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum}, the plan's)")
     strat.add_argument("--outer-warmup", type=int, metavar="SYNCS", help="diloco: outer syncs from plain averaging to the outer optimizer (default: about 100 steps' worth; 0 = none)")

@@ -41,7 +41,7 @@ from vpscluster.launch.logs import LOCAL_LOG
 from vpscluster.launch.pipeline import Job, SyncItem
 from vpscluster.train import rundir
 from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
-from vpscluster.train.strategies import AUTO
+from vpscluster.train.strategies import AUTO, costs_for
 
 FETCHED = [rundir.REPORT, rundir.METRICS]
 
@@ -97,7 +97,7 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
     Loads the cluster file (or takes the local cluster), resolves `strategy auto` with the
     planner, sets DiLoCo's H, wire format and outer optimizer from the plan where the user did
-    not (`plan/sync_rule.py`; `given`: the strategy keys the user set, as the CLI knows them;
+    not (`train/strategies/sync_rule.py`; `given`: the strategy keys the user set, as the CLI knows them;
     None: those differing from the defaults), reads the data once (bad data fails here, in one
     line), fixes the LR schedule's horizon (so a later `--resume --max-steps` does not change it)
     and picks the run dir. A resumed run keeps its stored configuration as it is.
@@ -132,17 +132,17 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
         cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None, given)
         cfg.validate()
-    elif cfg.strategy.name == "diloco" and resume_dir is None:
+    elif costs_for(cfg.strategy.name).by_region and resume_dir is None:  # the regions, H and wire among them
+        from vpscluster.plan.hierarchical import plan_for_training
+
+        cfg.strategy = plan_for_training(cfg, cluster if cfg.cluster else None, given)
+        cfg.validate()
+        reason = cfg.strategy.planned_reason
+    elif costs_for(cfg.strategy.name).planned_keys and resume_dir is None:  # DiLoCo's H and wire
         from vpscluster.plan.auto import given_keys, plan_diloco, plan_inputs
 
         model, res, eff = plan_inputs(cfg, cluster if cfg.cluster else None, None)
         cfg.strategy = plan_diloco(cfg, model, res, eff.value, given_keys(cfg.strategy) if given is None else given)
-        cfg.validate()
-        reason = cfg.strategy.planned_reason
-    elif cfg.strategy.name == "hierarchical" and resume_dir is None:
-        from vpscluster.plan.hierarchical import plan_for_training
-
-        cfg.strategy = plan_for_training(cfg, cluster if cfg.cluster else None, given)
         cfg.validate()
         reason = cfg.strategy.planned_reason
     else:

@@ -17,6 +17,28 @@ import sys
 import time
 
 
+def _store(dist, rank, world, timeout):
+    """The sweep's TCPStore, its server (rank 0) listening on MASTER_ADDR only.
+
+    env:// would listen on every interface whatever MASTER_ADDR says (torch's TCPStore ignores
+    the host), open to anyone for the sweep's length. Rank 0 hands it a socket bound to
+    MASTER_ADDR instead (`master_listen_fd`, as nodeside/torchrun.py does for torchrun's stores;
+    this program travels alone, so the few lines are its own)."""
+    import ipaddress
+    import socket
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    kwargs = {}
+    if rank == 0:
+        ip = ipaddress.ip_address(host)  # the probe always gives an address, never a name
+        sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        kwargs["master_listen_fd"] = sock.detach()
+    return dist.TCPStore(host, port, world, rank == 0, timeout=timeout, **kwargs)
+
+
 def main(argv):
     opts = json.loads(argv[1])
     import datetime
@@ -28,8 +50,10 @@ def main(argv):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method="env://",
-                            timeout=datetime.timedelta(seconds=float(opts.get("timeout_s", 60))))
+    timeout = datetime.timedelta(seconds=float(opts.get("timeout_s", 60)))
+    rank_env, world_env = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=_store(dist, rank_env, world_env, timeout), rank=rank_env,
+                            world_size=world_env, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []

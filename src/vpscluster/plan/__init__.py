@@ -8,4 +8,8 @@
     predict     one strategy's step time, utilization, egress; auto: the choice and its reason
     guidance    least memory, link rate for 90% DDP utilization, disk speed for checkpoints
     api         make_plan (the `vpscluster plan --json` document); report renders it
+
+What a strategy sends, holds and offers is its own cost companion's (`train/strategies/costs.py`,
+one `*_costs.py` per strategy), and DiLoCo's sync rule is `train/strategies/sync_rule.py`: both
+torch-free, below plan, so the ranks (`train/replan.py`) use them without importing the planner.
 """

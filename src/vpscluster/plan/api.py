@@ -24,7 +24,7 @@ from vpscluster.plan.predict import Prediction, Settings, predict, ring_for, ris
 from vpscluster.plan.resources import gather_resources
 from vpscluster.plan.shapes import load_model
 from vpscluster.train.config import StrategyConfig
-from vpscluster.train.strategies import AUTO, CHOICES, STRATEGIES
+from vpscluster.train.strategies import AUTO, CHOICES, STRATEGIES, costs_for
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al., 2022: compute-optimal tokens per parameter
 _STRATEGY = StrategyConfig()  # the strategy knobs' defaults, read from the typed config
@@ -48,7 +48,7 @@ class PlanRequest:
     compress: str = _STRATEGY.compress
     powersgd_rank: int = _STRATEGY.powersgd_rank
     bucket_mb: float = _STRATEGY.bucket_mb
-    # None: DiLoCo's H and wire come from the sync rule (plan/sync_rule.py), as `train` picks them
+    # None: DiLoCo's H and wire come from the sync rule (train/strategies/sync_rule.py), as `train` picks them
     sync_every: int | None = None
     wire_dtype: str | None = None
     fragments: int = _STRATEGY.fragments
@@ -133,28 +133,29 @@ def make_plan(req: PlanRequest) -> dict:
     if rule is not None:
         options.append(dataclasses.replace(base, name="diloco", compress="none"))
     # With regions (labels.region, or the probe's): DiLoCo across them, DDP inside (`plan/hierarchical.py`).
-    hier = hierarchical.plan_option(model, res, eff.value, base, hierarchical.cluster_regions(cluster, probe),
-                                    req.sync_every, req.wire_dtype,
-                                    math.ceil(tokens / (tokens_per_rank_step(model) * res.world_size)))
-    if hier is not None:
-        options.append(hier)
-        preds.append(predict(model, res, hier, tokens, eff.value))
+    by_region = hierarchical.plan_options(model, res, eff.value, base, hierarchical.cluster_regions(cluster, probe),
+                                          req.sync_every, req.wire_dtype,
+                                          math.ceil(tokens / (tokens_per_rank_step(model) * res.world_size)))
+    for option in by_region.values():
+        options.append(option)
+        preds.append(predict(model, res, option, tokens, eff.value))
     auto_pred, auto_reason, _ = auto.choose(model, res, tokens, eff.value, options)
-    if auto_pred.settings.name == "diloco" and rule is not None:  # and why this H and wire, as `train` says it
+    flat_rule = rule is not None and auto_pred.settings.costs.planned_keys and not auto_pred.settings.costs.by_region
+    if flat_rule:  # and why this H and wire, as `train` says it
         auto_reason = f"{auto_reason}; {rule.reason}"
     if req.strategy == AUTO:
         chosen, reason = auto_pred, auto_reason
     else:
-        settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if req.strategy == "ddp" else "none")
-        if req.strategy == hierarchical.NAME:
-            if hier is None:
-                raise UserError("--strategy hierarchical needs at least two regions: give every node a labels.region "
-                                "in the cluster file, or run `vpscluster probe` (it finds regions from the links)")
-            settings = hier
+        asked = costs_for(req.strategy)
+        settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if asked.takes("compress") else "none")
+        if asked.by_region:
+            if req.strategy not in by_region:
+                raise UserError(hierarchical.needs_regions(req.strategy))
+            settings = by_region[req.strategy]
         chosen = predict(model, res, settings, tokens, eff.value)
         reason = f"as asked (--strategy {req.strategy}); auto would choose {auto_pred.settings.label()}"
-        if req.strategy == "diloco" and rule is not None and not (req.sync_every and req.wire_dtype):
-            reason = f"as asked (--strategy diloco), {rule.reason}; auto would choose {auto_pred.settings.label()}"
+        if rule is not None and asked.planned_keys and not asked.by_region and not (req.sync_every and req.wire_dtype):
+            reason = f"as asked (--strategy {req.strategy}), {rule.reason}; auto would choose {auto_pred.settings.label()}"
         if chosen.time_to_train_seconds > auto_pred.time_to_train_seconds * 1.1:
             reason += f", {chosen.time_to_train_seconds / auto_pred.time_to_train_seconds:.1f}x faster to the token target"
 
@@ -191,7 +192,7 @@ def _sync_rule(req: PlanRequest, model, res, efficiency: float, tokens: float):
     """The sync rule's DiLoCo H and wire for this plan (what `train --strategy diloco` would run),
     for a run of `tokens` (the egress quotas' share); a value the request sets is kept. None with
     one rank or without a usable link figure."""
-    from vpscluster.plan import sync_rule
+    from vpscluster.train.strategies import sync_rule
 
     if res.world_size <= 1:
         return None
@@ -221,8 +222,8 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
     if len(per_rank) < 2 or min(per_rank) <= 0:
         return None
     world, comm = len(per_rank), chosen.step_seconds - chosen.compute_seconds
-    diloco = chosen.settings.name == "diloco"
-    if diloco:
+    per_round = chosen.settings.costs.micro_batches_are_steps  # a micro-batch is an inner step of a round
+    if per_round:
         H = chosen.settings.sync_every
         speeds = [1 / c for c in per_rank]  # inner steps (micro-batches) per second of each rank
         for k in [d for d in range(1, H + 1) if H % d == 0]:  # 1 always divides: k is set
@@ -239,12 +240,12 @@ def balance_doc(chosen: Prediction, res, batch_size: int) -> dict | None:
     balanced_step = predicted_step(shares, speeds) + k * comm
     even_tps, balanced_tps = chosen.tokens_per_step / even_step, k * chosen.tokens_per_step / balanced_step
     rel = [round(v / min(speeds), 3) for v in speeds]
-    flags = (f"--micro-batches {total} --sync-every {H // k}" if diloco else f"--batch-size 1 --micro-batches {total}")
-    rounds = {"round_seconds_even": even_step * H, "round_seconds_balanced": balanced_step * (H // k)} if diloco else {}
+    flags = (f"--micro-batches {total} --sync-every {H // k}" if per_round else f"--batch-size 1 --micro-batches {total}")
+    rounds = {"round_seconds_even": even_step * H, "round_seconds_balanced": balanced_step * (H // k)} if per_round else {}
     return {
         **rounds,  # diloco: a step of the balanced split is k steps' work, so compare rounds
         "shares": shares,
-        "unit": "micro-batches of --batch-size sequences (inner steps)" if diloco else "sequences of the global batch",
+        "unit": "micro-batches of --batch-size sequences (inner steps)" if per_round else "sequences of the global batch",
         "global_batch": total,
         "speeds": rel,
         "even_step_seconds": even_step,
@@ -338,9 +339,7 @@ def _candidate_doc(p: Prediction) -> dict:
 
 def _representative(preds: list[Prediction]) -> list[Prediction]:
     """Every DDP variant and, per DiLoCo wire dtype, a spread of H (the table stays readable)."""
-    keep = [p for p in preds if p.settings.name == "ddp"]
-    keep += [p for p in preds if p.settings.name == "diloco" and p.settings.sync_every in (10, 50, 100, 500)]
-    keep += [p for p in preds if p.settings.name == hierarchical.NAME]
+    keep = [p for p in preds if p.settings.costs.representative(p.settings)]
     return sorted(keep, key=lambda p: p.time_to_train_seconds)
 
 

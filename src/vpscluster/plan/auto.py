@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from vpscluster.plan import hierarchical, sync_rule
+from vpscluster.plan import hierarchical
+from vpscluster.train.strategies import sync_rule
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
-from vpscluster.train.config import ReplanInputs, strategy_choices
-from vpscluster.train.strategies import STRATEGIES
+from vpscluster.train.config import ReplanInputs
+from vpscluster.train.strategies import STRATEGIES, costs_for
 
 if TYPE_CHECKING:
     from vpscluster.cluster.node import Cluster
@@ -34,15 +35,7 @@ def candidates(world_size: int, sync_every_choices=SYNC_EVERY_CHOICES, strategie
                base: Settings | None = None) -> list[Settings]:
     """Every registered strategy over its typed choices (compress, wire dtype) and the H values."""
     base = base or Settings()
-    out = []
-    if "ddp" in strategies:
-        out += [dataclasses.replace(base, name="ddp", compress=c) for c in strategy_choices("compress")]
-    if "diloco" in strategies and world_size > 1:
-        for h in sync_every_choices:
-            for wire in sync_rule.WIRES:  # the sparse wires only when asked for, until measured (issue 36)
-                out.append(dataclasses.replace(base, name="diloco", compress="none", sync_every=h, wire_dtype=wire,
-                                               fragments=1))
-    return out
+    return [c for name in strategies for c in costs_for(name).candidates(base, world_size, sync_every_choices)]
 
 
 def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
@@ -51,7 +44,7 @@ def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
     options = options or candidates(res.world_size)
     preds = sorted((predict(model, res, s, tokens, efficiency) for s in options), key=lambda p: p.time_to_train_seconds)
     if res.world_size <= 1:
-        chosen = next(p for p in preds if p.settings.name == "ddp" and p.settings.compress == "none")
+        chosen = next(p for p in preds if p.settings.costs.is_plain(p.settings))
         return chosen, "one rank: nothing to synchronise, plain training", preds
     pool = [p for p in preds if p.fits] or preds
     pool = [p for p in pool if not p.quota_exceeded] or pool
@@ -63,7 +56,7 @@ def choose(model: ModelSpec, res: Resources, tokens: float, efficiency: float,
 
 
 def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
-    ddp = next(p for p in preds if p.settings.name == "ddp" and p.settings.compress == "none")
+    ddp = next(p for p in preds if p.settings.costs.is_plain(p.settings))  # the plain baseline
     share = ddp.comm_seconds / ddp.step_seconds if ddp.step_seconds else 0.0
     mem = "" if fits_any else "; nothing fits in memory as configured — see the memory options"
     if chosen is ddp:
@@ -75,7 +68,7 @@ def _reason(chosen: Prediction, preds: list[Prediction], fits_any: bool) -> str:
         return (f"{chosen.settings.label()}: plain DDP would use up {first.name}'s egress quota after "
                 f"{first.egress_exceeded_after_s / 3600:.1f} h of the run; {chosen.settings.label()} keeps every "
                 f"quota (utilization {chosen.compute_utilization:.0%} vs {ddp.compute_utilization:.0%}){mem}")
-    if chosen.settings.name == "ddp":
+    if chosen.settings.name == ddp.settings.name:  # a variant of the baseline (compression)
         return (f"{chosen.settings.label()}: plain DDP waits on the network for {share:.0%} of each step; "
                 f"compression is {speedup:.1f}x faster to the token target at {risk_label(chosen.quality_risk)} quality risk{mem}")
     return (f"{chosen.settings.label()}: DDP would spend {share:.0%} of each step communicating; syncing every "
@@ -122,7 +115,7 @@ def given_keys(s: "StrategyConfig") -> set[str]:
 
 def sync_choice(model: ModelSpec, res: Resources, efficiency: float, choices, wires,
                 overlap_steps: int | None = None, run_steps: int = 0) -> "sync_rule.SyncChoice":
-    """The sync rule (`plan/sync_rule.py`) on this plan: the slowest node's step, the ring's
+    """The sync rule (`train/strategies/sync_rule.py`) on this plan: the slowest node's step, the ring's
     bandwidth and latency, the model's size, the nodes' egress quotas over `run_steps` inner
     steps; `choices`/`wires`: the H values and formats allowed; `overlap_steps`: τ (None: the
     strategy's default)."""
@@ -157,7 +150,7 @@ def rule_inputs(model: ModelSpec, res: Resources, efficiency: float) -> tuple[fl
 def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency: float,
                 given: set[str] | frozenset[str] = frozenset(), strategy: "StrategyConfig | None" = None,
                 ) -> "StrategyConfig":
-    """cfg.strategy as DiLoCo with the sync rule's H, wire and outer optimizer (`plan/sync_rule.py`)
+    """cfg.strategy as DiLoCo with the sync rule's H, wire and outer optimizer (`train/strategies/sync_rule.py`)
     for every one of those keys not in `given` (what the user set wins); `planned` and
     `planned_reason` record what was chosen and why. `strategy`: the settings to start from
     (default cfg.strategy).
@@ -216,15 +209,16 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     if res.world_size > 1:
         dl = plan_diloco(cfg, model, res, eff.value, given, strategy=dataclasses.replace(s, fragments=1))
         options.append(Settings.of(dl, name="diloco", compress="none", fragments=1))
-        hier = hierarchical.option_for_auto(cfg, model, res, eff.value, cluster, probe, given)  # None without regions
-        if hier is not None:
-            options.append(Settings.of(hier))
+    # The strategies that run on regions, where the cluster has them (`plan/hierarchical.py`).
+    by_region = hierarchical.options_for_auto(cfg, model, res, eff.value, cluster, probe, given) if dl else {}
+    options += [Settings.of(o) for o in by_region.values()]
     chosen, reason, _ = choose(model, res, tokens, eff.value, options)
     c = chosen.settings
-    if c.name == hierarchical.NAME:
-        reason = f"{reason}; {hier.planned_reason}" if hier.planned_reason else reason
-        return dataclasses.replace(hier, planned_reason=reason), reason
-    if c.name == "diloco" and dl is not None:
+    if c.name in by_region:
+        out = by_region[c.name]
+        reason = f"{reason}; {out.planned_reason}" if out.planned_reason else reason
+        return dataclasses.replace(out, planned_reason=reason), reason
+    if dl is not None and c.name == dl.name:
         out = dataclasses.replace(dl, name="diloco", compress="none", fragments=1)
         if out.planned_reason:
             reason = f"{reason}; {out.planned_reason}"

@@ -161,22 +161,6 @@ def grad_buckets(model: ModelSpec, grad_bytes_per_param: float, bucket_mb: float
     return buckets
 
 
-def powersgd_allreduce_bytes(model: ModelSpec, rank: int, min_compression_rate: float = 2.0) -> tuple[float, int]:
-    """fp32 bytes all-reduced per step by torch's PowerSGD hook, and the number of collectives.
-
-    A matrix m x n is sent as P (m x r) and Q (n x r) when that is at least
-    `min_compression_rate` times smaller; vectors and small matrices go uncompressed.
-    """
-    total = 0.0
-    for m, n in model.matrices():
-        if (m + n) * rank * min_compression_rate < m * n:
-            total += (m + n) * rank * 4
-        else:
-            total += m * n * 4
-    total += (model.num_params() - sum(m * n for m, n in model.matrices())) * 4
-    return total, 3  # uncompressed tensors, then P, then Q
-
-
 def ddp_exposed_seconds(ring: Ring, world_size: int, model: ModelSpec, grad_bytes_per_param: float,
                         bucket_mb: float, forward_s: float, backward_s: float) -> tuple[float, float]:
     """(exposed comm seconds after backward, total collective busy seconds) for one DDP step."""

@@ -17,6 +17,7 @@ from vpscluster.plan import memory
 from vpscluster.plan.predict import Settings, predict
 from vpscluster.plan.resources import LinkMatrix, Resources
 from vpscluster.plan.shapes import ModelSpec
+from vpscluster.train.strategies import costs_for
 
 TARGET_UTILIZATION = 0.9
 
@@ -51,9 +52,10 @@ def ddp_link_rate_for(model: ModelSpec, res: Resources, efficiency: float, targe
 
 
 def checkpoint_bytes(model: ModelSpec, strategy: str) -> float:
-    """What one rank reads to resume: fp32 weights + two Adam moments (+ DiLoCo's 2 copies)."""
+    """What one rank reads to resume: fp32 weights + two Adam moments + the strategy's own state
+    (DiLoCo: global weights and outer momentum)."""
     p = model.num_params()
-    return p * (12.0 + (8.0 if strategy == "diloco" else 0.0))
+    return p * (12.0 + costs_for(strategy).state_bytes_per_param)
 
 
 def guidance(model: ModelSpec, res: Resources, strategy: str, efficiency: float, load_within_s: float) -> dict:

@@ -1,4 +1,5 @@
-"""The plan of the `hierarchical` strategy (`train/strategies/hierarchical.py`): its cost and its settings.
+"""The plan of a strategy that runs on regions (its cost companion's `by_region`, e.g.
+`hierarchical`, `train/strategies/hierarchical.py`): its cost and its settings.
 
 Cost of one step, on the regions of the cluster (`probe/regions.py`: the cluster file's
 labels.region, else the groups the probe's link matrix shows):
@@ -9,14 +10,13 @@ labels.region, else the groups the probe's link matrix shows):
 
 Both parts are the existing models on a part of the cluster, not new formulas: `predict` of ddp
 on each region's nodes and links, `predict` of blocking DiLoCo (τ = 0, as the strategy syncs)
-on the leaders' nodes and links. H and the wire come from the sync rule (`plan/sync_rule.py`)
+on the leaders' nodes and links. H and the wire come from the sync rule (`train/strategies/sync_rule.py`)
 applied to the leaders: DiLoCo with R replicas over the slow links (`plan_diloco` on them).
 
-Quality risk: DiLoCo's at the same H and wire, less `FEWER_REPLICAS` when the regions are fewer
-than the ranks (R replicas of L times the batch learn more per token than R·L replicas: Charles
-et al., 2025, +0.7% at 2 replicas against +2.0% at 4 for a 35M model at equal tokens).
+Quality risk: the companion's `risk_on_regions` (`train/strategies/hierarchical_costs.py`: DiLoCo's
+at the same H and wire, less where the regions are fewer than the ranks).
 
-Kept apart from predict/auto so it can become the strategy's cost companion.
+Here rather than in the companion because it needs the planner's link model on parts of the cluster.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from vpscluster.errors import UserError
 from vpscluster.plan import compute, memory
 from vpscluster.plan.resources import LinkMatrix, Resources
+from vpscluster.train.strategies import STRATEGIES, costs_for
 
 if TYPE_CHECKING:
     from vpscluster.cluster.node import Cluster
@@ -35,8 +36,16 @@ if TYPE_CHECKING:
     from vpscluster.plan.shapes import ModelSpec
     from vpscluster.train.config import StrategyConfig, TrainConfig
 
-NAME = "hierarchical"
-FEWER_REPLICAS = 0.5  # less quality risk than flat DiLoCo at the same H and wire (see the module)
+
+
+def region_strategies() -> list[str]:
+    """The registered strategies that run on regions (`StrategyCosts.by_region`)."""
+    return [name for name in STRATEGIES if costs_for(name).by_region]
+
+
+def needs_regions(name: str) -> str:
+    return (f"--strategy {name} needs at least two regions: give every node a labels.region in the cluster file, "
+            "or run `vpscluster probe` (it finds regions from the links)")
 
 
 # -- regions ----------------------------------------------------------------------------------
@@ -86,17 +95,19 @@ def _subset(res: Resources, idx: list[int], one_rank: bool = False) -> Resources
 
 def predict_hierarchical(model: "ModelSpec", res: Resources, settings: "Settings", tokens: float,
                          efficiency: float) -> "Prediction":
-    """The prediction of `settings` (name hierarchical, `node_regions` set) on `res`."""
+    """The prediction of `settings` (a strategy `by_region`, `node_regions` set) on `res`."""
     from vpscluster.plan.predict import NodePrediction, Prediction, _egress, predict
 
+    costs = settings.costs
+    inner, outer = costs.by_region
     regions = region_indices(res, settings.node_regions or {})
-    if len(regions) < 2:  # one region: the strategy runs DDP
-        p = predict(model, res, dataclasses.replace(settings, name="ddp"), tokens, efficiency)
+    if len(regions) < 2:  # one region: the strategy runs the inner one
+        p = predict(model, res, dataclasses.replace(settings, name=inner), tokens, efficiency)
         return dataclasses.replace(p, settings=settings)
-    inside = [predict(model, _subset(res, r), dataclasses.replace(settings, name="ddp"), tokens, efficiency)
+    inside = [predict(model, _subset(res, r), dataclasses.replace(settings, name=inner), tokens, efficiency)
               for r in regions]
     leaders = _subset(res, [r[0] for r in regions], one_rank=True)
-    across = predict(model, leaders, dataclasses.replace(settings, name="diloco", overlap_steps=0, fragments=1),
+    across = predict(model, leaders, dataclasses.replace(settings, name=outer, overlap_steps=0, fragments=1),
                      tokens, efficiency)
     compute_s = max(p.compute_seconds for p in inside)
     step = max(p.step_seconds for p in inside) + across.comm_seconds
@@ -108,12 +119,12 @@ def predict_hierarchical(model: "ModelSpec", res: Resources, settings: "Settings
     for region, p in zip(regions, inside):
         for i, n in zip(region, p.nodes):
             node = res.nodes[i]
-            est = memory.estimate(model, "ddp", sum(res.nodes[j].ranks for j in region),
+            est = memory.estimate(model, inner, sum(res.nodes[j].ranks for j in region),
                                   mixed_precision=res.mixed_on(node), memory_kind=node.memory_kind,
                                   compress=settings.compress)
-            outer = memory.estimate(model, "diloco", n_regions, mixed_precision=res.mixed_on(node),
+            across_mem = memory.estimate(model, outer, n_regions, mixed_precision=res.mixed_on(node),
                                     memory_kind=node.memory_kind, wire_dtype=settings.wire_dtype)
-            extra = {k: v for k, v in outer.components.items() if k.startswith("diloco_")}
+            extra = {k: v for k, v in across_mem.components.items() if k not in est.components}
             total = est.total_bytes + sum(extra.values())
             components = max(components, {**est.components, **extra}, key=lambda c: sum(c.values()))
             sent = n.bytes_sent_per_step + (across.bytes_sent_per_step if i in leader_nodes else 0.0)
@@ -125,7 +136,7 @@ def predict_hierarchical(model: "ModelSpec", res: Resources, settings: "Settings
                 egress_quota_bytes=node.egress_quota_bytes, egress_quota_period_s=node.egress_quota_period_s)
             _egress(np_, step, steps * step)
             nodes.append(np_)
-    risk = settings.quality_risk(steps) - (FEWER_REPLICAS if n_regions < world else 0.0)
+    risk = costs.risk_on_regions(settings, steps, n_regions, world)
     return Prediction(
         settings=settings, step_seconds=step, compute_seconds=compute_s, comm_seconds=step - compute_s,
         comm_busy_seconds=max(p.comm_busy_seconds for p in inside) + across.comm_busy_seconds,
@@ -134,7 +145,7 @@ def predict_hierarchical(model: "ModelSpec", res: Resources, settings: "Settings
         time_to_train_seconds=steps * step,
         bytes_sent_per_step=sum(n.bytes_sent_per_step for n in nodes) / world,
         memory_bytes_per_node=max(n.memory_bytes for n in nodes), fits=all(n.fits for n in nodes),
-        quality_risk=max(0.0, risk), nodes=nodes, memory_components={k: int(v) for k, v in components.items()})
+        quality_risk=risk, nodes=nodes, memory_components={k: int(v) for k, v in components.items()})
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -142,26 +153,30 @@ def predict_hierarchical(model: "ModelSpec", res: Resources, settings: "Settings
 
 def plan_settings(cfg: "TrainConfig", model: "ModelSpec", res: Resources, efficiency: float,
                   node_regions: dict[str, str], given: set[str] | frozenset[str] = frozenset(),
-                  strategy: "StrategyConfig | None" = None) -> "StrategyConfig":
-    """cfg.strategy as hierarchical on `node_regions`, H and wire (and the outer optimizer) from
-    the sync rule on the regions' leaders for every one of those keys not in `given`. Blocking
-    outer syncs, one fragment; no re-planning mid-run (`train/replan.py` plans flat DiLoCo)."""
+                  strategy: "StrategyConfig | None" = None, name: str | None = None) -> "StrategyConfig":
+    """cfg.strategy as strategy `name` (one `by_region`; default: its own name) on `node_regions`,
+    H and wire (and the outer optimizer) from the sync rule on the regions' leaders for every one
+    of those keys not in `given`. Blocking outer syncs, one fragment; no re-planning mid-run
+    (`train/replan.py` plans flat DiLoCo)."""
     from vpscluster.plan.auto import plan_diloco
 
-    s = dataclasses.replace(strategy or cfg.strategy, overlap_steps=0, fragments=1, node_regions=node_regions)
+    s = strategy or cfg.strategy
+    s = dataclasses.replace(s, name=name or s.name, overlap_steps=0, fragments=1, node_regions=node_regions)
     regions = region_indices(res, node_regions)
     if len(regions) < 2:
-        return dataclasses.replace(s, name=NAME, planned=[], planned_reason="one region: ddp inside it", replan=None)
+        inner = costs_for(s.name).by_region[0]
+        return dataclasses.replace(s, planned=[], planned_reason=f"one region: {inner} inside it", replan=None)
     leaders = _subset(res, [r[0] for r in regions], one_rank=True)
     planned = plan_diloco(cfg, model, leaders, efficiency, given, strategy=s)
     reason = planned.planned_reason and f"{len(regions)} regions: {planned.planned_reason}"
-    return dataclasses.replace(planned, name=NAME, compress=s.compress, planned_reason=reason, replan=None)
+    return dataclasses.replace(planned, name=s.name, compress=s.compress, planned_reason=reason, replan=None)
 
 
 def plan_for_training(cfg: "TrainConfig", cluster: "Cluster | None", given: set[str] | None = None
                       ) -> "StrategyConfig":
-    """`train --strategy hierarchical`: the regions (the cluster file's labels, else the last
-    probe's) and the settings. `strategy.regions` (per rank, e.g. a local run) is taken as it is."""
+    """`train --strategy hierarchical` (a strategy `by_region`): the regions (the cluster file's
+    labels, else the last probe's) and the settings. `strategy.regions` (per rank, e.g. a local
+    run) is taken as it is."""
     from vpscluster.plan.auto import given_keys, plan_inputs
 
     s = cfg.strategy
@@ -170,43 +185,45 @@ def plan_for_training(cfg: "TrainConfig", cluster: "Cluster | None", given: set[
     probe = saved_probe(cluster)
     regions = s.node_regions or cluster_regions(cluster, probe)
     if not regions:
-        raise UserError("--strategy hierarchical needs at least two regions: give every node a labels.region in "
-                        "the cluster file, or run `vpscluster probe` (it finds regions from the links)")
+        raise UserError(needs_regions(s.name))
     model, res, eff = plan_inputs(cfg, cluster, probe)
     return plan_settings(cfg, model, res, eff.value, regions, given_keys(s) if given is None else given)
 
 
-def option_for_auto(cfg: "TrainConfig", model: "ModelSpec", res: Resources, efficiency: float,
-                    cluster: "Cluster | None", probe: dict | None, given: set[str]) -> "StrategyConfig | None":
-    """The hierarchical candidate `train --strategy auto` weighs, or None without regions
-    (`probe`: the plan's; None: the cluster's last saved one)."""
-    if cfg.strategy.micro_batches:
-        return None
+def options_for_auto(cfg: "TrainConfig", model: "ModelSpec", res: Resources, efficiency: float,
+                     cluster: "Cluster | None", probe: dict | None, given: set[str]) -> dict[str, "StrategyConfig"]:
+    """The candidates `train --strategy auto` weighs among the strategies `by_region`, by name;
+    none without regions (`probe`: the plan's; None: the cluster's last saved one)."""
+    names = [n for n in region_strategies() if costs_for(n).uneven_shares or not cfg.strategy.micro_batches]
+    if not names:
+        return {}
     regions = cfg.strategy.node_regions or cluster_regions(cluster, probe if probe is not None else saved_probe(cluster))
     if not regions or len(set(regions.values())) < 2:
-        return None
-    return plan_settings(cfg, model, res, efficiency, regions, given)
+        return {}
+    return {name: plan_settings(cfg, model, res, efficiency, regions, given, name=name) for name in names}
 
 
-def plan_option(model: "ModelSpec", res: Resources, efficiency: float, base: "Settings",
-                node_regions: dict[str, str] | None, sync_every: int | None, wire_dtype: str | None,
-                run_steps: int) -> "Settings | None":
-    """`vpscluster plan`'s hierarchical candidate: H and wire from the sync rule on the leaders
-    (a value the request sets is kept); None without two regions."""
-    from vpscluster.plan import sync_rule
+def plan_options(model: "ModelSpec", res: Resources, efficiency: float, base: "Settings",
+                 node_regions: dict[str, str] | None, sync_every: int | None, wire_dtype: str | None,
+                 run_steps: int) -> dict[str, "Settings"]:
+    """`vpscluster plan`'s candidates among the strategies `by_region`, by name: H and wire from
+    the sync rule on the leaders (a value the request sets is kept); none without two regions."""
     from vpscluster.plan.auto import sync_choice
+    from vpscluster.train.strategies import sync_rule
 
     if not node_regions or len(set(node_regions.values())) < 2:
-        return None
+        return {}
     regions = region_indices(res, node_regions)
     leaders = _subset(res, [r[0] for r in regions], one_rank=True)
     try:
         rule = sync_choice(model, leaders, efficiency, [sync_every] if sync_every else list(sync_rule.SYNC_EVERY_CHOICES),
                            (wire_dtype,) if wire_dtype else sync_rule.WIRES, overlap_steps=0, run_steps=run_steps)
     except ValueError:  # no bandwidth figure between the leaders
-        return None
-    return dataclasses.replace(base, name=NAME, compress="none", sync_every=rule.sync_every,
-                               wire_dtype=rule.wire_dtype, fragments=1, overlap_steps=0, node_regions=node_regions)
+        return {}
+    return {name: dataclasses.replace(base, name=name, compress="none", sync_every=rule.sync_every,
+                                      wire_dtype=rule.wire_dtype, fragments=1, overlap_steps=0,
+                                      node_regions=node_regions)
+            for name in region_strategies()}
 
 
 def saved_probe(cluster: "Cluster | None") -> dict | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vpscluster.plan.shapes import ModelSpec
+from vpscluster.train.strategies import costs_for
 
 RUNTIME_BYTES = {"ram": 600 * 2**20, "gpu": 1 * 2**30}  # Python + torch (+ CUDA context on GPU)
 HEADROOM = 0.9  # plan to use at most this share of a node's memory (fragmentation, OS)
@@ -90,7 +91,8 @@ def activation_bytes(model: ModelSpec, micro_batch: int, act_bytes: int, checkpo
 def estimate(model: ModelSpec, strategy: str, world_size: int, *, mixed_precision: bool,
              memory_kind: str = "ram", option: MemoryOption = MemoryOption(), compress: str = "none",
              wire_dtype: str = "fp32", fragments: int = 1) -> MemoryEstimate:
-    """Bytes one rank needs for `strategy` ('ddp' or 'diloco') with `option`."""
+    """Bytes one rank needs for `strategy` (a registered name) with `option`; what the strategy
+    holds of its own comes from its cost companion (`train/strategies/*_costs.py`)."""
     p = model.num_params()
     n = max(1, world_size)
     states = model_state_bytes(p, mixed_precision)
@@ -107,28 +109,9 @@ def estimate(model: ModelSpec, strategy: str, world_size: int, *, mixed_precisio
     micro = option.micro_batch or model.shape.batch_size
     comp["activations"] = activation_bytes(model, micro, act_bytes, option.checkpointing)
     grad_bytes = states["gradients"] / divisor[1]
-    if strategy == "ddp" and n > 1 and option.sharding == "none":
-        # vpscluster's DDP uses gradient_as_bucket_view: the buckets are the gradients, no copy.
-        if compress == "bf16":
-            comp["ddp_wire_buffers"] = grad_bytes / 2  # the bf16 copy of a bucket being sent
-        if compress == "powersgd":
-            comp["powersgd_error_feedback"] = 4.0 * p  # fp32 residual per gradient element
-    if strategy == "diloco":
-        frag = max(1, fragments)
-        comp["diloco_global_weights"] = 4.0 * p
-        comp["diloco_outer_momentum"] = 4.0 * p
-        if n > 1 and wire_dtype.startswith("sparse"):
-            from vpscluster.train.strategies.sparse_wire import bytes_per_param
-
-            # This rank's residual (whole model); per sync the pseudo-gradient, e + it, the next
-            # residual, and every rank's buffer gathered (`train/strategies/sparse_wire.py`).
-            comp["diloco_error_feedback"] = 4.0 * p
-            comp["diloco_sync_buffers"] = (12.0 + n * bytes_per_param(wire_dtype)) * p / frag
-        elif n > 1:
-            wire = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}[wire_dtype]
-            # Pseudo-gradient in fp32, plus the encoded copy (int8: every rank's copy gathered).
-            received = wire * n if wire_dtype == "int8" else (wire if wire_dtype != "fp32" else 0.0)
-            comp["diloco_sync_buffers"] = (4.0 + received) * p / frag
+    comp.update(costs_for(strategy).memory_components(num_params=p, world_size=n, grad_bytes=grad_bytes,
+                                                      sharding=option.sharding, compress=compress,
+                                                      wire_dtype=wire_dtype, fragments=fragments))
     comp["runtime"] = float(RUNTIME_BYTES[memory_kind])
     return MemoryEstimate(comp)
 
@@ -154,7 +137,7 @@ def candidate_options(model: ModelSpec, strategy: str, world_size: int) -> list[
     opts += [MemoryOption(checkpointing=True, micro_batch=m) for m in micro]
     # DiLoCo replicates the whole model by design (it avoids per-step traffic), so sharding
     # across nodes is only offered for DDP.
-    if strategy == "ddp" and world_size > 1:
+    if costs_for(strategy).shards_state and world_size > 1:
         for sharding in SHARDINGS[1:]:
             opts.append(MemoryOption(sharding=sharding))
             opts.append(MemoryOption(sharding=sharding, checkpointing=True))

@@ -22,9 +22,10 @@ from vpscluster.plan import comm, compute, memory
 from vpscluster.plan.resources import Resources
 from vpscluster.plan.shapes import ModelSpec
 from vpscluster.train.config import StrategyConfig
-from vpscluster.train.strategies import sparse_wire
+from vpscluster.train.strategies import costs_for
+from vpscluster.train.strategies.costs import StrategyCosts
+from vpscluster.train.strategies.diloco_costs import diloco_exposed_seconds  # noqa: F401 (the plan's name for it)
 
-INT8_BLOCK = 1024  # elements per fp32 absmax scale when DiLoCo sends int8 (train/strategies/wire.py)
 DAY_S = 86400.0
 
 
@@ -36,34 +37,20 @@ class Settings(StrategyConfig):
     def of(cls, config: StrategyConfig, **changes) -> "Settings":
         return cls(**{**dataclasses.asdict(config), **changes})
 
+    @property
+    def costs(self) -> StrategyCosts:
+        """The strategy's cost companion (`train/strategies/costs.py`)."""
+        return costs_for(self.name)
+
     def label(self) -> str:
-        if self.name == "ddp":
-            return "ddp" if self.compress == "none" else f"ddp+{self.compress}" + (
-                f" r={self.powersgd_rank}" if self.compress == "powersgd" else "")
-        frag = f" F={self.fragments}" if self.fragments > 1 else ""
-        return f"{self.name} H={self.sync_every} {self.wire_dtype}{frag}"
+        return self.costs.label(self)
 
     def quality_risk(self, total_steps: int | None = None) -> float:
         """0 = the same updates as one big machine; larger = further from it (heuristic scale)."""
-        if self.name == "ddp":
-            return {"none": 0.0, "bf16": 0.5, "powersgd": 3.0}.get(self.compress, 3.0)
-        risk = 1.0 + (self.sync_every > 50) + (self.sync_every > 100) + (self.sync_every > 250)
-        # sparse: error feedback, but not yet measured here on long runs (issue 36 item 2)
-        risk += {"fp32": 0.0, "bf16": 0.25, "int8": 0.5, "sparse4": 1.0, "sparse2": 1.0}[self.wire_dtype]
-        if total_steps is not None and total_steps / self.sync_every < 20:
-            risk += 2.0  # too few outer steps for the outer optimizer to do its work
-        return risk
+        return self.costs.quality_risk(self, total_steps)
 
     def to_dict(self) -> dict:
-        d = {"name": self.name}
-        if self.name == "ddp":
-            d.update(compress=self.compress, bucket_mb=self.bucket_mb)
-            if self.compress == "powersgd":
-                d["powersgd_rank"] = self.powersgd_rank
-        else:
-            d.update(sync_every=self.sync_every, wire_dtype=self.wire_dtype, fragments=self.fragments,
-                     overlap_steps=self.overlap_steps)
-        return d
+        return self.costs.describe(self)
 
 
 def risk_label(risk: float) -> str:
@@ -130,25 +117,9 @@ class Prediction:
 
 
 def sync_traffic(settings: Settings, model: ModelSpec, world_size: int) -> list[tuple[str, float]]:
-    """The collectives of one sync as (kind, buffer bytes).
-
-    ddp: one all-reduce of the gradients (fp32, bf16, or PowerSGD's factors).
-    diloco (`train/strategies/wire.py`): a token-count all-reduce, then the encoded pseudo-gradient
-    reduce-scattered by `all_to_all` and the reduced chunks all-gathered (each phase sends
-    (n-1)/n of the encoded buffer per rank).
-    """
-    p = model.num_params()
-    if settings.name == "ddp":
-        if settings.compress == "powersgd":
-            total, _ = comm.powersgd_allreduce_bytes(model, settings.powersgd_rank)
-            return [("allreduce", total)]
-        return [("allreduce", p * (2.0 if settings.compress == "bf16" else 4.0))]
-    if settings.wire_dtype in sparse_wire.SPARSE_WIRES:  # every rank's buffer all-gathered, tokens inside
-        return [("allgather", float(sparse_wire.sparse_nbytes(p, sparse_wire.SPARSE_WIRES[settings.wire_dtype])))]
-    unit = world_size * (INT8_BLOCK if settings.wire_dtype == "int8" else 1)
-    padded = math.ceil(p / unit) * unit
-    encoded = {"fp32": 4.0 * padded, "bf16": 2.0 * padded, "int8": padded + 4.0 * padded / INT8_BLOCK}[settings.wire_dtype]
-    return [("allreduce", 8.0), ("alltoall", encoded), ("allgather", encoded / max(1, world_size))]
+    """The collectives of one sync as (kind, buffer bytes): the strategy's companion says
+    (`train/strategies/*_costs.py`)."""
+    return settings.costs.sync_traffic(settings, model, world_size)
 
 
 def bytes_sent(traffic: list[tuple[str, float]], world_size: int) -> float:
@@ -184,15 +155,16 @@ def ring_for(res: Resources) -> comm.Ring:
 
 def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float, efficiency: float,
             ring: comm.Ring | None = None) -> Prediction:
-    if settings.name == "hierarchical":  # its own cost model, on the regions (`plan/hierarchical.py`)
+    if settings.costs.by_region:  # priced on the regions (`plan/hierarchical.py`)
         from vpscluster.plan.hierarchical import predict_hierarchical
 
         return predict_hierarchical(model, res, settings, tokens, efficiency)
     n = res.world_size
     ring = ring or ring_for(res)
+    costs = settings.costs
     computes = [compute.node_compute(model, node, efficiency) for node in res.nodes]
-    if settings.name == "diloco" and n > 1:  # a sync's own work, where measured, spread over its round
-        computes = [compute.with_extra(c, (node.sync_extra_s or {}).get(settings.wire_dtype, 0.0) / settings.sync_every)
+    if n > 1:  # a sync's own work, where measured, spread over its round
+        computes = [compute.with_extra(c, costs.sync_compute_s(settings, node.sync_extra_s or {}))
                     for c, node in zip(computes, res.nodes)]
     slowest = max(computes, key=lambda c: c.seconds)
     traffic = sync_traffic(settings, model, n)
@@ -200,21 +172,9 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
     if n <= 1:
         exposed = busy = 0.0
         sent = 0.0
-    elif settings.name == "ddp":
-        if settings.compress == "powersgd":
-            # The PowerSGD hook compresses bucket by bucket too, but its P and Q all-reduces are
-            # serialised behind the orthogonalisation; treat it as one exposed sync per step.
-            busy = sync_seconds(traffic, ring, res.links, n) + 2 * comm.powersgd_allreduce_bytes(model, settings.powersgd_rank)[1] * ring.alpha_s
-            exposed = busy
-        else:
-            per_param = 2.0 if settings.compress == "bf16" else 4.0
-            exposed, busy = comm.ddp_exposed_seconds(ring, n, model, per_param, settings.bucket_mb,
-                                                     slowest.forward_s, slowest.backward_s)
     else:
-        exposed, busy = diloco_exposed_seconds(sync_seconds(traffic, ring, res.links, n), ring.alpha_s, n,
-                                               settings.sync_every, settings.fragments,
-                                               settings.overlap_steps, slowest.seconds)
-        sent /= settings.sync_every
+        exposed, busy = costs.exposed_seconds(settings, _Network(ring, res.links, n, model, slowest))
+        sent /= costs.steps_per_sync(settings)
     step = slowest.seconds + exposed
     tokens_per_step = compute.tokens_per_rank_step(model) * n
     steps = max(1, math.ceil(tokens / tokens_per_step))
@@ -247,23 +207,30 @@ def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float,
     )
 
 
-def diloco_exposed_seconds(round_s: float, alpha_s: float, n: int, sync_every: int, fragments: int,
-                           overlap_steps: int, compute_s: float) -> tuple[float, float]:
-    """(exposed, busy) seconds per inner step of DiLoCo's outer syncs.
+@dataclass
+class _Network:
+    """The network model a strategy's companion prices its syncs on (`costs.StepNetwork`)."""
 
-    `round_s`: one whole-model sync. F fragments send the same bytes in F syncs per H steps, with
-    F-1 more rounds of latency (3 collectives each). Blocking (τ = 0), every second is exposed.
-    Overlapped (τ steps, `train/strategies/diloco.py`), a fragment's sync runs on one background
-    thread behind τ steps of compute (τ at most H - 1, as the strategy clamps it): what outlasts
-    them is exposed (the step that applies it waits); and with several fragments in flight the one
-    thread serialises them, so no step is shorter than the thread's share of the network time."""
-    total = round_s + (fragments - 1) * 3 * (n - 1) * alpha_s
-    busy = total / sync_every
-    tau = min(overlap_steps, sync_every - 1)
-    if tau <= 0:
-        return busy, busy
-    late = fragments * max(0.0, total / fragments - tau * compute_s) / sync_every
-    return max(late, busy - compute_s), busy
+    ring: comm.Ring
+    links: object
+    world_size: int
+    model: ModelSpec
+    slowest: compute.NodeCompute
+
+    @property
+    def alpha_s(self) -> float:
+        return self.ring.alpha_s
+
+    @property
+    def compute_s(self) -> float:
+        return self.slowest.seconds
+
+    def collectives_seconds(self, traffic: list[tuple[str, float]]) -> float:
+        return sync_seconds(traffic, self.ring, self.links, self.world_size)
+
+    def overlapped_allreduce_seconds(self, grad_bytes_per_param: float, bucket_mb: float) -> tuple[float, float]:
+        return comm.ddp_exposed_seconds(self.ring, self.world_size, self.model, grad_bytes_per_param, bucket_mb,
+                                        self.slowest.forward_s, self.slowest.backward_s)
 
 
 def _egress(node: NodePrediction, step_s: float, run_s: float) -> None:

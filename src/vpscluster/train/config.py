@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, load_yaml, merge, shorthand
 from vpscluster.errors import UserError
-from vpscluster.train.strategies import CHOICES
+from vpscluster.train.strategies import CHOICES, STRATEGIES, costs_for
 
 StrategyName = Literal[CHOICES]  # the registry's names and "auto"
 Compress = Literal["none", "bf16", "powersgd"]  # ddp: gradients on the wire
@@ -27,7 +27,7 @@ WireDtype = Literal["fp32", "bf16", "int8", "sparse2", "sparse4"]  # diloco: the
 
 @dataclass
 class ReplanInputs:
-    """diloco: the sync rule's inputs other than the step time (`plan/sync_rule.py: choose_sync`),
+    """diloco: the sync rule's inputs other than the step time (`train/strategies/sync_rule.py: choose_sync`),
     written by the launcher with the plan. The ranks measure their real step in the first steps
     of each session and, where it is off the plan's `step_seconds` by more than
     `train/replan.py: TOLERANCE`, apply the rule again on the measured step (`train/replan.py`)."""
@@ -85,7 +85,7 @@ class StrategyConfig:
     # a global step (one per rank unless --micro-batches): `lr` is set for the global batch, as
     # for ddp, and a replica steps on 1/M of it (`strategies/diloco.py: inner_lr_scale`).
     inner_lr_scale: Float = 0.0
-    # diloco: the keys above whose values the launcher chose from the plan (`plan/sync_rule.py`:
+    # diloco: the keys above whose values the launcher chose from the plan (`train/strategies/sync_rule.py`:
     # every one of sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup the user did
     # not set), and its one-line reason; a record, kept in the run's config and report.
     planned: list[str] = field(default_factory=list)
@@ -181,8 +181,8 @@ class StrategyConfig:
             raise UserError(f"strategy.regions must name the region of each rank, got {self.regions}")
         if self.node_regions is not None and not all(r for r in self.node_regions.values()):
             raise UserError(f"strategy.node_regions must map node names to region names, got {self.node_regions}")
-        if self.name == "hierarchical" and self.micro_batches:
-            raise UserError("uneven shares (--micro-batches) are not supported by --strategy hierarchical yet; "
+        if self.micro_batches and self.name in STRATEGIES and not costs_for(self.name).uneven_shares:
+            raise UserError(f"uneven shares (--micro-batches) are not supported by --strategy {self.name} yet; "
                             "leave them out or use --strategy diloco")
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
@@ -333,8 +333,8 @@ class TrainConfig:
         s = self.strategy
         if s.name not in CHOICES:  # a name assigned after construction (e.g. by the planner)
             raise UserError(f"unknown strategy {s.name!r}; choose one of: {', '.join(CHOICES)}")
-        if s.compress != "none" and s.name == "diloco":  # hierarchical: it compresses the all-reduce inside a region
-            raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
+        if s.compress != "none" and s.name in STRATEGIES and not costs_for(s.name).takes("compress"):
+            raise UserError(f"--compress applies to ddp; for {s.name} choose the pseudo-gradient's --wire-dtype")
         if s.micro_batches and self.cluster is None:
             # nproc_per_node 0 = one per GPU: at least one per node (the trainer checks the rest).
             world = self.nodes * max(1, self.nproc_per_node)
@@ -345,7 +345,7 @@ class TrainConfig:
                     f"--micro-batches {s.micro_batches} cannot give each of {world} ranks at least "
                     f"{s.min_share}; use at least {s.min_share * world} or lower strategy.min_share"
                 )
-        if outer_steps and s.name in ("diloco", "hierarchical") and self.checkpoint_every % s.sync_every:
+        if outer_steps and s.name in STRATEGIES and self.checkpoint_every % costs_for(s.name).steps_per_sync(s):
             raise UserError(
                 f"checkpoint_every ({self.checkpoint_every}) must be a multiple of sync_every "
                 f"({s.sync_every}) so checkpoints fall on outer steps"

@@ -1,6 +1,6 @@
 """DiLoCo's sync rule applied again on the step time the run measures.
 
-The launcher plans H, the wire format and the outer optimizer (`plan/sync_rule.py`) on a
+The launcher plans H, the wire format and the outer optimizer (`train/strategies/sync_rule.py`) on a
 predicted inner step: a step time `vpscluster plan --calibrate` measured and cached, or else the
 probe's FLOP/s times an assumed efficiency, which can be off by 2-3x on a CPU node (bench wan,
 2026-12-05: 5.48 s planned, 2.03 s measured; the rule picked bf16 at H = 10 where the real step
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vpscluster.plan import sync_rule
+from vpscluster.train.strategies import sync_rule
 
 TOLERANCE = 0.25  # the measured step may differ this much (relative) from the plan's before it is re-made
 

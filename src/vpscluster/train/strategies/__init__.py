@@ -2,6 +2,12 @@
 
 This registry is the one list of strategy names: the typed config (`StrategyConfig.name`), the
 CLI's choices, the planner's candidates and the YAML loader all read it from here.
+
+A strategy is two modules, both named here: the one that runs it (torch, on the ranks) and its
+torch-free cost companion (`costs.py`: bytes, memory, sync points, flags, candidates), which the
+planner, the launcher and the benches ask instead of branching on its name. Adding a strategy is
+adding its line to STRATEGIES and to COSTS (`tests/test_strategy_costs.py` checks both lists
+agree).
 """
 
 from __future__ import annotations
@@ -13,12 +19,19 @@ from vpscluster.errors import UserError
 
 if TYPE_CHECKING:
     from vpscluster.train.strategies.base import Strategy
+    from vpscluster.train.strategies.costs import StrategyCosts
 
 # name -> "module:Class"
 STRATEGIES: dict[str, str] = {
     "ddp": "vpscluster.train.strategies.ddp:DDPStrategy",
     "diloco": "vpscluster.train.strategies.diloco:DiLoCoStrategy",
     "hierarchical": "vpscluster.train.strategies.hierarchical:HierarchicalStrategy",
+}
+# name -> "module:instance" of its cost companion (torch-free)
+COSTS: dict[str, str] = {
+    "ddp": "vpscluster.train.strategies.ddp_costs:COSTS",
+    "diloco": "vpscluster.train.strategies.diloco_costs:COSTS",
+    "hierarchical": "vpscluster.train.strategies.hierarchical_costs:COSTS",
 }
 # Not a strategy: asks the planner (`plan/auto.py`) to choose one of STRATEGIES before training.
 AUTO = "auto"
@@ -31,5 +44,18 @@ def get_strategy_class(name: str) -> type["Strategy"]:
         target = STRATEGIES[name]
     except KeyError:
         raise UserError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None
-    module_name, cls_name = target.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    return _load(target)
+
+
+def costs_for(name: str) -> "StrategyCosts":
+    """The cost companion of strategy `name` (`costs.py`)."""
+    try:
+        target = COSTS[name]
+    except KeyError:
+        raise UserError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None
+    return _load(target)
+
+
+def _load(target: str):
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)

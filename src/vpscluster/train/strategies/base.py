@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from vpscluster.train.config import StrategyConfig
+    from vpscluster.train.strategies.costs import StrategyCosts
 
 
 @dataclass
@@ -108,15 +109,30 @@ class Strategy(ABC):
     """One way of synchronising ranks. Subclasses register a `name` in `strategies/__init__.py`."""
 
     name: ClassVar[str]
-    # Uneven shares (`--micro-batches`): False = a rank's micro-batches of a step are one
-    # gradient (accumulated, synchronised once: ddp); True = each is an inner optimizer step of
-    # its own, only the last goes through `step` (diloco).
-    micro_batches_are_steps: ClassVar[bool] = False
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         self.config = config
         self.ctx = ctx
         self.comm = CommStats()
+
+    # What the strategy costs and offers, without torch: its companion (`costs.py`), so the
+    # running strategy and the planner answer from one place.
+    @property
+    def costs(self) -> "StrategyCosts":
+        from vpscluster.train.strategies import costs_for
+
+        return costs_for(self.name)
+
+    @property
+    def micro_batches_are_steps(self) -> bool:
+        """Uneven shares (`--micro-batches`): False = a rank's micro-batches of a step are one
+        gradient (accumulated, synchronised once: ddp); True = each is an inner optimizer step of
+        its own, only the last goes through `step` (diloco)."""
+        return self.costs.micro_batches_are_steps
+
+    def steps_per_sync(self) -> int:
+        """Steps between the points where every rank meets (ddp: 1; diloco: H)."""
+        return self.costs.steps_per_sync(self.config)
 
     @abstractmethod
     def setup(self, model: "nn.Module") -> "nn.Module":

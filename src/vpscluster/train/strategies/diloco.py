@@ -95,7 +95,7 @@ STATE_FORMAT = 1
 
 
 MAX_FAILED_SYNCS_IN_A_ROW = 3
-# The settings `retune` may change mid-run: the sync rule's (`plan/sync_rule.py: KEYS`).
+# The settings `retune` may change mid-run: the sync rule's (`train/strategies/sync_rule.py: KEYS`).
 RETUNABLE = ("sync_every", "wire_dtype", "outer_lr", "outer_momentum", "outer_warmup")
 
 
@@ -226,7 +226,6 @@ class _InFlight:
 
 class DiLoCoStrategy(Strategy):
     name = "diloco"
-    micro_batches_are_steps = True  # uneven shares: a faster rank does more inner steps per round
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         super().__init__(config, ctx)

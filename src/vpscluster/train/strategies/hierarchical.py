@@ -106,7 +106,6 @@ def rank_regions(config: "StrategyConfig", world_size: int, gather_nodes) -> lis
 
 class HierarchicalStrategy(DiLoCoStrategy):
     name = "hierarchical"
-    micro_batches_are_steps = False  # a rank's micro-batches are one gradient, as in ddp (not supported yet)
 
     def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
         super().__init__(config, ctx)
