@@ -1,0 +1,219 @@
+"""Start a vertical split: place the stages, send each node only its columns, run, collect the report.
+
+    report = launch.train(spec, cluster=None, run_dir="runs/v1")   # None: every stage a local process
+
+Stages (the launch pipeline's shape, over the project's executors: local processes or SSH):
+
+    place     each tower on its node (`nodes:` names, else the first node with its `labels:`), the
+              head on `head.node` or the cluster's head; a tower with no node is refused
+    queue     the cluster's queue (`vpscluster queue up`, or the cluster file's server); on the local
+              cluster, a private nats-server on loopback for this run (queue/server.serve_private)
+    split     per stage one rows file holding only what it may see: a tower the id column and its
+              columns, the head the id column and the label (`data.write_columns`); the file is
+              all of the data that goes to its node
+    sync      to a remote node, the vpscluster package (by content hash, launch/sync.py) and the
+              stage's rows file and spec
+    start     `python -m vpscluster.vertical.worker` per stage, with the queue's credentials in its
+              environment; every line it prints comes back prefixed with its stage
+    wait      until the head ends; a stage that fails stops the others, its last line is the error
+    collect   the head's report.json and every stage's weights into RUN_DIR/stages/<stage>/
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import posixpath
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from vpscluster.errors import RemoteError, UserError
+from vpscluster.vertical import data
+from vpscluster.vertical.spec import Spec, check
+
+START_TIMEOUT_S = 120.0  # a stage's first line (an interpreter importing torch on a busy node)
+
+
+def place(spec: Spec, cluster) -> dict[str, str]:
+    """stage -> node name: towers by name, then "head"."""
+    names = [n.name for n in cluster.nodes]
+    out = {}
+    for tname, t in spec.towers.items():
+        if cluster.is_local:
+            out[tname] = cluster.nodes[0].name
+            continue
+        if t.nodes:
+            unknown = [n for n in t.nodes if n not in names]
+            if unknown:
+                raise UserError(f"towers.{tname}.nodes: no node {unknown[0]!r} in the cluster; its nodes: {', '.join(names)}")
+            if len(t.nodes) > 1:
+                raise UserError(f"towers.{tname}.nodes: a tower runs on one node (replicas of a tower are not built yet); "
+                                "name one")
+            out[tname] = t.nodes[0]
+        else:
+            match = [n.name for n in cluster.nodes if all(n.labels.get(k) == str(v) for k, v in t.labels.items())]
+            if not match:
+                raise UserError(f"towers.{tname}.labels: no node of the cluster carries {t.labels}; label one in the "
+                                "cluster file or name it in nodes:")
+            out[tname] = match[0]
+    head = spec.head.node if spec.head.node and not cluster.is_local else cluster.head
+    if head not in names:
+        raise UserError(f"head.node: no node {head!r} in the cluster; its nodes: {', '.join(names)}")
+    out["head"] = head
+    return out
+
+
+def split_rows(spec: Spec, rows: list[dict], out_dir: Path) -> dict[str, Path]:
+    """stage -> the rows file it receives (only its columns)."""
+    files = {}
+    for tname, t in spec.towers.items():
+        files[tname] = data.write_columns(rows, [spec.id_column, *t.columns], out_dir / tname / "rows.jsonl")
+    files["head"] = data.write_columns(rows, [spec.id_column, spec.head.label], out_dir / "head" / "rows.jsonl")
+    return files
+
+
+def prepare(spec: Spec, data_path: str | None) -> list[dict]:
+    """The rows, after checking the spec against them (modules, columns, feature functions)."""
+    path = data_path or spec.data
+    if not path:
+        raise UserError("no data: give --data FILE or the spec's data: key (JSON lines)")
+    rows = data.read_rows(path)
+    data.check_ids(rows, spec.id_column)
+    check(spec, data.columns_of(rows), rows[0])
+    return rows
+
+
+def train(spec: Spec, cluster=None, run_dir: str | Path | None = None, data_path: str | None = None,
+          say: Callable[[str], None] = print) -> dict:
+    """Run the split to the end; the head's report with where each stage ran and the run dir."""
+    from vpscluster.cluster.inventory import local_cluster
+
+    cluster = cluster or local_cluster()
+    run_id = uuid.uuid4().hex[:10]
+    run_dir = Path(run_dir or Path("runs") / f"vertical-{run_id}").resolve()
+    rows = prepare(spec, data_path)
+    placement = place(spec, cluster)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    files = split_rows(spec, rows, run_dir / "send")
+    spec_file = run_dir / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+
+    private = None
+    if cluster.is_local and getattr(cluster, "queue", None) is None:
+        from vpscluster.queue.server import serve_private
+
+        private = serve_private(run_dir / "queue")
+        creds = private.creds
+        say(f"queue: a private nats-server for this run at {creds.url}")
+    else:
+        from vpscluster.queue.server import credentials
+
+        creds = credentials(cluster)
+        if creds is None:
+            raise UserError("no queue for this cluster; start one with `vpscluster queue up --cluster FILE`")
+    try:
+        report = asyncio.run(_run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say))
+    finally:
+        if private is not None:
+            private.stop()
+        _drop_stream(creds, run_id)
+    report.update({"run_dir": str(run_dir), "placement": placement, "queue": creds.url})
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _drop_stream(creds, run_id: str) -> None:
+    """The run's stream is its scratch: removed once the run ended (a private server is gone already)."""
+    from vpscluster.queue.client import Queue, QueueError
+
+    try:
+        with Queue(creds, timeout_s=5.0) as q:
+            q.delete_stream(f"vt_{run_id}")
+    except QueueError:
+        pass  # a stopped private server took it along; a cluster's queue keeps it until its retention ends
+
+
+async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say) -> dict:
+    import vpscluster
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.commands import LAUNCH_ID_ENV
+    from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.launch.sync import sync_dir
+
+    timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
+    package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+    async with open_executors(cluster) as executors:
+        by_name = {ex.node.name: ex for ex in executors if ex.node.name in placement.values()}
+        workdirs = await resolve_workdirs(list(by_name.values()), timeout_s)
+        pythonpath: dict[str, str] = {}
+        for name, ex in by_name.items():
+            if ex.node.local:
+                pythonpath[name] = os.pathsep.join([os.getcwd(), os.path.dirname(package_dir)])
+            else:
+                pkg = await sync_dir(ex, package_dir, posixpath.join(workdirs[name], "code/src/vpscluster"),
+                                     timeout_s=max(timeout_s, 300.0), say=say)
+                pythonpath[name] = posixpath.dirname(pkg.remote_path)
+
+        async def start(stage: str):
+            node = placement[stage]
+            ex = by_name[node]
+            if ex.node.local:
+                stage_dir, rows, spec_path = str(run_dir / "stages" / stage), str(files[stage]), str(spec_file)
+            else:
+                stage_dir = posixpath.join(workdirs[node], "runs", f"vertical-{run_id}", stage)
+                rows, spec_path = posixpath.join(stage_dir, "rows.jsonl"), posixpath.join(stage_dir, "spec.json")
+                await ex.put(str(files[stage]), rows, timeout_s=timeout_s)  # this stage's columns, nothing else
+                await ex.put(str(spec_file), spec_path, timeout_s=timeout_s)
+            role = ["head"] if stage == "head" else ["tower", stage]
+            argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", rows,
+                    "--run", run_id, "--out", stage_dir]
+            env = {**creds.env(), LAUNCH_ID_ENV: run_id, "PYTHONPATH": pythonpath[node], "PYTHONUNBUFFERED": "1",
+                   "OMP_NUM_THREADS": "1"}
+            last = {"t": time.monotonic()}
+
+            def on_line(stream: str, line: str) -> None:
+                last["t"] = time.monotonic()
+                if not line.startswith("{"):
+                    say(f"[{stage}@{node}] {line}")
+            handle = await ex.start(argv, on_line=on_line, env=env, cwd=workdirs[node])
+            return stage, handle, stage_dir, last
+
+        started = []
+        try:
+            for stage in [*spec.towers, "head"]:
+                started.append(await start(stage))
+            await _wait(started, spec.train.timeout_s)
+            head_dir = next(d for s, _, d, _ in started if s == "head")
+            local_stages = run_dir / "stages"
+            for stage, _, stage_dir, _ in started:
+                ex = by_name[placement[stage]]
+                if not ex.node.local:
+                    await ex.get(stage_dir, str(local_stages / stage), timeout_s=timeout_s)
+            report_file = (local_stages / "head" / "report.json") if not by_name[placement["head"]].node.local \
+                else Path(head_dir) / "report.json"
+            return json.loads(report_file.read_text())
+        finally:
+            await asyncio.gather(*(h.stop(grace_s=2.0) for _, h, _, _ in started), return_exceptions=True)
+
+
+async def _wait(started, timeout_s: float) -> None:
+    """Until every stage ended; the first failure (or a stage silent far past its own time-outs) ends all."""
+    silent_limit = START_TIMEOUT_S + 3 * timeout_s
+    while True:
+        states = [(stage, h.returncode, last) for stage, h, _, last in started]
+        for stage, rc, _ in states:
+            if rc not in (None, 0):
+                h = next(h for s, h, _, _ in started if s == stage)
+                lines = [ln for ln in h.output_tail.text().splitlines() if ln.strip()]
+                raise RemoteError(f"stage {stage} failed (exit status {rc}): "
+                                  f"{lines[-1].strip() if lines else 'no output'}")
+        if all(rc == 0 for _, rc, _ in states):
+            return
+        quiet = min(time.monotonic() - last["t"] for _, rc, last in states if rc is None)
+        if quiet > silent_limit:
+            raise RemoteError(f"every running stage was silent for {quiet:.0f} s; stopped them (train.timeout_s "
+                              "bounds each wait on the queue)")
+        await asyncio.sleep(0.2)

@@ -1,0 +1,78 @@
+"""A tower stage: forward its own columns, publish the embeddings, step on the gradients that come back.
+
+Pipelining with bounded staleness K (PipeDream's weight stashing, Narayanan et al., SOSP 2019):
+batch b is run forward once the gradients of every batch up to b - K - 1 are applied, so at most
+K + 1 batches are in flight. Each in-flight batch keeps the weights it was run with (a copy,
+through `torch.func.functional_call`), and its gradient is taken with those weights, then applied
+to the current ones. K = 0 is exactly synchronous: the copy equals the weights, and the steps are
+those of one process training the whole model on the same batches.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from vpscluster.vertical import data, wire
+from vpscluster.vertical.spec import Spec, build_module, build_optimizer, featurize
+
+
+def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue, say=print) -> dict:
+    import torch
+    from torch.func import functional_call
+
+    rows = data.read_rows(rows_file)
+    ids = data.check_ids(rows, spec.id_column)
+    pos = {i: k for k, i in enumerate(ids)}
+    features = featurize(spec, name, rows)
+    model = build_module(spec, name)
+    opt = build_optimizer(spec, name, model.parameters())
+    sched = data.schedule_for(spec, ids)
+    K, timeout_s = spec.train.staleness, spec.train.timeout_s
+
+    queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
+    grads = wire.Inbox(queue.consume(wire.grad_subject(run_id, name), durable=f"tower-{name}", max_pending=K + 1,
+                                     ack_wait_s=max(30.0, timeout_s)), timeout_s, f"tower {name}")
+    emb_subject = wire.emb_subject(run_id, name)
+    in_flight: dict[int, tuple[dict, torch.Tensor]] = {}
+
+    def inputs(ids_):
+        idx = torch.tensor([pos[i] for i in ids_])
+        return tuple(f[idx] for f in features)
+
+    def apply_oldest() -> None:
+        step = min(in_flight)
+        grad, _, msg = grads.take("train", step)
+        stash, emb = in_flight.pop(step)
+        emb.backward(grad)
+        for n, p in model.named_parameters():
+            p.grad = stash[n].grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        msg.ack()
+
+    t0 = time.monotonic()
+    sent = 0
+    for batch in sched.train_batches():
+        while in_flight and min(in_flight) < batch.step - K:
+            apply_oldest()
+        stash = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+        emb = functional_call(model, stash, inputs(batch.ids))
+        in_flight[batch.step] = (stash, emb)
+        payload, headers = wire.encode(emb, batch.step, batch.epoch, "train", batch.ids)
+        queue.publish(emb_subject, payload, headers, timeout_s=timeout_s)
+        sent += wire.message_bytes(payload, headers)
+    while in_flight:
+        apply_oldest()
+
+    model.eval()
+    with torch.no_grad():
+        for batch in sched.eval_batches(sched.val_ids):
+            payload, headers = wire.encode(model(*inputs(batch.ids)), batch.step, -1, "eval", batch.ids)
+            queue.publish(emb_subject, payload, headers, timeout_s=timeout_s)
+            sent += wire.message_bytes(payload, headers)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), out / f"tower-{name}.pt")
+    say(f"tower {name}: {sched.steps} steps in {time.monotonic() - t0:.1f} s")
+    return {"tower": name, "steps": sched.steps, "bytes_sent": sent, "bytes_received": grads.bytes}
