@@ -81,7 +81,7 @@ class Schedule:
     epochs: int
     seed: int
     val_fraction: float
-    max_steps: int | None = None
+    max_steps: int | None = None  # None: every epoch in full
 
     def _split(self) -> tuple[list[int], list[int]]:
         import torch
@@ -107,7 +107,7 @@ class Schedule:
     @property
     def steps(self) -> int:
         total = self.steps_per_epoch * self.epochs
-        return total if self.max_steps is None else min(total, self.max_steps)
+        return total if self.max_steps is None else min(total, self.max_steps)  # 0: evaluation only
 
     def train_batches(self) -> Iterator[Batch]:
         import torch
@@ -128,6 +128,7 @@ class Schedule:
             yield Batch(k, -1, tuple(ids[i:i + self.batch_size]))
 
 
-def schedule_for(spec, ids: list[int]) -> Schedule:
+def schedule_for(spec, ids: list[int], train: bool = True) -> Schedule:
+    """The spec's schedule over `ids`; `train=False`: no training steps (a prediction run)."""
     t = spec.train
-    return Schedule(tuple(ids), t.batch_size, t.epochs, t.seed, t.val_fraction, t.steps)
+    return Schedule(tuple(ids), t.batch_size, t.epochs, t.seed, t.val_fraction, t.steps if train else 0)

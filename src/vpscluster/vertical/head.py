@@ -7,6 +7,7 @@ exactly once. After training it scores the validation ids the towers send (phase
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -32,34 +33,74 @@ def correct(spec: Spec, out, y) -> int | None:
     return None
 
 
-def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print) -> dict:
-    import torch
-
-    rows = data.read_rows(rows_file)
-    ids = data.check_ids(rows, spec.id_column)
-    labels = {r[spec.id_column]: r[spec.head.label] for r in rows}
-    fusion = build_module(spec, "head")
-    opt = build_optimizer(spec, "head", fusion.parameters())
-    loss_of = loss_fn(spec)
-    sched = data.schedule_for(spec, ids)
+def _inboxes(spec: Spec, run_id: str, queue):
+    """One inbox per tower and `join(phase, batch)` -> (embeddings in tower order, their messages)."""
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
-    towers = list(spec.towers)
-
     queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
     inboxes = {t: wire.Inbox(queue.consume(wire.emb_subject(run_id, t), durable=f"head-{t}", max_pending=K + 1,
                                            ack_wait_s=max(30.0, timeout_s)), timeout_s, f"head (from tower {t})")
-               for t in towers}
+               for t in spec.towers}
 
     def join(phase: str, batch) -> tuple[list, list]:
         embs, msgs = [], []
-        for t in towers:
-            tensor, meta, msg = inboxes[t].take(phase, batch.step)
+        for t, inbox in inboxes.items():
+            tensor, meta, msg = inbox.take(phase, batch.step)
             if meta["ids"] != batch.ids:
                 raise UserError(f"head: tower {t} sent {phase} batch {batch.step} with other sample ids than the "
                                 "schedule's; do all stages run the same spec and data?")
             embs.append(tensor)
             msgs.append(msg)
         return embs, msgs
+
+    return inboxes, join
+
+
+def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_dir: str, queue) -> dict:
+    import torch
+
+    _, join = _inboxes(spec, run_id, queue)
+    sched = data.schedule_for(spec, ids, train=False)
+    fusion.eval()
+    lines, right, labelled = [], 0, 0
+    with torch.no_grad():
+        for batch in sched.eval_batches(sorted(ids)):
+            embs, msgs = join("eval", batch)
+            out = fusion(*embs)
+            pred = out.argmax(-1) if spec.head.loss == "cross_entropy" else (out > 0).long() \
+                if spec.head.loss == "bce_with_logits" else out
+            for i, p in zip(batch.ids, pred.tolist()):
+                lines.append(json.dumps({spec.id_column: i, "prediction": p}) + "\n")
+                if labels.get(i) is not None and spec.head.loss != "mse":
+                    labelled += 1
+                    right += int(p == labels[i])
+            for m in msgs:
+                m.ack()
+    out_path = Path(out_dir) / "predictions.jsonl"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.write_atomic(out_path, "".join(lines))
+    report = {"rows": len(lines), "predictions": str(out_path), "accuracy": right / labelled if labelled else None}
+    fsutil.write_json(Path(out_dir) / "report.json", report)
+    return report
+
+
+def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print, weights: str | None = None) -> dict:
+    """Train, then score the validation ids; with `weights` (a trained head's state) only predict
+    every row (predictions.jsonl; accuracy where the rows carry labels)."""
+    import torch
+
+    rows = data.read_rows(rows_file)
+    ids = data.check_ids(rows, spec.id_column)
+    labels = {r[spec.id_column]: r.get(spec.head.label) for r in rows}
+    fusion = build_module(spec, "head")
+    opt = build_optimizer(spec, "head", fusion.parameters())
+    loss_of = loss_fn(spec)
+    if weights:
+        fusion.load_state_dict(torch.load(weights, weights_only=True))
+        return _predict(spec, fusion, ids, labels, run_id, out_dir, queue)
+    sched = data.schedule_for(spec, ids)
+    K, timeout_s = spec.train.staleness, spec.train.timeout_s
+    towers = list(spec.towers)
+    inboxes, join = _inboxes(spec, run_id, queue)
 
     counts: dict[int, Counter] = {}
     losses: list[float] = []

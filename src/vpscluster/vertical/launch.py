@@ -66,38 +66,57 @@ def place(spec: Spec, cluster) -> dict[str, str]:
     return out
 
 
-def split_rows(spec: Spec, rows: list[dict], out_dir: Path) -> dict[str, Path]:
-    """stage -> the rows file it receives (only its columns)."""
+def split_rows(spec: Spec, rows: list[dict], out_dir: Path, weights_from: Path | None = None) -> dict[str, list[Path]]:
+    """stage -> the files it receives: its rows file (only its columns; the head's label only where
+    the rows have it), and to predict, its trained weights."""
     files = {}
     for tname, t in spec.towers.items():
-        files[tname] = data.write_columns(rows, [spec.id_column, *t.columns], out_dir / tname / "rows.jsonl")
-    files["head"] = data.write_columns(rows, [spec.id_column, spec.head.label], out_dir / "head" / "rows.jsonl")
+        files[tname] = [data.write_columns(rows, [spec.id_column, *t.columns], out_dir / tname / "rows.jsonl")]
+    label = [spec.head.label] if all(spec.head.label in r for r in rows) else []
+    files["head"] = [data.write_columns(rows, [spec.id_column, *label], out_dir / "head" / "rows.jsonl")]
+    if weights_from is not None:
+        for stage in files:
+            w = weights_from / "stages" / stage / ("head.pt" if stage == "head" else f"tower-{stage}.pt")
+            if not w.is_file():
+                raise UserError(f"--from {weights_from}: no trained weights of stage {stage} ({w}); give the run dir "
+                                "of a finished `vertical train`")
+            files[stage].append(w)
     return files
 
 
-def prepare(spec: Spec, data_path: str | None) -> list[dict]:
+def prepare(spec: Spec, data_path: str | None, labels: bool = True) -> list[dict]:
     """The rows, after checking the spec against them (modules, columns, feature functions)."""
     path = data_path or spec.data
     if not path:
         raise UserError("no data: give --data FILE or the spec's data: key (JSON lines)")
     rows = data.read_rows(path)
     data.check_ids(rows, spec.id_column)
-    check(spec, data.columns_of(rows), rows[0])
+    check(spec, data.columns_of(rows) | (set() if labels else {spec.head.label}), rows[0])
     return rows
 
 
 def train(spec: Spec, cluster=None, run_dir: str | Path | None = None, data_path: str | None = None,
           say: Callable[[str], None] = print) -> dict:
     """Run the split to the end; the head's report with where each stage ran and the run dir."""
+    return _launch(spec, cluster, run_dir, data_path, say, None)
+
+
+def predict(spec: Spec, from_run: str | Path, cluster=None, run_dir: str | Path | None = None,
+            data_path: str | None = None, say: Callable[[str], None] = print) -> dict:
+    """Every row through the trained stages of `from_run`; the head writes predictions.jsonl."""
+    return _launch(spec, cluster, run_dir, data_path, say, Path(from_run).resolve())
+
+
+def _launch(spec: Spec, cluster, run_dir, data_path, say, weights_from: Path | None) -> dict:
     from vpscluster.cluster.inventory import local_cluster
 
     cluster = cluster or local_cluster()
     run_id = uuid.uuid4().hex[:10]
-    run_dir = Path(run_dir or Path("runs") / f"vertical-{run_id}").resolve()
-    rows = prepare(spec, data_path)
+    kind = "vertical" if weights_from is None else "vertical-predict"
+    run_dir = Path(run_dir or Path("runs") / f"{kind}-{run_id}").resolve()
+    rows = prepare(spec, data_path, labels=weights_from is None)
     placement = place(spec, cluster)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    files = split_rows(spec, rows, run_dir / "send")
+    files = split_rows(spec, rows, run_dir / "send", weights_from)
     spec_file = run_dir / "spec.json"
     spec_file.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
 
@@ -161,15 +180,18 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
             node = placement[stage]
             ex = by_name[node]
             if ex.node.local:
-                stage_dir, rows, spec_path = str(run_dir / "stages" / stage), str(files[stage]), str(spec_file)
+                stage_dir, spec_path = str(run_dir / "stages" / stage), str(spec_file)
+                sent = [str(f) for f in files[stage]]
             else:
                 stage_dir = posixpath.join(workdirs[node], "runs", f"vertical-{run_id}", stage)
-                rows, spec_path = posixpath.join(stage_dir, "rows.jsonl"), posixpath.join(stage_dir, "spec.json")
-                await ex.put(str(files[stage]), rows, timeout_s=timeout_s)  # this stage's columns, nothing else
+                spec_path = posixpath.join(stage_dir, "spec.json")
+                sent = [posixpath.join(stage_dir, "in", f.name) for f in files[stage]]
+                for f, there in zip(files[stage], sent):  # this stage's columns (and weights), nothing else
+                    await ex.put(str(f), there, timeout_s=timeout_s)
                 await ex.put(str(spec_file), spec_path, timeout_s=timeout_s)
             role = ["head"] if stage == "head" else ["tower", stage]
-            argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", rows,
-                    "--run", run_id, "--out", stage_dir]
+            argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", sent[0],
+                    "--run", run_id, "--out", stage_dir, *(["--weights", sent[1]] if len(sent) > 1 else [])]
             env = {**creds.env(), LAUNCH_ID_ENV: run_id, "PYTHONPATH": pythonpath[node], "PYTHONUNBUFFERED": "1",
                    "OMP_NUM_THREADS": "1"}
             last = {"t": time.monotonic()}

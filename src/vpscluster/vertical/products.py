@@ -14,9 +14,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-VOCAB = 32
+VOCAB = 16
 MARKERS = (1, 2, 3)  # "premium", "deluxe", "pro"
-LENGTH = 12
+LENGTH = 8
 SIZE = 8
 
 

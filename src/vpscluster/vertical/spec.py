@@ -106,6 +106,8 @@ class Spec:
         for name, tower in self.towers.items():
             if not name.replace("_", "").replace("-", "").isalnum():
                 raise UserError(f"towers.{name}: a tower's name is letters, digits, - and _ (it names queue subjects)")
+            if not tower.nodes and not tower.labels:
+                raise UserError(f"towers.{name}: no node; say where it runs with nodes: [NODE] or labels: {{KEY: VALUE}}")
             if not tower.columns:
                 raise UserError(f"towers.{name}.columns: empty; list the columns this tower reads")
             if self.head.label in tower.columns or self.id_column in tower.columns:

@@ -17,7 +17,10 @@ from vpscluster.vertical import data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, featurize
 
 
-def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue, say=print) -> dict:
+def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue, say=print,
+        weights: str | None = None) -> dict:
+    """Train (then send the validation batches), or with `weights` (a trained tower's state) only
+    send every row's embeddings (predict)."""
     import torch
     from torch.func import functional_call
 
@@ -27,7 +30,9 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
     features = featurize(spec, name, rows)
     model = build_module(spec, name)
     opt = build_optimizer(spec, name, model.parameters())
-    sched = data.schedule_for(spec, ids)
+    if weights:
+        model.load_state_dict(torch.load(weights, weights_only=True))
+    sched = data.schedule_for(spec, ids, train=weights is None)
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
 
     queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
@@ -67,12 +72,13 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
 
     model.eval()
     with torch.no_grad():
-        for batch in sched.eval_batches(sched.val_ids):
+        for batch in sched.eval_batches(sched.val_ids if weights is None else sorted(ids)):
             payload, headers = wire.encode(model(*inputs(batch.ids)), batch.step, -1, "eval", batch.ids)
             queue.publish(emb_subject, payload, headers, timeout_s=timeout_s)
             sent += wire.message_bytes(payload, headers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), out / f"tower-{name}.pt")
+    if weights is None:
+        torch.save(model.state_dict(), out / f"tower-{name}.pt")
     say(f"tower {name}: {sched.steps} steps in {time.monotonic() - t0:.1f} s")
     return {"tower": name, "steps": sched.steps, "bytes_sent": sent, "bytes_received": grads.bytes}
