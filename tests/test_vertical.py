@@ -183,3 +183,41 @@ def test_bad_spec_one_line(case, products_data, tmp_path):
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written or started
+
+
+def test_tower_killed_resumes_from_its_checkpoint(products_data, tmp_path):
+    """kill -9 of the text tower's process mid-run: the launcher starts it again with --resume, it
+    goes on from its last checkpoint, the head waits on the queue; every sample is trained exactly
+    once per epoch and (K = 0) every parameter still equals the one-process model's."""
+    import os
+    import signal
+
+    import torch
+
+    from conftest import processes_mentioning
+    from vpscluster.vertical import launch, reference
+
+    path, rows = products_data
+    spec = _spec(path, steps=16, epochs=4, checkpoint_every=3)
+    run_dir = tmp_path / "run"
+    lines, killed = [], []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if not killed and line.startswith("[head@local] step 5/16"):
+            for pid in processes_mentioning(str(run_dir / "stages" / "text")):
+                if b"python" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:  # not its shell
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    report = launch.train(spec, run_dir=run_dir, say=say)
+    assert killed and report["restarts"] == {"text": 1}, lines
+    resumed = [ln for ln in lines if "resumed from its checkpoint after step" in ln]
+    assert len(resumed) == 1 and int(resumed[0].rsplit(" ", 1)[1]) in (3, 6), lines  # not from the start
+    assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256] * 4
+    _, ref_states = reference.train(spec, rows)
+    for stage, ref in ref_states.items():
+        got = torch.load(run_dir / "stages" / stage / ("head.pt" if stage == "head" else f"tower-{stage}.pt"),
+                         weights_only=True)
+        for name in ref:
+            assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-6), f"{stage}.{name}"

@@ -15,7 +15,9 @@ Stages (the launch pipeline's shape, over the project's executors: local process
               stage's rows file and spec
     start     `python -m vpscluster.vertical.worker` per stage, with the queue's credentials in its
               environment; every line it prints comes back prefixed with its stage
-    wait      until the head ends; a stage that fails stops the others, its last line is the error
+    wait      until every stage ends; a tower that dies is started again from its checkpoint (the
+              others wait on the queue); the head failing, or a tower out of restarts, stops the
+              others, and its last line is the error
     collect   the head's report.json and every stage's weights into RUN_DIR/stages/<stage>/
 """
 
@@ -176,7 +178,7 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
                                      timeout_s=max(timeout_s, 300.0), say=say)
                 pythonpath[name] = posixpath.dirname(pkg.remote_path)
 
-        async def start(stage: str):
+        async def start(stage: str, resume: bool = False):
             node = placement[stage]
             ex = by_name[node]
             if ex.node.local:
@@ -191,7 +193,8 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
                 await ex.put(str(spec_file), spec_path, timeout_s=timeout_s)
             role = ["head"] if stage == "head" else ["tower", stage]
             argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", sent[0],
-                    "--run", run_id, "--out", stage_dir, *(["--weights", sent[1]] if len(sent) > 1 else [])]
+                    "--run", run_id, "--out", stage_dir, *(["--weights", sent[1]] if len(sent) > 1 else []),
+                    *(["--resume"] if resume else [])]
             env = {**creds.env(), LAUNCH_ID_ENV: run_id, "PYTHONPATH": pythonpath[node], "PYTHONUNBUFFERED": "1",
                    "OMP_NUM_THREADS": "1"}
             last = {"t": time.monotonic()}
@@ -207,7 +210,7 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
         try:
             for stage in [*spec.towers, "head"]:
                 started.append(await start(stage))
-            await _wait(started, spec.train.timeout_s)
+            restarts = await _wait(started, spec.train.timeout_s, spec.train.max_restarts, start, say)
             head_dir = next(d for s, _, d, _ in started if s == "head")
             local_stages = run_dir / "stages"
             for stage, _, stage_dir, _ in started:
@@ -216,24 +219,38 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
                     await ex.get(stage_dir, str(local_stages / stage), timeout_s=timeout_s)
             report_file = (local_stages / "head" / "report.json") if not by_name[placement["head"]].node.local \
                 else Path(head_dir) / "report.json"
-            return json.loads(report_file.read_text())
+            return {**json.loads(report_file.read_text()), "restarts": restarts}
         finally:
             await asyncio.gather(*(h.stop(grace_s=2.0) for _, h, _, _ in started), return_exceptions=True)
 
 
-async def _wait(started, timeout_s: float) -> None:
-    """Until every stage ended; the first failure (or a stage silent far past its own time-outs) ends all."""
+async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) -> dict[str, int]:
+    """Until every stage ended. A tower that dies is started again from its checkpoint (`start(stage,
+    resume=True)`), at most `max_restarts` times each, while the others wait on the queue; the head
+    failing, a tower out of restarts, or every stage silent far past its own time-outs ends all.
+    Returns the restarts per tower."""
     silent_limit = START_TIMEOUT_S + 3 * timeout_s
+    restarts: dict[str, int] = {}
     while True:
         states = [(stage, h.returncode, last) for stage, h, _, last in started]
-        for stage, rc, _ in states:
+        restarted = False
+        for k, (stage, rc, _) in enumerate(states):
             if rc not in (None, 0):
-                h = next(h for s, h, _, _ in started if s == stage)
+                h = started[k][1]
                 lines = [ln for ln in h.output_tail.text().splitlines() if ln.strip()]
-                raise RemoteError(f"stage {stage} failed (exit status {rc}): "
-                                  f"{lines[-1].strip() if lines else 'no output'}")
+                why = lines[-1].strip() if lines else "no output"
+                if stage != "head" and restarts.get(stage, 0) < max_restarts:
+                    restarts[stage] = restarts.get(stage, 0) + 1
+                    say(f"stage {stage} died (exit status {rc}: {why}); starting it again from its checkpoint "
+                        f"({restarts[stage]} of {max_restarts})")
+                    started[k] = await start(stage, resume=True)
+                    restarted = True
+                    continue
+                raise RemoteError(f"stage {stage} failed (exit status {rc}): {why}")
+        if restarted:
+            continue
         if all(rc == 0 for _, rc, _ in states):
-            return
+            return restarts
         quiet = min(time.monotonic() - last["t"] for _, rc, last in states if rc is None)
         if quiet > silent_limit:
             raise RemoteError(f"every running stage was silent for {quiet:.0f} s; stopped them (train.timeout_s "

@@ -26,6 +26,8 @@ A YAML file (`vpscluster vertical train --spec FILE`):
       val_fraction: 0.2
       optimizer: {name: adam, lr: 0.01}
       timeout_s: 60                               # the longest any stage waits for the queue
+      checkpoint_every: 10                        # a tower's checkpoint, every N steps (0: never)
+      max_restarts: 2                             # a dead tower is started again from it this often
 
 Resolution (`resolve`) imports every callable and refuses, one line each, what cannot work: an
 unknown module or callable, a tower with no node, a column the data lacks, a feature function that
@@ -88,6 +90,8 @@ class TrainSpec:
     val_fraction: Float = 0.2
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: Float = 60.0
+    checkpoint_every: Int = 10  # a tower saves its weights and optimizer every N applied steps (0: never)
+    max_restarts: Int = 2  # a tower process that dies is started again from its checkpoint this often
 
 
 @dataclass
@@ -119,6 +123,8 @@ class Spec:
             raise UserError(f"train.staleness: {t.staleness} < 0; give K >= 0 (0 = synchronous)")
         if not 0 <= t.val_fraction < 1:
             raise UserError(f"train.val_fraction: {t.val_fraction} is not in [0, 1)")
+        if t.checkpoint_every < 0 or t.max_restarts < 0:
+            raise UserError("train: checkpoint_every and max_restarts must be >= 0")
         if t.timeout_s <= 0 or t.optimizer.lr <= 0:
             raise UserError("train: timeout_s and optimizer.lr must be positive")
 

@@ -17,10 +17,31 @@ from vpscluster.vertical import data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, featurize
 
 
+def checkpoint_path(out_dir: str, name: str) -> Path:
+    return Path(out_dir) / f"checkpoint-{name}.pt"
+
+
+def save_checkpoint(path: Path, model, opt, applied: int) -> None:
+    """Weights and optimizer after `applied` gradient steps, atomically (a kill leaves the old one)."""
+    import io
+
+    import torch
+
+    from vpscluster import fsutil
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "applied": applied}, buf)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.write_atomic(path, buf.getvalue())
+
+
 def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue, say=print,
-        weights: str | None = None) -> dict:
+        weights: str | None = None, resume: bool = False) -> dict:
     """Train (then send the validation batches), or with `weights` (a trained tower's state) only
-    send every row's embeddings (predict)."""
+    send every row's embeddings (predict). `resume`: go on from this tower's checkpoint in
+    `out_dir` (a process that died): the batches after it are run forward again; the head skips
+    the embeddings it already used, and their gradients, still in the stream, are applied again
+    from a fresh consumer that reads the subject from its start."""
     import torch
     from torch.func import functional_call
 
@@ -35,11 +56,22 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
     sched = data.schedule_for(spec, ids, train=weights is None)
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
 
+    start = 0
+    ckpt = checkpoint_path(out_dir, name)
+    if resume and ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["applied"])
+        say(f"tower {name}: resumed from its checkpoint after step {start}")
     queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
+    if resume:  # the dead process's unacked gradients would come again only after ack_wait: read them anew
+        queue.delete_consumer(wire.stream_name(run_id), f"tower-{name}")
     grads = wire.Inbox(queue.consume(wire.grad_subject(run_id, name), durable=f"tower-{name}", max_pending=K + 1,
                                      ack_wait_s=max(30.0, timeout_s)), timeout_s, f"tower {name}")
     emb_subject = wire.emb_subject(run_id, name)
     in_flight: dict[int, tuple[dict, torch.Tensor]] = {}
+    every = spec.train.checkpoint_every
 
     def inputs(ids_):
         idx = torch.tensor([pos[i] for i in ids_])
@@ -54,11 +86,15 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
             p.grad = stash[n].grad
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if every and (step + 1) % every == 0:
+            save_checkpoint(ckpt, model, opt, step + 1)
         msg.ack()
 
     t0 = time.monotonic()
     sent = 0
     for batch in sched.train_batches():
+        if batch.step < start:
+            continue
         while in_flight and min(in_flight) < batch.step - K:
             apply_oldest()
         stash = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}

@@ -3,6 +3,7 @@
     python -m vpscluster.vertical.worker tower NAME --spec SPEC.json --rows FILE --run RUN --out DIR
     python -m vpscluster.vertical.worker head --spec SPEC.json --rows FILE --run RUN --out DIR
     ... [--weights FILE]    (a trained stage's state: predict every row instead of training)
+    ... [--resume]          (a tower started again: from its checkpoint in --out)
 
 The queue comes from the VPSC_QUEUE_* environment the launcher sets (`queue.Credentials.env`).
 `--rows` is the only data this process gets: its columns (a tower) or the labels (the head).
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--weights", help="a trained stage's state: predict instead of training")
+    p.add_argument("--resume", action="store_true", help="a tower: go on from its checkpoint in --out")
     args = p.parse_args(argv)
     try:
         from vpscluster import queue
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         say = lambda line: print(line, flush=True)  # noqa: E731
         with queue.connect(timeout_s=spec.train.timeout_s) as q:
             if args.role == "tower":
-                doc = tower.run(spec, args.name, args.rows, args.run, args.out, q, say, args.weights)
+                doc = tower.run(spec, args.name, args.rows, args.run, args.out, q, say, args.weights, args.resume)
             else:
                 doc = head.run(spec, args.rows, args.run, args.out, q, say, args.weights)
         print(json.dumps(doc), flush=True)
