@@ -138,23 +138,27 @@ def _launch(spec: Spec, cluster, run_dir, data_path, say, weights_from: Path | N
     try:
         report = asyncio.run(_run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say))
     finally:
-        if private is not None:
-            private.stop()
-        _drop_stream(creds, run_id)
-    report.update({"run_dir": str(run_dir), "placement": placement, "queue": creds.url})
+        try:
+            _drop_stream(creds, run_id)
+        finally:
+            if private is not None:
+                private.stop()
+    report.update({"run_id": run_id, "run_dir": str(run_dir), "placement": placement, "queue": creds.url})
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
 def _drop_stream(creds, run_id: str) -> None:
-    """The run's stream is its scratch: removed once the run ended (a private server is gone already)."""
+    """The run's stream is its scratch: removed once the run ended, so a cluster's queue does not
+    keep it until its retention ends (a queue that does not answer now keeps it; said, not raised)."""
     from vpscluster.queue.client import Queue, QueueError
+    from vpscluster.vertical.wire import stream_name
 
     try:
         with Queue(creds, timeout_s=5.0) as q:
-            q.delete_stream(f"vt_{run_id}")
-    except QueueError:
-        pass  # a stopped private server took it along; a cluster's queue keeps it until its retention ends
+            q.delete_stream(stream_name(run_id))
+    except QueueError as e:
+        print(f"note: the run's stream {stream_name(run_id)} stays on the queue: {e}")
 
 
 async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say) -> dict:
