@@ -49,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
 
         doc = launch.predict(spec.load(args.spec), args.from_run, cluster, args.run_dir, args.data, say=say)
     elif args.example:
+        from vpscluster.errors import UserError
         from vpscluster.vertical import example
 
+        if args.data:
+            raise UserError("--example generates its data; --data goes with --spec")
         doc = example.run(args.example, cluster, args.run_dir, staleness=args.staleness or 0, say=say)
     else:
         from vpscluster.errors import UserError

@@ -11,8 +11,9 @@ Stages (the launch pipeline's shape, over the project's executors: local process
     split     per stage one rows file holding only what it may see: a tower the id column and its
               columns, the head the id column and the label (`data.write_columns`); the file is
               all of the data that goes to its node
-    sync      to a remote node, the vpscluster package (by content hash, launch/sync.py) and the
-              stage's rows file and spec
+    sync      to a remote node, the vpscluster package and the code the spec names (its top-level
+              packages or module files, never the whole current folder, which may hold the data;
+              by content hash, secrets left out: launch/sync.py), then the stage's rows file and spec
     start     `python -m vpscluster.vertical.worker` per stage, with the queue's credentials in its
               environment; every line it prints comes back prefixed with its stage
     wait      until every stage ends; a tower that dies is started again from its checkpoint (the
@@ -34,7 +35,7 @@ from typing import Callable
 
 from vpscluster.errors import RemoteError, UserError
 from vpscluster.vertical import data
-from vpscluster.vertical.spec import Spec, check
+from vpscluster.vertical.spec import Spec, check, code_paths
 
 START_TIMEOUT_S = 120.0  # a stage's first line (an interpreter importing torch on a busy node)
 
@@ -139,7 +140,7 @@ def _launch(spec: Spec, cluster, run_dir, data_path, say, weights_from: Path | N
         report = asyncio.run(_run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say))
     finally:
         try:
-            _drop_stream(creds, run_id)
+            _drop_stream(creds, run_id, say)
         finally:
             if private is not None:
                 private.stop()
@@ -148,7 +149,7 @@ def _launch(spec: Spec, cluster, run_dir, data_path, say, weights_from: Path | N
     return report
 
 
-def _drop_stream(creds, run_id: str) -> None:
+def _drop_stream(creds, run_id: str, say: Callable[[str], None]) -> None:
     """The run's stream is its scratch: removed once the run ended, so a cluster's queue does not
     keep it until its retention ends (a queue that does not answer now keeps it; said, not raised)."""
     from vpscluster.queue.client import Queue, QueueError
@@ -158,7 +159,7 @@ def _drop_stream(creds, run_id: str) -> None:
         with Queue(creds, timeout_s=5.0) as q:
             q.delete_stream(stream_name(run_id))
     except QueueError as e:
-        print(f"note: the run's stream {stream_name(run_id)} stays on the queue: {e}")
+        say(f"note: the run's stream {stream_name(run_id)} stays on the queue: {e}")
 
 
 async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say) -> dict:
@@ -166,6 +167,7 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.commands import LAUNCH_ID_ENV
     from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.launch.pipeline import SyncItem, local_side
     from vpscluster.launch.sync import sync_dir
 
     timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
@@ -174,13 +176,21 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
         by_name = {ex.node.name: ex for ex in executors if ex.node.name in placement.values()}
         workdirs = await resolve_workdirs(list(by_name.values()), timeout_s)
         pythonpath: dict[str, str] = {}
+        # Only the code the spec names goes to remote nodes (its top-level packages or module files),
+        # never the current folder as a whole: it may hold the dataset, all of whose columns must not travel.
+        code = [(path, *local_side(SyncItem("code", path, ""))) for path in code_paths(spec)]
         for name, ex in by_name.items():
             if ex.node.local:
                 pythonpath[name] = os.pathsep.join([os.getcwd(), os.path.dirname(package_dir)])
-            else:
+            else:  # the package and the user's code (the spec's modules), by content hash, secrets left out
                 pkg = await sync_dir(ex, package_dir, posixpath.join(workdirs[name], "code/src/vpscluster"),
                                      timeout_s=max(timeout_s, 300.0), say=say)
-                pythonpath[name] = posixpath.dirname(pkg.remote_path)
+                user_root = posixpath.join(workdirs[name], "code/vertical", run_id)
+                for path, root, manifest in code:  # a package lands as user_root/<name>, a module file in user_root
+                    there = posixpath.join(user_root, os.path.basename(path)) if os.path.isdir(path) else user_root
+                    await sync_dir(ex, root, there,
+                                   timeout_s=max(timeout_s, 300.0), manifest=manifest, detect_shared=False, say=say)
+                pythonpath[name] = f"{user_root}:{posixpath.dirname(pkg.remote_path)}"
 
         async def start(stage: str, resume: bool = False):
             node = placement[stage]
@@ -237,9 +247,11 @@ async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) 
     restarts: dict[str, int] = {}
     while True:
         states = [(stage, h.returncode, last) for stage, h, _, last in started]
+        states.sort(key=lambda st: st[0] != "head")  # the head failing ends the run: no tower restarts then
         restarted = False
-        for k, (stage, rc, _) in enumerate(states):
+        for stage, rc, _ in states:
             if rc not in (None, 0):
+                k = next(i for i, st in enumerate(started) if st[0] == stage)
                 h = started[k][1]
                 lines = [ln for ln in h.output_tail.text().splitlines() if ln.strip()]
                 why = lines[-1].strip() if lines else "no output"

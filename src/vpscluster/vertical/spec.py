@@ -45,10 +45,6 @@ from typing import Any, Literal
 from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, load_yaml, to_dict
 from vpscluster.errors import UserError
 
-LOSSES = ("cross_entropy", "mse", "bce_with_logits")
-OPTIMIZERS = ("sgd", "adam")
-
-
 @dataclass
 class OptimizerSpec:
     __pydantic_config__ = PYDANTIC_CONFIG
@@ -175,6 +171,29 @@ def import_callable(ref: str, where: str):
     if not callable(obj):
         raise UserError(f"{where}: {ref} is not callable")
     return obj
+
+
+def code_paths(spec: Spec) -> list[str]:
+    """The files or package folders holding the spec's callables, outside vpscluster itself: what a
+    remote node needs to import them (top-level packages, so their relative imports work)."""
+    import importlib.util
+    import os
+
+    import vpscluster
+
+    own = os.path.dirname(os.path.abspath(vpscluster.__file__))
+    refs = [*(r for t in spec.towers.values() for r in (t.module, t.features)), spec.head.module]
+    out: set[str] = set()
+    for ref in refs:
+        top = ref.partition(":")[0].split(".")[0]
+        found = importlib.util.find_spec(top)
+        if found is None or found.origin in (None, "built-in", "frozen"):
+            continue
+        path = os.path.dirname(found.origin) if found.submodule_search_locations else found.origin
+        if os.path.abspath(path) == own or "site-packages" in path or "dist-packages" in path:
+            continue  # vpscluster is shipped anyway; installed libraries must be installed on the node
+        out.add(os.path.abspath(path))
+    return sorted(out)
 
 
 def build_module(spec: Spec, component: str):
