@@ -224,3 +224,21 @@ def test_tower_killed_resumes_from_its_checkpoint(products_data, tmp_path):
                          weights_only=True)
         for name in ref:
             assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-6), f"{stage}.{name}"
+
+
+def test_only_the_code_the_spec_names_travels(tmp_path, monkeypatch):
+    """A remote node gets the spec's own packages and module files, not the folder they sit in
+    (which may hold the dataset); vpscluster's and installed libraries' modules are not listed."""
+    from vpscluster.vertical import products, spec
+
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "towers.py").write_text("def text_tower(**kw):\n    pass\n")
+    (tmp_path / "fusion.py").write_text("def head(**kw):\n    pass\n")
+    (tmp_path / "products.jsonl").write_text("{}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    doc = products.spec_doc("x", ["a"], "a")
+    doc["towers"]["text"]["module"] = "mypkg.towers:text_tower"
+    doc["towers"]["text"]["features"] = "torch.nn:Identity"
+    doc["head"]["module"] = "fusion:head"
+    assert spec.code_paths(spec.from_dict(doc)) == [str(tmp_path / "fusion.py"), str(tmp_path / "mypkg")]
