@@ -119,8 +119,10 @@ class StrategyConfig:
     # max(speeds) / max_spread (0 = no rule). `node_speeds`: per-rank speed of the ranks on each
     # node, by node name - what `train --balance` without `speeds` starts from, filled in by the
     # launcher from the cluster's last probe (`speeds`, per rank, wins); each rank looks up its node.
+    # `balance` None (the default): the launcher decides (`launch/balance.py`: on, with a split it
+    # chooses, when the probe shows ranks more than 15% apart; else False); --no-balance: False.
     micro_batches: Int = 0
-    balance: bool = False
+    balance: bool | None = None
     speeds: list[Float] | None = None
     node_speeds: dict[str, Float] | None = None
     min_share: Int = 1
