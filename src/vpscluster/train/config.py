@@ -174,7 +174,8 @@ class StrategyConfig:
             raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
-                "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"
+                "--balance or --speeds needs --micro-batches N (micro-batches per step in all, at least one per "
+                "rank); or give none of them: train balances by default when the probe shows uneven nodes"
             )
 
 
