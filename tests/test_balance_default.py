@@ -35,9 +35,15 @@ def test_diloco_keeps_the_inner_step_and_the_round():
     # H = 20: k = 4 already comes within 10%, so a round is 5 steps of 16.
     c = choose_split(ISSUE, batch_size=4, micro_batches_are_steps=True, sync_every=20)
     assert (c.micro_batches, c.sync_every, c.shares) == (16, 5, (5, 5, 5, 1))
-    # Streaming fragments need a step each: k never leaves fewer steps a round than fragments.
-    c = choose_split(ISSUE, batch_size=4, micro_batches_are_steps=True, sync_every=10, fragments=5)
+    # A round keeps the steps it needs (fragments, an overlapped sync): here 5, so k = 2.
+    c = choose_split(ISSUE, batch_size=4, micro_batches_are_steps=True, sync_every=10, min_round_steps=5)
     assert c.sync_every == 5 and c.micro_batches == 8
+    # Speeds 3.6x apart: only k = 10 (rounds of one step, whose sync cannot overlap) comes within
+    # 10%; rounds of at least 2 steps keep the overlapped sync, at the best gap they allow.
+    skewed = [0.462, 0.4594, 0.4913, 0.1359]
+    assert choose_split(skewed, 4, True, 10).sync_every == 1
+    c = choose_split(skewed, 4, True, 10, min_round_steps=2)
+    assert (c.sync_every, c.shares) == (2, (6, 6, 7, 1)) and GAP_HINT < c.gap < 0.11
 
 
 def test_even_enough_or_too_coarse_is_no_split():

@@ -43,7 +43,9 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     s = cfg.strategy
     per_rank = [speeds[name] for name, n in ranks.items() for _ in range(n)]
     steps = get_strategy_class(s.name).micro_batches_are_steps
-    choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, s.fragments,
+    # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
+    round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
+    choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
                           max(1, s.min_share), s.max_spread)
     if choice is None:
         s.balance = False  # decided: the even split is as good
