@@ -107,7 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
     uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")
-    uneven.add_argument("--balance", action="store_true", default=None, help="measure each rank's speed as it trains and re-split the micro-batches when it changes")
+    uneven.add_argument("--balance", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure each rank's speed as it trains and re-split the micro-batches when it changes "
+                             "(default: on, with a split chosen from the probe, when the nodes' speeds differ by more "
+                             "than 15%%; --no-balance: the even split, every rank waits for the slowest)")
     uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last probe, else even)")
     uneven.add_argument("--min-share", type=int, metavar="N", help=f"micro-batches every rank keeps (default {s.min_share})")
     uneven.add_argument("--max-spread", type=float, metavar="X", help=f"treat no rank as more than X times slower than the fastest (default {s.max_spread:g}; 0 = no bound)")
@@ -256,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
                                       given=None if args.resume is not None else given_strategy_keys(args))
     if prepared.strategy_reason:
         out.print(prepared.strategy_line(bold=True))
-    if prepared.speeds_note:
+    if prepared.speeds_note and not args.dry_run:  # a dry run lists it with its notes
         out.print(prepared.speeds_note, markup=False, soft_wrap=True)
     if args.detach:
         if not args.dry_run:  # refused here, before "started": the launcher would only fail in the background

@@ -119,8 +119,10 @@ class StrategyConfig:
     # max(speeds) / max_spread (0 = no rule). `node_speeds`: per-rank speed of the ranks on each
     # node, by node name - what `train --balance` without `speeds` starts from, filled in by the
     # launcher from the cluster's last probe (`speeds`, per rank, wins); each rank looks up its node.
+    # `balance` None (the default): the launcher decides (`launch/balance.py`: on, with a split it
+    # chooses, when the probe shows ranks more than 15% apart; else False); --no-balance: False.
     micro_batches: Int = 0
-    balance: bool = False
+    balance: bool | None = None
     speeds: list[Float] | None = None
     node_speeds: dict[str, Float] | None = None
     min_share: Int = 1
@@ -172,7 +174,8 @@ class StrategyConfig:
             raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
-                "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"
+                "--balance or --speeds needs --micro-batches N (micro-batches per step in all, at least one per "
+                "rank); or give none of them: train balances by default when the probe shows uneven nodes"
             )
 
 
