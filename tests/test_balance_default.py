@@ -106,11 +106,13 @@ def uneven_cluster(tmp_path):
                     "workdir: /srv/vpscluster}\nnodes:\n"
                     + "".join(f"  - {{name: node-{i}, host: 203.0.113.{10 + i}}}\n" for i in range(1, 5)))
 
-    def probe(flops: list[float]) -> None:
+    def probe(flops: list[float], cpu_shares: list[float] | None = None) -> None:
         c = load_cluster(str(path))
+        nodes = [{"name": f"node-{i + 1}", "flops": f, "gpus": []} for i, f in enumerate(flops)]
+        for node, share in zip(nodes, cpu_shares or []):
+            node["cpu_share"] = share
         save_probe(c, {"cluster": {"fingerprint": fingerprint(c)}, "probed_at_unix": time.time(), "links": [],
-                       "problems": [], "nodes": [{"name": f"node-{i + 1}", "flops": f, "gpus": []}
-                                                 for i, f in enumerate(flops)]})
+                       "problems": [], "nodes": nodes})
 
     probe([f * 1e11 for f in ISSUE])
     return path, probe
@@ -133,6 +135,11 @@ def test_dry_run_says_balancing_in_one_line_and_no_balance_turns_it_off(cli, une
     assert _dry(cli, cluster, "--strategy", "ddp", "--speeds", "1,1,1,1", "--micro-batches", "8") == []
     probe([4.5e10, 4.5e10, 4.5e10, 4.0e10])  # 12.5% apart: the even split
     assert _dry(cli, cluster, "--strategy", "ddp") == []
+    # The same CPU share everywhere: a 3x spread in the quick FLOP/s is a busy host's noise.
+    probe([f * 1e11 for f in ISSUE], cpu_shares=[0.45] * 4)
+    assert _dry(cli, cluster, "--strategy", "ddp") == []
+    probe([f * 1e11 for f in ISSUE], cpu_shares=[0.45, 0.45, 0.45, 0.15])  # and the shares say it is not
+    assert len(_dry(cli, cluster, "--strategy", "ddp")) == 1
     assert list(cluster.parent.glob("runs")) == []  # a dry run creates nothing
 
 

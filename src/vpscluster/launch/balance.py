@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from vpscluster.plan.balance import balance_line, choose_split, scaled_steps
+from vpscluster.plan.balance import balance_line, choose_split, needs_balance, scaled_steps
 
 # TrainConfig's settings counted in steps: with DiLoCo's finer split a step carries k even steps'
 # tokens, so these are divided by k to train the same tokens on the same schedule.
@@ -28,12 +28,31 @@ def undecided(cfg) -> bool:
     return s.balance is None and not s.micro_batches and s.speeds is None and not s.node_speeds
 
 
+def capacities_differ(probe: dict | None, names: list[str]) -> bool:
+    """Do the nodes differ in what they have (CPU cores they really get, GPUs), not only in a
+    measurement? The probe's quick FLOP/s figure of identical nodes can differ by more than
+    SPREAD on a busy host (seen: 2.7x and 4.3x for a 3x quota), and balancing identical nodes
+    on noise would change a DiLoCo run's step counts for nothing. Unknown facts count as
+    different (the measurement decides)."""
+    nodes = {n.get("name"): n for n in (probe or {}).get("nodes", []) or [] if isinstance(n, dict)}
+    facts = [nodes.get(name) or {} for name in names]
+    gpus = [sorted(str(g.get("name", "")) for g in f.get("gpus") or [] if isinstance(g, dict)) for f in facts]
+    if any(g != gpus[0] for g in gpus):
+        return True
+    if gpus[0]:
+        return False  # the same GPUs on every node: they do the work
+    shares = [f.get("cpu_share") for f in facts]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in shares):
+        return True
+    return needs_balance(shares)
+
+
 def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None) -> str | None:
     """Decide for an `undecided` run from `probe` (a probe document: its nodes' FLOP/s or CPU
     shares) and `ranks` (ranks per node); change `cfg` in place and return the one line to say
     (None: nothing to say - already decided, no figures yet, or even enough)."""
     from vpscluster.train.shares import node_speeds_from_probe
-    from vpscluster.train.strategies import get_strategy_class
+    from vpscluster.train.strategies import costs_for
 
     if not undecided(cfg) or not ranks:
         return None
@@ -41,8 +60,11 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     if speeds is None:
         return None  # not every node measured: decide later (pre-flight's probe) or stay even
     s = cfg.strategy
+    if not capacities_differ(probe, list(ranks)):
+        s.balance = False  # the same CPUs and GPUs everywhere: a spread in the quick FLOP/s is noise
+        return None
     per_rank = [speeds[name] for name, n in ranks.items() for _ in range(n)]
-    steps = get_strategy_class(s.name).micro_batches_are_steps
+    steps = costs_for(s.name).micro_batches_are_steps
     # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
     round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
     choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
