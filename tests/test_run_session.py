@@ -46,11 +46,31 @@ def test_run_strategy_diloco_cuts_bytes_against_ddp_and_both_learn(tmp_path):
     assert sum(diloco["bytes_sent"]) * 8 < sum(ddp["bytes_sent"])
 
 
-def test_run_refuses_auto_for_a_script_in_one_line(tmp_path):
-    r = run_cli("run", "--nodes", "2", "--strategy", "auto", "--run-dir", str(tmp_path / "r"), *ARGS,
-                cwd=str(REPO), timeout=60)
-    assert r.returncode != 0 and "--strategy auto" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "r").exists()
+def test_run_strategy_auto_chooses_on_measured_steps_the_same_on_every_rank(tmp_path):
+    """`run --nodes 2 --strategy auto`: the ranks train DDP for the measured window, then run what
+    the rule chose on their gathered figures; report.json holds the choice, one line says it on
+    rank 0, the rule gives the same answer again on the recorded figures, and every rank ends
+    with the same weights."""
+    from vpscluster.plan import auto
+    from vpscluster.session.auto import WARMUP_STEPS, WINDOW_STEPS
+
+    report, losses, settings, out = _run(tmp_path, "auto", "--strategy", "auto")
+    choice = report["strategy_choice"]
+    assert settings["strategy"]["name"] == "auto" and settings["auto"]["bandwidth_bytes_s"] > 0
+    assert choice["at_step"] == WARMUP_STEPS + WINDOW_STEPS
+    assert report["strategy"] == choice["settings"]["name"]
+    said = [line for line in out.splitlines() if "strategy auto -> " in line]
+    assert len(said) == 1 and said[0].endswith(choice["reason"]), said
+    m = choice["measured"]
+    again, reason = auto.choose_measured(m["compute_s"], m["comm_s"], m["num_params"], 2,
+                                         settings["auto"]["bandwidth_bytes_s"], settings["auto"]["latency_s"],
+                                         ddp_bytes_per_step=m["bytes_per_step"], overlap_steps=1)
+    assert again == choice["settings"] and choice["reason"].startswith(reason)
+    if report["strategy"] == "diloco":
+        assert report["strategy_details"]["sync_every"] == choice["settings"]["sync_every"]
+    assert m["num_params"] == 6852  # SmallCNN's parameters, counted by the session at setup
+    assert len({r["model_sha256"] for r in report["per_rank"]}) == 1
+    assert report["final_train_loss"] < 0.8 * sum(losses[:3]) / 3, losses
 
 
 def test_example_runs_as_a_plain_script():

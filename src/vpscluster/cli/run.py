@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = StrategyConfig()
     g = p.add_argument_group("for scripts that use the session API (vpscluster.session)")
     g.add_argument("--strategy", choices=strategy_choices("name"),
-                   help=f"ddp: all-reduce every step; diloco: sync every H steps (default {d.name})")
+                   help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: the session times its first DDP "
+                   f"steps and the sync rule chooses on them and the cluster's links (default {d.name})")
     g.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {d.compress})")
     g.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {d.sync_every})")
     g.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {d.wire_dtype})")
