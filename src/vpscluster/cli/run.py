@@ -150,6 +150,13 @@ def run(args: argparse.Namespace) -> int:
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
                      join_timeout_s=args.join_timeout, say=make_say(console), session=session,
                      in_place=args.nodes is not None)
+    hint = None
+    if job.program.kind == "script":  # the hand-written mp.spawn + MASTER_ADDR recipe: one line on what to change
+        from vpscluster.launch.script_hints import hint as script_hint
+
+        hint = script_hint(os.path.join(os.path.abspath(args.sync or os.getcwd()), job.program.target))
+        if hint:
+            print(hint, file=sys.stderr, flush=True)
     if args.dry_run:
         doc = dry_run(job)
         emit_json(doc) if args.json else print_dry_run(doc, console)
@@ -160,5 +167,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_summary(result, console)
     if result.error:
-        print(f"vpscluster run: error: {result.error}", file=sys.stderr)
+        cause = f" (likely cause: the script's own rendezvous: {hint.removeprefix('hint: ')})" if hint else ""
+        print(f"vpscluster run: error: {result.error}{cause}", file=sys.stderr)
     return result.exit_status
