@@ -126,3 +126,21 @@ def test_hugging_face_transformer_example_learns_under_ddp_with_identical_weight
     assert report["strategy"] == "ddp" and report["world_size"] == 2 and report["steps"] == 1024 // (2 * 16) == len(losses)
     assert len({r["model_sha256"] for r in report["per_rank"]}) == 1
     assert report["final_train_loss"] < 0.8 * sum(losses[:3]) / 3, losses
+
+
+def test_run_strategy_auto_resumes_with_the_choice_it_made(tmp_path):
+    """A checkpoint after the choice holds it: `run --resume RUN_DIR --strategy auto` runs the
+    chosen strategy from the first step again (no new measuring), and the ranks end equal."""
+    run_dir = tmp_path / "auto"
+    args = ("--", "python", "examples/image_classifier.py", "--samples", "1024")
+    first = run_cli("run", "--nodes", "2", "--run-dir", str(run_dir), "--strategy", "auto", "--checkpoint-every", "10",
+                    *args, "--epochs", "1", cwd=str(REPO), timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    made = json.loads((run_dir / "report.json").read_text())["strategy_choice"]
+    r = run_cli("run", "--nodes", "2", "--resume", str(run_dir), "--strategy", "auto", "--checkpoint-every", "10",
+                *args, "--epochs", "2", cwd=str(REPO), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["resumed_from_step"] == 16 and report["steps"] == 32
+    assert report["strategy_choice"] == made and report["strategy"] == made["settings"]["name"]
+    assert len({p["model_sha256"] for p in report["per_rank"]}) == 1
