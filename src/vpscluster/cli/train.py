@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vpscluster.cli import detach
 from vpscluster.cli.output import add_json_flag
 
 # flag dest -> dotted TrainConfig key
@@ -127,10 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--insecure-network", action="store_true", default=None,
                      help="cluster: launch even over public addresses without an overlay (the rendezvous store and gloo are unauthenticated)")
     run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
-    run.add_argument("--detach", action="store_true",
-                     help="check everything, start the launcher in the background and return: it prints the run "
-                          "directory; follow it with `vpscluster attach RUN`, stop it with `vpscluster stop RUN`")
-    run.add_argument("--detached-child", action="store_true", help=argparse.SUPPRESS)  # the launcher --detach starts
+    detach.add_arguments(run, "run")
     add_json_flag(parser)
 
 
@@ -200,45 +198,7 @@ def resolve_resume(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.detached_child:
-        return _run(args)
-    from vpscluster.errors import UserError
-    from vpscluster.launch import detached
-
-    run_dir = args.resume or args.run_dir  # the parent always names it
-    try:
-        status = _run(args)
-    except UserError as e:
-        detached.finish(run_dir, e.exit_code, str(e))
-        raise
-    except BaseException as e:
-        detached.finish(run_dir, 1, f"{type(e).__name__}: {e}")
-        raise
-    detached.finish(run_dir, status, None)
-    return status
-
-
-def _detach(args: argparse.Namespace, prepared, out) -> int:
-    """Start this same command again, in the background, as the run's launcher."""
-    from vpscluster.cli.output import emit_json
-    from vpscluster.launch import detached
-
-    if args.dry_run:
-        from vpscluster.errors import UserError
-
-        raise UserError("--detach and --dry-run do not go together; drop one")
-    argv = [a for a in args._argv if a not in ("--detach", "--json")]
-    if args.resume is None and args.run_dir is None:  # the run dir picked here is the one it uses
-        argv += ["--run-dir", str(prepared.run_dir)]
-    state = detached.start(prepared.run_dir, argv + ["--detached-child"])
-    run_dir = str(prepared.run_dir)
-    doc = {"run_id": prepared.run_dir.name, "run_dir": run_dir, "pid": state["pid"], "log": state["log"]}
-    if args.json:
-        emit_json(doc)
-    else:
-        out.print(f"started in the background: {run_dir} (launcher pid {state['pid']}, log {state['log']})")
-        out.print(f"follow it: vpscluster attach {run_dir}    stop it: vpscluster stop {run_dir}")
-    return 0
+    return detach.run_as_child(args, args.resume or args.run_dir, lambda: _run(args))  # the parent always names the run dir
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -268,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
             require_safe_network(prepared.cluster)
             if not args.json and not prepared.local:  # the background launcher says it again in its log
                 out.print(prepared.recovery().line(), markup=False, soft_wrap=True)
-        return _detach(args, prepared, out)
+        return detach.start(args, prepared.run_dir, out, run_dir_given=args.resume is not None or args.run_dir is not None)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run
 
