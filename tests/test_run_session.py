@@ -51,7 +51,7 @@ def test_run_strategy_auto_chooses_on_measured_steps_the_same_on_every_rank(tmp_
     the rule chose on their gathered figures; report.json holds the choice, one line says it on
     rank 0, the rule gives the same answer again on the recorded figures, and every rank ends
     with the same weights."""
-    from vpscluster.plan import auto
+    from vpscluster.train.strategies import sync_rule as auto
     from vpscluster.session.auto import WARMUP_STEPS, WINDOW_STEPS
 
     report, losses, settings, out = _run(tmp_path, "auto", "--strategy", "auto")

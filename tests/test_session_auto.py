@@ -1,5 +1,5 @@
 """`--strategy auto` for a user's script: the pure choice on measured figures
-(`plan.auto.choose_measured`) and the module the session hands back (`session.auto.Switchable`).
+(`train.strategies.sync_rule.choose_measured`) and the module the session hands back (`session.auto.Switchable`).
 The choice on real ranks: tests/test_run_session.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from vpscluster.plan import sync_rule
-from vpscluster.plan.auto import choose_measured
+from vpscluster.train.strategies import sync_rule
+from vpscluster.train.strategies.sync_rule import choose_measured
 
 P = 1_000_000  # parameters
 MBIT = 1e6 / 8  # bytes/s per Mbit/s

@@ -5,7 +5,7 @@ session.json); the session knows the model (`s.setup(model)`: its parameter coun
 it. A user's model has no FLOP count the plan could predict a step from, so the session measures
 one: it trains the first steps with DDP, and after `WARMUP_STEPS` + `WINDOW_STEPS` steps every
 rank gathers every rank's median compute and exposed all-reduce time per step over the window.
-The slowest rank's figures go into one pure rule (`plan.auto.choose_measured`), so every rank
+The slowest rank's figures go into one pure rule (`train.strategies.sync_rule.choose_measured`), so every rank
 decides alike at the same step, with no broadcast: DDP stays when its communication is within
 the sync rule's target share of a step and keeps the egress quotas, else DiLoCo with the sync
 rule's H, wire and outer optimizer on the measured step.
@@ -71,8 +71,8 @@ class AutoChoice:
 
 def choose(session, summaries: list[dict[str, float]]) -> dict[str, Any]:
     """The choice on every rank's window (gathered: the same list on every rank)."""
-    from vpscluster.plan import sync_rule
-    from vpscluster.plan.auto import choose_measured
+    from vpscluster.train.strategies import sync_rule
+    from vpscluster.train.strategies.sync_rule import choose_measured
 
     cfg = session.cfg
     inputs = cfg.auto
