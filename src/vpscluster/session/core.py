@@ -63,7 +63,7 @@ class Session:
         if s.micro_batches and s.name == "ddp":
             raise UserError("uneven shares (--micro-batches) in a session need --strategy diloco for now; "
                             "with ddp leave them out")
-        self.strategy = get_strategy_class(s.name)(s, self.ctx)
+        self.strategy = get_strategy_class(s.name, s.quorum)(s, self.ctx)
         self.shares = None
         if s.micro_batches:
             from vpscluster.train.shares import ShareController
@@ -120,7 +120,12 @@ class Session:
         return self.ctx.rank == 0
 
     def _shares(self) -> list[int]:
-        return list(self.shares.shares) if self.shares is not None else [1] * self.world_size
+        """Micro-batches per data shard in a step (one per rank, unless uneven shares)."""
+        return list(self.shares.shares) if self.shares is not None else [1] * self.strategy.data_shard()[1]
+
+    def _shard_index(self) -> int:
+        """The data shard this rank reads: its rank (the quorum engine: its replica group's)."""
+        return self.strategy.data_shard()[0]
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if self.ctx.group is None:
@@ -147,7 +152,16 @@ class Session:
             raise UserError("session.setup() was called twice; set up one model per session")
         self.model = self.strategy.setup(model.to(self.device))
         self._plain = self.strategy.unwrap()
+        self.strategy.join(lambda: {"steps": self.steps, "data": dict(self._data)})
+        self._follow()
         return self.model
+
+    def _follow(self) -> None:
+        """A replica that healed from a peer (the quorum engine) goes on from the peer's place."""
+        moved = self.strategy.moved_to()
+        if moved:
+            self.steps = int(moved["steps"])
+            self._data.update(moved["data"])  # in place: a running `shard` loop reads this dict
 
     def shard(self, dataset, batch_size: int, collate: Callable[[list], Any] | None = None):
         """This rank's batches of `dataset`, one epoch per `for` (session/shard.py)."""
@@ -200,6 +214,7 @@ class Session:
             return
         self.steps += 1
         strategy.step(optimizer, self.steps)
+        self._follow()
         if strategy.is_sync_point(self.steps):  # ddp: every step; diloco: where an outer update lands
             budget = self.cfg.time_budget_s
             over = budget is not None and self._vote.budget_spent(self.steps, time.perf_counter() - self._began, budget)

@@ -126,6 +126,14 @@ class StrategyConfig:
     min_share: Int = 1
     max_spread: Float = 8.0
     rebalance_every: Int = 5
+    # diloco on a quorum (torchft's Manager, `strategies/quorum_diloco.py`): each replica group
+    # (a node) trains on whoever is present; a dead one is dropped at the next sync, a returning
+    # or new one heals from a peer. The outer syncs wait for at least `quorum_min_replicas`
+    # replica groups, and a quorum not formed within `quorum_timeout_s` ends the replica (the
+    # relaunch path takes over).
+    quorum: bool = False
+    quorum_min_replicas: Int = 2
+    quorum_timeout_s: Float = 60.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,10 +178,22 @@ class StrategyConfig:
             raise UserError(f"strategy.speeds must be positive numbers, one per rank, got {self.speeds}")
         if self.node_speeds is not None and (not self.node_speeds or any(v <= 0 for v in self.node_speeds.values())):
             raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
+        if self.quorum:
+            self._validate_quorum()
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
                 "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"
             )
+
+    def _validate_quorum(self) -> None:
+        if self.name != "diloco":
+            raise UserError(f"strategy.quorum needs --strategy diloco for now (got {self.name}); leave quorum off for ddp")
+        if self.fragments != 1 or self.micro_batches or self.wire_dtype.startswith("sparse"):
+            raise UserError("strategy.quorum runs whole-model syncs on an fp32, bf16 or int8 wire: leave fragments at 1, "
+                            "micro_batches at 0 and choose a dense wire_dtype")
+        if self.quorum_min_replicas < 1 or self.quorum_timeout_s <= 0:
+            raise UserError(f"strategy.quorum_min_replicas must be >= 1 and quorum_timeout_s positive, got "
+                            f"{self.quorum_min_replicas} and {self.quorum_timeout_s:g}")
 
 
 @dataclass
