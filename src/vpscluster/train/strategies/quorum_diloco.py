@@ -34,8 +34,7 @@ starts its inner optimizer afresh (its state is not sent).
 The lighthouse's failure: the replicas finish the round they are in (a reduction and a commit
 need no lighthouse), and the next quorum fails after `quorum_timeout_s` with one line naming the
 lighthouse; the process exits non-zero and the launcher's relaunch path (`--max-restarts`) takes
-over. A lighthouse started again at the same address within that time is picked up at the next
-quorum.
+over (`launch/lighthouse.py` says why a restarted lighthouse does not rescue the running job).
 
 Where things come from (set by the launcher, or by hand for local processes):
 `TORCHFT_LIGHTHOUSE` (torchft's own variable: http://HOST:PORT), `VPSC_REPLICA_GROUP`
