@@ -182,12 +182,14 @@ def test_settings_the_quorum_engine_cannot_take_are_refused_in_one_line(monkeypa
     from vpscluster.config import build
     from vpscluster.train.strategies import get_strategy_class
     from vpscluster.train.strategies.base import DistContext
-    from vpscluster.train.config import StrategyConfig
+    from vpscluster.train.config import StrategyConfig, TrainConfig
 
     with pytest.raises(UserError, match="quorum needs --strategy diloco"):
         build(SessionConfig, {"strategy": {"name": "ddp", "quorum": True}}, "test")
     with pytest.raises(UserError, match="leave fragments at 1"):
         StrategyConfig(name="diloco", quorum=True, wire_dtype="sparse4")
+    with pytest.raises(UserError, match="built-in `train` does not run on a quorum yet"):
+        TrainConfig(strategy=StrategyConfig(name="diloco", quorum=True))
     with pytest.raises(UserError, match="has no quorum engine yet"):
         get_strategy_class("ddp", quorum=True)
     cls = get_strategy_class("diloco", quorum=True)
