@@ -75,7 +75,7 @@ class Session:
                                 "`vpscluster run --strategy auto`, or give ddp or diloco")
             s = dataclasses.replace(s, name="ddp")
             self.auto = AutoChoice()
-        self.strategy = get_strategy_class(s.name)(s, self.ctx)
+        self.strategy = get_strategy_class(s.name, s.quorum)(s, self.ctx)
         self.shares = None
         if s.micro_batches:
             from vpscluster.train.shares import ShareController
@@ -132,7 +132,12 @@ class Session:
         return self.ctx.rank == 0
 
     def _shares(self) -> list[int]:
-        return list(self.shares.shares) if self.shares is not None else [1] * self.world_size
+        """Micro-batches per data shard in a step (one per rank, unless uneven shares)."""
+        return list(self.shares.shares) if self.shares is not None else [1] * self.strategy.data_shard()[1]
+
+    def _shard_index(self) -> int:
+        """The data shard this rank reads: its rank (the quorum engine: its replica group's)."""
+        return self.strategy.data_shard()[0]
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if self.ctx.group is None:
@@ -159,6 +164,8 @@ class Session:
             raise UserError("session.setup() was called twice; set up one model per session")
         self.model = self.strategy.setup(model.to(self.device))
         self._plain = self.strategy.unwrap()
+        self.strategy.join(lambda: {"steps": self.steps, "data": dict(self._data)})
+        self._follow()
         if self.auto is not None:  # a module whose forward follows the strategy chosen later
             from vpscluster.session.auto import Switchable
 
@@ -181,6 +188,13 @@ class Session:
         auto.switch(self, made)
         if self.is_main:
             print(f"strategy auto -> {made['reason']}", flush=True)
+
+    def _follow(self) -> None:
+        """A replica that healed from a peer (the quorum engine) goes on from the peer's place."""
+        moved = self.strategy.moved_to()
+        if moved:
+            self.steps = int(moved["steps"])
+            self._data.update(moved["data"])  # in place: a running `shard` loop reads this dict
 
     def shard(self, dataset, batch_size: int, collate: Callable[[list], Any] | None = None):
         """This rank's batches of `dataset`, one epoch per `for` (session/shard.py)."""
@@ -233,6 +247,7 @@ class Session:
             return
         self.steps += 1
         strategy.step(optimizer, self.steps)
+        self._follow()
         if strategy.is_sync_point(self.steps):  # ddp: every step; diloco: where an outer update lands
             budget = self.cfg.time_budget_s
             over = budget is not None and self._vote.budget_spent(self.steps, time.perf_counter() - self._began, budget)
