@@ -238,6 +238,9 @@ def test_shard_splits_each_epoch_anew_and_covers_every_sample_once():
         def _shares(self):
             return [1, 1]
 
+        def _shard_index(self):
+            return self.rank
+
     from vpscluster.session.shard import ShardLoader
 
     data = list(range(50))

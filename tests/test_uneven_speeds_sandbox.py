@@ -1,6 +1,8 @@
 """`train --balance` on the sandbox starts from the probe's speeds: two nodes at 0.75 and 0.25
 core, probed for real, train two steps (no rebalancing look yet) and the starting shares are
-those the probe's FLOP/s give - about 3:1 of 8 micro-batches, not 4:4. Before the probe, a
+those the probe's FLOP/s give - about 3:1 of 8 micro-batches, not 4:4. With no flag at all the
+run balances by default (3:1 is over 15%): one line, the slow node's rank gets fewer micro-batches
+of the same global batch (decided from pre-flight's probe: the sandbox has none yet). A
 `--speeds` list of the wrong length is refused after pre-flight, before anything is created.
 The sandbox is named "[test prefix]us-...".
 """
@@ -13,6 +15,7 @@ import secrets
 import pytest
 
 import sandbox_fixtures
+from vpscluster.plan.balance import choose_split
 from vpscluster.train.shares import split
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -24,6 +27,28 @@ def test_starting_shares_follow_the_probe(make_sandbox, cli, tmp_path):
     info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.75,0.25", name=name)
     train = ("train", "--cluster", info.cluster_file, "--max-steps", "2", "--batch-size", "1",
              "--micro-batches", "8", "--eval-every", "1000")
+
+    # No flag at all, as a new user: no probe yet, so pre-flight takes a quick one; its ~3:1 is
+    # over 15%, so the run balances by default and says so in one line: tiny's global batch of
+    # 2 x 16 sequences in finer micro-batches, the slow node's rank fewer.
+    slow, fast = info.nodes[1].name, info.nodes[0].name
+    r = cli("train", "--cluster", info.cluster_file, "--preset", "tiny", "--strategy", "ddp", "--max-steps", "2",
+            "--eval-every", "1000", "--run-dir", str(tmp_path / "default"), "--json", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "balancing: " in line]
+    assert len(lines) == 1 and f"balancing: {slow} is " in lines[0] and f"x slower than {fast}" in lines[0], r.stderr
+    assert "micro-batches " in lines[0] and "(--no-balance to turn off)" in lines[0]
+    report = json.loads(r.stdout)
+    assert report["balance"] is True and report["rebalances"] == 0
+    assert max(report["speeds"]) > 1.5 * min(report["speeds"])  # pre-flight's probe: the quotas are felt
+    chosen = choose_split(report["speeds"], 16, micro_batches_are_steps=False)
+    assert report["micro_batches"] == chosen.micro_batches > 2 and report["shares"] == list(chosen.shares)
+    slow_rank = report["speeds"].index(min(report["speeds"]))
+    assert report["shares"][slow_rank] < report["shares"][1 - slow_rank], report["shares"]
+    config = (tmp_path / "default" / "config.yaml").read_text()
+    # The global batch of 32 sequences is kept, in micro-batches of fewer sequences.
+    assert f"batch_size: {chosen.batch_size}\n" in config and chosen.batch_size * chosen.micro_batches == 32, config
+    assert f"micro-batches {'/'.join(str(v) for v in sorted(chosen.shares, reverse=True))} of " in lines[0], lines
 
     # One rank per node (no GPUs, known only after pre-flight): 3 speeds for 2 ranks is refused.
     bad = cli(*train, "--speeds", "1,1,1", "--run-dir", str(tmp_path / "bad"), timeout=300)
@@ -47,3 +72,4 @@ def test_starting_shares_follow_the_probe(make_sandbox, cli, tmp_path):
     assert sorted(report["shares"]) in ([1, 7], [2, 6]), report["shares"]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["shares"] for m in metrics if "shares" in m] == [report["shares"]] * 2
+

@@ -144,7 +144,8 @@ def _one(sc: Scenario, strategy: str, cluster_file: str, probe_file: Path, run_d
     report = _cli(["train", "--cluster", cluster_file, "--preset", sc.model, "--strategy", strategy,
                    "--max-steps", str(steps), "--sync-every", str(h), "--checkpoint-every", str(steps),
                    "--eval-every", str(steps), "--threads-per-rank", str(THREADS), "--config", str(cfg), "--run-dir", str(run_dir), "--json",
-                   "--max-restarts", "0"],  # a row measures one launch (recovery is on by default)
+                   "--max-restarts", "0",  # a row measures one launch (recovery is on by default)
+                   "--no-balance"],  # the even split, which the plan predicts (uneven scenarios would balance)
                   timeout_s=900)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     per_step = [m for m in metrics if "step_seconds" in m]

@@ -52,11 +52,7 @@ def main(argv: list[str]) -> int:
         inner.load_state_dict(sd["inner"])
         outer.load_state_dict(sd["outer"])
 
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class Transport(HTTPTransport):  # torchft 0.2.0 advertises socket.gethostname(), which peers may not resolve
-        def address(self) -> str:
-            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+    from vpscluster.train.strategies.quorum_diloco import checkpoint_transport
 
     store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=2, use_async_quorum=False,
@@ -64,7 +60,7 @@ def main(argv: list[str]) -> int:
                       store_addr=address, store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                       hostname=address, timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
                       connect_timeout=timedelta(seconds=10),
-                      checkpoint_transport=Transport(timeout=timedelta(seconds=10), num_chunks=0))
+                      checkpoint_transport=checkpoint_transport(address, 10))
     data = torch.Generator().manual_seed(1000 + int(rid))  # each replica its own batches
     with open(log_path, "a") as log, DiLoCo(manager, [model], inner, outer, sync_every=sync_every) as diloco:
         while manager.current_step() < steps:

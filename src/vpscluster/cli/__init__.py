@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("vpscluster.cli.bench", "run a benchmark scenario and write its table"),
     "monitor": ("vpscluster.cli.monitor", "Prometheus for a cluster: up, down, status, a Grafana dashboard"),
     "queue": ("vpscluster.cli.queue", "the message queue (NATS JetStream) on the head: up, down, status"),
+    "vertical": ("vpscluster.cli.vertical", "a model split by columns: towers on their nodes, a fusion head, over the queue"),
     "top": ("vpscluster.cli.top", "a live view of every node and the current run (from Prometheus)"),
     "report": ("vpscluster.cli.report", "write RUN_DIR/report.html: where the time and the bytes of a run went"),
     "logs": ("vpscluster.cli.logs", "print what every node and rank of a run printed (--follow, --node, --rank, --tail)"),

@@ -1,4 +1,4 @@
-"""`vpscluster attach RUN`: follow a run started with `train --detach` until it ends.
+"""`vpscluster attach RUN`: follow a run started with `train --detach` or `run --detach` until it ends.
 
 Prints the launcher's output (RUN_DIR/logs/detached.log) as it grows, and a line per step from
 metrics.jsonl (at most one a second). Ends with the launcher's exit status once it is gone.
@@ -16,7 +16,7 @@ POLL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="the run directory or run id `train --detach` printed")
+    parser.add_argument("run", metavar="RUN", help="the run directory or run id `train --detach` or `run --detach` printed")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "exporters": ("vpscluster.cli.bench_exporters", "tokens/s with and without the Prometheus exporters, side by side"),
     "faults": ("vpscluster.cli.bench_faults", "a scripted schedule of faults during a DiLoCo and a DDP run vs fault-free runs"),
     "overlap": ("vpscluster.cli.bench_overlap", "DiLoCo's overlapped sync against the step: utilisation as the link slows"),
+    "vertical": ("vpscluster.cli.bench_vertical", "the vertical split (products example) at staleness K=0 vs K>=1, side by side"),
     "torchft": ("vpscluster.cli.bench_torchft", "torchft's per-step quorum on gloo/CPU: a replica killed mid-run, then back"),
 }
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from vpscluster.cli import detach
 from vpscluster.cli.output import add_json_flag
 
 
@@ -44,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = StrategyConfig()
     g = p.add_argument_group("for scripts that use the session API (vpscluster.session)")
     g.add_argument("--strategy", choices=strategy_choices("name"),
-                   help=f"ddp: all-reduce every step; diloco: sync every H steps (default {d.name})")
+                   help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: the session times its first DDP "
+                   f"steps and the sync rule chooses on them and the cluster's links (default {d.name})")
     g.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {d.compress})")
     g.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {d.sync_every})")
     g.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {d.wire_dtype})")
@@ -54,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="the session saves a checkpoint every N steps (default: only where the script calls save)")
     g.add_argument("--resume", metavar="RUN_DIR", help="run again in RUN_DIR; the script's session.resume() continues from its newest checkpoint")
+    detach.add_arguments(p, "run (its launcher)")
     add_json_flag(p)
     # dest is not "command": the CLI keeps the subcommand's name there.
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="python script.py ARGS (or any program)")
@@ -116,6 +119,10 @@ def session_settings(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    return detach.run_as_child(args, args.resume or args.run_dir, lambda: _run(args))  # the parent always names the run dir
+
+
+def _run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console as make_console, emit_json
     from vpscluster.errors import UserError
     from vpscluster.launch.pipeline import dry_run, launch
@@ -138,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume RUN_DIR runs in RUN_DIR; drop --run-dir")
     if args.resume and not os.path.isdir(args.resume):
         raise UserError(f"--resume {args.resume}: no such run folder; give the folder a run was started in")
+    if args.resume and not args.dry_run and not args.detached_child:  # one launcher per run
+        from vpscluster.launch import detached
+
+        detached.check_free(args.resume)
     console = make_console(args.json)
     cluster = load(args)
     if args.insecure_network:
@@ -149,6 +160,19 @@ def run(args: argparse.Namespace) -> int:
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
                      join_timeout_s=args.join_timeout, say=make_say(console), session=session,
                      in_place=args.nodes is not None)
+    hint = None
+    if job.program.kind == "script":  # the hand-written mp.spawn + MASTER_ADDR recipe: one line on what to change
+        from vpscluster.launch.script_hints import hint as script_hint
+
+        hint = script_hint(os.path.join(os.path.abspath(args.sync or os.getcwd()), job.program.target))
+        if hint:
+            print(hint, file=sys.stderr, flush=True)
+    if args.detach and not args.dry_run:
+        from vpscluster.cluster.netsafety import require_safe_network
+
+        require_safe_network(job.cluster)  # refused here, not in the background
+        return detach.start(args, job.run_dir, console, run_dir_given=bool(args.resume or args.run_dir),
+                            program=list(args.program))
     if args.dry_run:
         doc = dry_run(job)
         emit_json(doc) if args.json else print_dry_run(doc, console)
@@ -159,5 +183,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_summary(result, console)
     if result.error:
-        print(f"vpscluster run: error: {result.error}", file=sys.stderr)
+        cause = f" (likely cause: the script's own rendezvous: {hint.removeprefix('hint: ')})" if hint else ""
+        print(f"vpscluster run: error: {result.error}{cause}", file=sys.stderr)
     return result.exit_status

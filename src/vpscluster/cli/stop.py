@@ -1,8 +1,8 @@
-"""`vpscluster stop RUN`: stop a run started with `train --detach`, a checkpoint first.
+"""`vpscluster stop RUN`: stop a run started with `train --detach` or `run --detach`, a checkpoint first.
 
 SIGTERM to its launcher: every rank saves a checkpoint at the next step boundary, then every
 process on every node is stopped. Past `--timeout` the launcher is killed (its node-side guards
-still stop the workers). `vpscluster train --resume RUN_DIR` continues the run.
+still stop the workers). `vpscluster train|run --resume RUN_DIR` continues the run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vpscluster.cli.output import add_json_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="the run directory or run id `train --detach` printed")
+    parser.add_argument("run", metavar="RUN", help="the run directory or run id `train --detach` or `run --detach` printed")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="kill the launcher if it has not stopped by then (default: the run's timeouts.stop_grace_s + 60)")
     add_json_flag(parser)
@@ -23,17 +23,16 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console, emit_json
     from vpscluster.errors import UserError
     from vpscluster.launch import detached
-    from vpscluster.train.rundir import read_config
 
     run_dir = detached.find_run(args.run)
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout:g}: give a positive number of seconds")
-    timeout = args.timeout if args.timeout is not None else read_config(run_dir).timeouts.stop_grace_s + 60.0
+    timeout = args.timeout if args.timeout is not None else detached.stop_grace_s(run_dir) + 60.0
     out = console(args.json)
     state = detached.read_state(run_dir) or {}
     if not detached.running(state):
         raise UserError(f"run {run_dir} is not running ({detached.describe_end(state)}); "
-                        f"continue it with: vpscluster train --resume {run_dir} --detach")
+                        f"continue it with: {detached.resume_command(run_dir)}")
     if not args.json:
         out.print(f"stopping {run_dir}: a checkpoint first (up to {timeout:.0f} s)")
     state = detached.stop(run_dir, timeout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vpscluster.cli import detach
 from vpscluster.cli.output import add_json_flag
 
 # flag dest -> dotted TrainConfig key
@@ -107,7 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
     uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")
-    uneven.add_argument("--balance", action="store_true", default=None, help="measure each rank's speed as it trains and re-split the micro-batches when it changes")
+    uneven.add_argument("--balance", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure each rank's speed as it trains and re-split the micro-batches when it changes "
+                             "(default: on, with a split chosen from the probe, when the nodes' speeds differ by more "
+                             "than 15%%; --no-balance: the even split, every rank waits for the slowest)")
     uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last probe, else even)")
     uneven.add_argument("--min-share", type=int, metavar="N", help=f"micro-batches every rank keeps (default {s.min_share})")
     uneven.add_argument("--max-spread", type=float, metavar="X", help=f"treat no rank as more than X times slower than the fastest (default {s.max_spread:g}; 0 = no bound)")
@@ -124,10 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--insecure-network", action="store_true", default=None,
                      help="cluster: launch even over public addresses without an overlay (the rendezvous store and gloo are unauthenticated)")
     run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
-    run.add_argument("--detach", action="store_true",
-                     help="check everything, start the launcher in the background and return: it prints the run "
-                          "directory; follow it with `vpscluster attach RUN`, stop it with `vpscluster stop RUN`")
-    run.add_argument("--detached-child", action="store_true", help=argparse.SUPPRESS)  # the launcher --detach starts
+    detach.add_arguments(run, "run")
     add_json_flag(parser)
 
 
@@ -197,45 +198,7 @@ def resolve_resume(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.detached_child:
-        return _run(args)
-    from vpscluster.errors import UserError
-    from vpscluster.launch import detached
-
-    run_dir = args.resume or args.run_dir  # the parent always names it
-    try:
-        status = _run(args)
-    except UserError as e:
-        detached.finish(run_dir, e.exit_code, str(e))
-        raise
-    except BaseException as e:
-        detached.finish(run_dir, 1, f"{type(e).__name__}: {e}")
-        raise
-    detached.finish(run_dir, status, None)
-    return status
-
-
-def _detach(args: argparse.Namespace, prepared, out) -> int:
-    """Start this same command again, in the background, as the run's launcher."""
-    from vpscluster.cli.output import emit_json
-    from vpscluster.launch import detached
-
-    if args.dry_run:
-        from vpscluster.errors import UserError
-
-        raise UserError("--detach and --dry-run do not go together; drop one")
-    argv = [a for a in args._argv if a not in ("--detach", "--json")]
-    if args.resume is None and args.run_dir is None:  # the run dir picked here is the one it uses
-        argv += ["--run-dir", str(prepared.run_dir)]
-    state = detached.start(prepared.run_dir, argv + ["--detached-child"])
-    run_dir = str(prepared.run_dir)
-    doc = {"run_id": prepared.run_dir.name, "run_dir": run_dir, "pid": state["pid"], "log": state["log"]}
-    if args.json:
-        emit_json(doc)
-    else:
-        out.print(f"started in the background: {run_dir} (launcher pid {state['pid']}, log {state['log']})")
-        out.print(f"follow it: vpscluster attach {run_dir}    stop it: vpscluster stop {run_dir}")
-    return 0
+    return detach.run_as_child(args, args.resume or args.run_dir, lambda: _run(args))  # the parent always names the run dir
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -256,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
                                       given=None if args.resume is not None else given_strategy_keys(args))
     if prepared.strategy_reason:
         out.print(prepared.strategy_line(bold=True))
-    if prepared.speeds_note:
+    if prepared.speeds_note and not args.dry_run:  # a dry run lists it with its notes
         out.print(prepared.speeds_note, markup=False, soft_wrap=True)
     if args.detach:
         if not args.dry_run:  # refused here, before "started": the launcher would only fail in the background
@@ -265,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
             require_safe_network(prepared.cluster)
             if not args.json and not prepared.local:  # the background launcher says it again in its log
                 out.print(prepared.recovery().line(), markup=False, soft_wrap=True)
-        return _detach(args, prepared, out)
+        return detach.start(args, prepared.run_dir, out, run_dir_given=args.resume is not None or args.run_dir is not None)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run
 

@@ -1,4 +1,4 @@
-"""Runs whose launcher works in the background: `train --detach`, `attach RUN`, `stop RUN`.
+"""Runs whose launcher works in the background: `train|run --detach`, `attach RUN`, `stop RUN`.
 
 `train --detach` validates the run as usual, then starts the same `vpscluster train` command as
 a launcher process of its own (a new session, no terminal: closing the terminal or the SSH
@@ -117,7 +117,7 @@ def stop(run_dir: Path, timeout_s: float) -> dict[str, Any]:
     Returns the final state plus "forced": whether it had to be killed."""
     state = read_state(run_dir) or {}
     if not running(state):
-        raise UserError(f"run {run_dir} is not running ({_ended(state)}); continue it with: vpscluster train --resume {run_dir} --detach")
+        raise UserError(f"run {run_dir} is not running ({_ended(state)}); continue it with: {resume_command(run_dir)}")
     pid = state["pid"]
     os.kill(pid, signal.SIGTERM)
     forced = not _wait_gone(state, timeout_s)
@@ -129,6 +129,32 @@ def stop(run_dir: Path, timeout_s: float) -> dict[str, Any]:
         _wait_gone(state, 10.0)
     _reap_if_child(pid)
     return {**(read_state(run_dir) or state), "forced": forced}
+
+
+def resume_command(run_dir: Path) -> str:
+    """How to continue a detached run: `train --resume`, or for a script `run --resume ... -- COMMAND`."""
+    argv = (read_state(run_dir) or {}).get("argv") or ["train"]
+    if argv[0] == "run" and "--" in argv:
+        return f"vpscluster run --resume {run_dir} --detach {' '.join(argv[argv.index('--'):])}"
+    return f"vpscluster train --resume {run_dir} --detach"
+
+
+def stop_grace_s(run_dir: Path) -> float:
+    """How long the run's ranks may take to stop (checkpoint first): its own setting where the
+    run dir holds it (train's config.yaml, a script's session.json), else the default."""
+    from vpscluster.train.config import TimeoutConfig
+
+    run_dir = Path(run_dir)
+    try:
+        if (run_dir / rundir.CONFIG).is_file():
+            return rundir.read_config(run_dir).timeouts.stop_grace_s
+        from vpscluster.session.config import FILE, read
+
+        if (run_dir / FILE).is_file():
+            return read(run_dir / FILE).timeouts.stop_grace_s
+    except UserError:
+        pass  # unreadable: the default
+    return TimeoutConfig().stop_grace_s
 
 
 def _wait_gone(state: dict[str, Any], seconds: float) -> bool:

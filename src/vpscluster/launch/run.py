@@ -12,7 +12,8 @@ session settings (strategy, H, wire format, time budget, ...) to `session.json` 
 run dir and points `VPSC_SESSION` at it, as `train` writes config.yaml for its workers; nodes
 elsewhere also get this vpscluster package (on PYTHONPATH). `report.json` and `metrics.jsonl`,
 when the script's session wrote them, come back from rank 0's node. A script that does not use
-the session API runs as before.
+the session API runs as before. `--strategy auto` adds the cluster's link figures and egress
+quotas (`auto_inputs`); the session chooses on them and its model's measured steps (`session/auto.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,33 @@ from vpscluster.launch.pipeline import Job, SyncItem
 from vpscluster.train.strategies import STRATEGIES, costs_for
 
 SESSION_FETCH = ("report.json", "metrics.jsonl")  # what a session writes on rank 0's node
+
+
+def auto_inputs(cluster, local_ranks: int = 0):
+    """`--strategy auto`: the link figures and egress quotas the session's choice needs
+    (`session.config.AutoInputs`), from the cluster's last probe when `vpscluster probe` ran,
+    else from the cluster file (`plan.resources.gather_resources`, as `train`'s plan takes
+    them). `local_ranks` (`--nodes N`): N processes sharing this machine over loopback."""
+    from vpscluster.plan.auto import egress_budget
+    from vpscluster.plan.predict import ring_for
+    from vpscluster.plan.resources import gather_resources
+    from vpscluster.session.config import AutoInputs
+
+    if local_ranks:
+        res, source = gather_resources(None, None, nodes=local_ranks, local=True), "loopback"
+    else:
+        try:
+            from vpscluster.probe.store import load_probe
+
+            probe = load_probe(cluster)
+        except ImportError:
+            probe = None
+        res = gather_resources(cluster, probe)
+        source = "the last probe's link matrix" if probe else "the cluster file's bandwidths"
+    ring = ring_for(res)
+    egress = egress_budget(res)
+    return AutoInputs(bandwidth_bytes_s=ring.beta_bytes_s, latency_s=ring.alpha_s,
+                      egress_quotas=[list(q) for q in egress.quotas] if egress else [], source=source)
 
 
 def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: str | None = None,
@@ -63,6 +91,8 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         regions = cluster_regions(cluster, saved_probe(cluster))
         if regions:
             session = dataclasses.replace(session, strategy=dataclasses.replace(s, node_regions=regions))
+    if session.strategy.name == "auto" and session.auto is None:
+        session = dataclasses.replace(session, auto=auto_inputs(cluster, nproc_per_node if in_place else 0))
     threads = None
     if in_place:  # this machine: the script runs from its own folder; nothing is copied
         if not here:

@@ -67,7 +67,7 @@ class TrainingRun:
     resume: bool = False
     force: bool = False
     strategy_reason: str | None = None  # why `--strategy auto` chose what it chose, or diloco's planned settings
-    speeds_note: str | None = None  # where `--balance`'s starting speeds come from (the probe, or even)
+    speeds_note: str | None = None  # balancing by default (launch/balance.py), or where `--balance` starts from
     prediction: dict | None = None  # the plan's prediction for this run (train/prediction.py)
     auto: bool = False  # the strategy itself was chosen by `--strategy auto`
 
@@ -148,7 +148,10 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
     else:
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
-    speeds_note = None if resume_dir is not None else starting_speeds(cfg, cluster)
+    speeds_note = None
+    if resume_dir is None:
+        speeds_note = balance_from_saved_probe(cfg, cluster) or starting_speeds(cfg, cluster)
+        cfg.validate()  # the balanced split's settings (H, checkpoint interval) hold together
     if resume_dir is not None:
         run_dir = Path(resume_dir)
     else:
@@ -196,6 +199,18 @@ def check_speeds_count(cfg, ranks: dict[str, int] | None) -> None:
             if len(set(ranks.values())) == 1 else " + ".join(f"{k}:{v}" for k, v in ranks.items())
         raise UserError(f"--speeds gives {len(s.speeds)} figures but this run has {world} ranks ({where}); "
                         f"give exactly {world}, one per rank")
+
+
+def balance_from_saved_probe(cfg, cluster) -> str | None:
+    """Balancing by default (`launch/balance.py`), decided from the cluster file's last saved
+    probe when there is one; the one line to say, or None (undecided runs decide at pre-flight)."""
+    from vpscluster.launch.balance import apply_default_balance, undecided
+    from vpscluster.probe.store import load_probe
+
+    if not cfg.cluster or not undecided(cfg):
+        return None  # the local cluster: every rank on this machine, no per-node figures
+    probe = load_probe(cluster)
+    return apply_default_balance(cfg, probe, ranks_per_node(cfg, cluster, _probe_gpus(probe)))
 
 
 def starting_speeds(cfg, cluster) -> str | None:
@@ -276,7 +291,15 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
     nproc = cfg.nodes if cfg.cluster is None else cfg.nproc_per_node
 
     def check_states(states) -> None:  # after pre-flight, before anything is created or started
-        check_speeds_count(cfg, ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()}))
+        ranks = ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()})
+        if not resume and cfg.cluster:  # balancing by default, from pre-flight's probe (launch/balance.py)
+            from vpscluster.launch.balance import apply_default_balance
+
+            line = apply_default_balance(cfg, {"nodes": [{**st.facts, "name": n} for n, st in states.items()]}, ranks)
+            if line:
+                cfg.validate()
+                say(line)
+        check_speeds_count(cfg, ranks)
 
     def program_for(states) -> Program:
         node_dir = run_dir_on_node or posixpath.join("runs", run_id)
@@ -313,7 +336,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
             local = write_config(node_cfg, tmp)
             try:
                 await ex.put(str(local), posixpath.join(node_run_dir, "config.yaml"), timeout_s=120.0)
-                if prediction is not None:
+                if prediction is not None and not cfg.strategy.micro_batches:  # none for shares (predict_run)
                     from vpscluster import fsutil
                     from vpscluster.train.prediction import PREDICTION
 
@@ -352,7 +375,7 @@ def dry_run_training(run: TrainingRun) -> dict[str, Any]:
     plan = run.recovery()
     doc["recovery"] = {"max_restarts": plan.max_restarts, "min_nodes": plan.min_nodes, "nodes": plan.nodes,
                        "by_default": plan.by_default}
-    doc["notes"] = [*doc.get("notes", []), plan.line()]
+    doc["notes"] = [*doc.get("notes", []), plan.line(), *([run.speeds_note] if run.speeds_note else [])]
     return doc
 
 
@@ -397,7 +420,7 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
             lock.acquire()
         created.append(True)
         rundir.write_config(run.cfg, run.run_dir)
-        if run.prediction is not None:
+        if run.prediction is not None and not run.cfg.strategy.micro_batches:  # pre-flight may have balanced it
             from vpscluster import fsutil
             from vpscluster.train.prediction import PREDICTION
 

@@ -186,6 +186,33 @@ class Queue:
 
         return self._call(go(), timeout_s, f"create stream {name}")
 
+    def delete_stream(self, name: str, timeout_s: float | None = None) -> bool:
+        """Remove a stream and its messages; False when there was none."""
+
+        async def go():
+            import nats.js.errors
+
+            try:
+                return await self._js.delete_stream(name)
+            except nats.js.errors.NotFoundError:
+                return False
+
+        return bool(self._call(go(), timeout_s, f"delete stream {name}"))
+
+    def delete_consumer(self, stream: str, durable: str, timeout_s: float | None = None) -> bool:
+        """Remove a durable consumer (what it delivered and what was acked); False when there was none.
+        A consumer made again under that name gets the stream from its start."""
+
+        async def go():
+            import nats.js.errors
+
+            try:
+                return await self._js.delete_consumer(stream, durable)
+            except nats.js.errors.NotFoundError:
+                return False
+
+        return bool(self._call(go(), timeout_s, f"delete consumer {durable} of {stream}"))
+
     def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
                 timeout_s: float | None = None) -> int:
         """Store one message; returns its stream sequence once the server has it on disk."""

@@ -410,3 +410,77 @@ def _publish_target(cluster, rec: QueueRecord | None, say: Callable[[str], None]
         monitor.write_targets(cluster, mon, "queue.json", queue_targets(rec) if rec else [])
     except Exception as e:  # monitoring is a bystander here: the queue runs either way
         say(f"note: could not update Prometheus's targets (targets/queue.json on {mon.head}): {e}")
+
+
+# --- a private server on this machine (a local run, tests) -----------------------------------------
+
+
+@dataclass
+class PrivateServer:
+    """A nats-server of one run on this machine's loopback (its own token, store and ports)."""
+
+    creds: Any  # client.Credentials
+    queue_dir: str
+    proc: Any  # subprocess.Popen
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (nats-server flushes its store), SIGKILL after `timeout_s`."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout_s)
+
+    def __enter__(self) -> PrivateServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_private(queue_dir: str | Path, nats_server: str = "nats-server", address: str = "127.0.0.1",
+                  max_store: int = MAX_STORE) -> PrivateServer:
+    """Start a nats-server for one local run: `nats_config` on `address` (loopback) with free ports
+    and a fresh token, the store under `queue_dir`; returns once it answers (START_TIMEOUT_S)."""
+    import shutil
+    import socket
+    import subprocess
+
+    from vpscluster.queue.client import Credentials
+
+    binary = shutil.which(nats_server)
+    if binary is None:
+        raise UserError(f"no {nats_server} on this machine; install it (Debian/Ubuntu: apt install nats-server)")
+    qdir = Path(queue_dir).resolve()
+    qdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(qdir, 0o700)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind((address, 0))
+            ports.append(s.getsockname()[1])
+    token = secrets.token_urlsafe(32)
+    conf = qdir / "nats.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(nats_config(address, ports[0], ports[1], str(qdir), token, max_store), indent=2) + "\n")
+    log = open(qdir / "nats.log", "wb")
+    try:
+        proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        log.close()
+    server = PrivateServer(Credentials(f"nats://{_hostport(address, ports[0])}", token=token), str(qdir), proc)
+    monitor_url = f"http://{_hostport(address, ports[1])}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _ready(monitor_url, timeout_s=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            tail = (qdir / "nats.log").read_text(errors="replace").strip()[-300:]
+            raise RemoteError(f"nats-server did not come up at {address}:{ports[0]}: {tail}")
+        time.sleep(0.1)
+    return server

@@ -24,6 +24,27 @@ FILE = "session.json"
 
 
 @dataclass
+class AutoInputs:
+    """`--strategy auto`: what the launcher knows and the script does not — the ring's
+    bottleneck bandwidth and per-hop latency (the probe's link matrix where `vpscluster probe`
+    ran, else the cluster file's figures), each node's egress quota per rank — for the choice
+    the session makes on its model and its first measured steps (`session/auto.py`)."""
+
+    __pydantic_config__ = PYDANTIC_CONFIG
+
+    bandwidth_bytes_s: Float
+    latency_s: Float = 0.0
+    egress_quotas: list[list[Float]] = field(default_factory=list)  # [bytes per rank, period seconds] per node
+    source: str = ""  # where the link figures came from, for the reason line
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_s <= 0 or self.latency_s < 0:
+            raise UserError("auto.bandwidth_bytes_s must be positive and auto.latency_s >= 0; leave them to the launcher")
+        if any(len(q) != 2 or min(q) <= 0 for q in self.egress_quotas):
+            raise UserError("auto.egress_quotas needs [bytes per rank, period seconds] pairs; leave it to the launcher")
+
+
+@dataclass
 class SessionConfig:
     __pydantic_config__ = PYDANTIC_CONFIG
 
@@ -38,14 +59,15 @@ class SessionConfig:
     keep_checkpoints: Int = 3
     resume: bool = False  # `Session.resume` continues from the newest checkpoint in run_dir
     exporters: bool = False  # Prometheus metrics from every rank while training (train/exporter.py)
+    auto: AutoInputs | None = None  # strategy auto: the launcher's link figures and quotas
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.strategy.name == "auto":
-            raise UserError("--strategy auto needs the model's size, which the launcher does not know for your "
-                            "script; give --strategy ddp or diloco")
+        if self.strategy.name == "auto" and self.strategy.micro_batches:
+            raise UserError("--strategy auto with uneven shares (--micro-batches) is not supported yet; "
+                            "give --strategy diloco with them")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise UserError(f"time_budget must be a positive number of seconds, got {self.time_budget_s}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:

@@ -63,7 +63,19 @@ class Session:
         if s.micro_batches and s.name == "ddp":
             raise UserError("uneven shares (--micro-batches) in a session need --strategy diloco for now; "
                             "with ddp leave them out")
-        self.strategy = get_strategy_class(s.name)(s, self.ctx)
+        # --strategy auto: DDP until the first steps are measured, then the plan's choice (session/auto.py).
+        self.auto = None
+        if s.name == "auto":
+            import dataclasses
+
+            from vpscluster.session.auto import AutoChoice
+
+            if cfg.auto is None and self.ctx.world_size > 1:
+                raise UserError("--strategy auto needs the cluster's link figures: start the script with "
+                                "`vpscluster run --strategy auto`, or give ddp or diloco")
+            s = dataclasses.replace(s, name="ddp")
+            self.auto = AutoChoice()
+        self.strategy = get_strategy_class(s.name, s.quorum)(s, self.ctx)
         self.shares = None
         if s.micro_batches:
             from vpscluster.train.shares import ShareController
@@ -120,7 +132,12 @@ class Session:
         return self.ctx.rank == 0
 
     def _shares(self) -> list[int]:
-        return list(self.shares.shares) if self.shares is not None else [1] * self.world_size
+        """Micro-batches per data shard in a step (one per rank, unless uneven shares)."""
+        return list(self.shares.shares) if self.shares is not None else [1] * self.strategy.data_shard()[1]
+
+    def _shard_index(self) -> int:
+        """The data shard this rank reads: its rank (the quorum engine: its replica group's)."""
+        return self.strategy.data_shard()[0]
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if self.ctx.group is None:
@@ -147,7 +164,37 @@ class Session:
             raise UserError("session.setup() was called twice; set up one model per session")
         self.model = self.strategy.setup(model.to(self.device))
         self._plain = self.strategy.unwrap()
+        self.strategy.join(lambda: {"steps": self.steps, "data": dict(self._data)})
+        self._follow()
+        if self.auto is not None:  # a module whose forward follows the strategy chosen later
+            from vpscluster.session.auto import Switchable
+
+            self.model = Switchable(self._plain, self.model)
+            if self.world_size <= 1:
+                self._chosen({"settings": {"name": "ddp"}, "reason": "ddp: one rank, nothing to synchronise",
+                              "at_step": 0, "measured": None})
         return self.model
+
+    def _choose(self) -> None:
+        """--strategy auto: every rank's measured window, gathered; the same choice everywhere."""
+        from vpscluster.session import auto
+
+        self._chosen(auto.choose(self, self._all_gather_object(self.auto.summary())))
+
+    def _chosen(self, made: dict[str, Any]) -> None:
+        from vpscluster.session import auto
+
+        self.auto.made = made
+        auto.switch(self, made)
+        if self.is_main:
+            print(f"strategy auto -> {made['reason']}", flush=True)
+
+    def _follow(self) -> None:
+        """A replica that healed from a peer (the quorum engine) goes on from the peer's place."""
+        moved = self.strategy.moved_to()
+        if moved:
+            self.steps = int(moved["steps"])
+            self._data.update(moved["data"])  # in place: a running `shard` loop reads this dict
 
     def shard(self, dataset, batch_size: int, collate: Callable[[list], Any] | None = None):
         """This rank's batches of `dataset`, one epoch per `for` (session/shard.py)."""
@@ -200,6 +247,7 @@ class Session:
             return
         self.steps += 1
         strategy.step(optimizer, self.steps)
+        self._follow()
         if strategy.is_sync_point(self.steps):  # ddp: every step; diloco: where an outer update lands
             budget = self.cfg.time_budget_s
             over = budget is not None and self._vote.budget_spent(self.steps, time.perf_counter() - self._began, budget)
@@ -220,6 +268,8 @@ class Session:
         self.exporter.step(self.steps, loss_value, self._step_samples, self._step_samples, step_s, comm_s, nbytes,
                            getattr(strategy, "outer_steps", None))
         self._step_loss, self._step_samples = [], 0
+        if self.auto is not None and self.auto.record(self.steps, max(0.0, step_s - comm_s), comm_s, nbytes):
+            self._choose()  # from the next step on, the chosen strategy
         every = self.cfg.checkpoint_every
         if every and self.run_dir is not None and self.steps % every == 0 and not self.should_stop:
             self.save(optimizer)
@@ -235,11 +285,14 @@ class Session:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"strategy": self.strategy.state_dict(), "data": dict(self._data), "steps": self.steps,
                 "totals": self.totals.to_dict(), "recent_losses": list(self.recent_losses), "rng": rng,
-                "shares": self.shares.state_dict() if self.shares is not None else None}
+                "shares": self.shares.state_dict() if self.shares is not None else None,
+                "auto": self.auto.made if self.auto is not None else None}
 
     def load_state_dict(self, state: dict[str, Any], recut: bool = False) -> None:
         import torch
 
+        if self.auto is not None and self.auto.made is None and state.get("auto"):
+            self._chosen(state["auto"])  # the checkpoint's strategy, as chosen before it was saved
         s = state["strategy"]
         self.strategy.load_state_dict(self.strategy.reshard_state(s) if recut else s)
         self._data = {"epoch": int(state["data"]["epoch"]), "index": int(state["data"]["index"])}

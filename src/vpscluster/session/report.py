@@ -52,5 +52,9 @@ def build_report(s) -> dict[str, Any]:
                                                       "collective_busy_seconds", "model_sha256", "python", "torch")}}
                      for i, r in enumerate(per_rank)],
         "run_dir": str(s.run_dir) if s.run_dir is not None else None,
+        **({"strategy_choice": (s.auto.made or {"settings": {"name": s.strategy.name}, "at_step": None,
+                                                 "reason": f"{s.strategy.name}: the run ended before the "
+                                                           f"measured steps the choice needs"})}
+           if s.auto is not None else {}),
         **({"micro_batches": s.cfg.strategy.micro_batches, "shares": s._shares()} if s.shares is not None else {}),
     }

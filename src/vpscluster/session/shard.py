@@ -41,7 +41,7 @@ class ShardLoader:
 
     def __len__(self) -> int:
         """Batches this rank reads per epoch."""
-        return self.steps_per_epoch * self.session._shares()[self.session.rank]
+        return self.steps_per_epoch * self.session._shares()[self.session._shard_index()]
 
     def _collate(self, items: list) -> Any:
         if self.collate is not None:
@@ -58,12 +58,13 @@ class ShardLoader:
         if pos["index"] >= self.steps_per_epoch:  # the last epoch ended: a new order
             pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
         order = shard_indices(self.num_samples, 0, 1, s.cfg.seed, pos["epoch"])
+        shard = s._shard_index()
         b = self.batch_size
         while pos["index"] < self.steps_per_epoch:
             shares = s._shares()  # the same on every rank
-            first = pos["index"] * self.total * b + sum(shares[: s.rank]) * b
+            first = pos["index"] * self.total * b + sum(shares[:shard]) * b
             pos["index"] += 1
-            n = shares[s.rank]
+            n = shares[shard]
             for i in range(n):
                 idx = order[first + i * b: first + (i + 1) * b]
                 s._micro = (i, n)

@@ -119,8 +119,10 @@ class StrategyConfig:
     # max(speeds) / max_spread (0 = no rule). `node_speeds`: per-rank speed of the ranks on each
     # node, by node name - what `train --balance` without `speeds` starts from, filled in by the
     # launcher from the cluster's last probe (`speeds`, per rank, wins); each rank looks up its node.
+    # `balance` None (the default): the launcher decides (`launch/balance.py`: on, with a split it
+    # chooses, when the probe shows ranks more than 15% apart; else False); --no-balance: False.
     micro_batches: Int = 0
-    balance: bool = False
+    balance: bool | None = None
     speeds: list[Float] | None = None
     node_speeds: dict[str, Float] | None = None
     min_share: Int = 1
@@ -133,6 +135,14 @@ class StrategyConfig:
     # regions meet in a DiLoCo outer sync every sync_every steps.
     regions: list[str] | None = None
     node_regions: dict[str, str] | None = None
+    # diloco on a quorum (torchft's Manager, `strategies/quorum_diloco.py`): each replica group
+    # (a node) trains on whoever is present; a dead one is dropped at the next sync, a returning
+    # or new one heals from a peer. The outer syncs wait for at least `quorum_min_replicas`
+    # replica groups, and a quorum not formed within `quorum_timeout_s` ends the replica (the
+    # relaunch path takes over).
+    quorum: bool = False
+    quorum_min_replicas: Int = 2
+    quorum_timeout_s: Float = 60.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -184,10 +194,26 @@ class StrategyConfig:
         if self.micro_batches and self.name in STRATEGIES and not costs_for(self.name).uneven_shares:
             raise UserError(f"uneven shares (--micro-batches) are not supported by --strategy {self.name} yet; "
                             "leave them out or use --strategy diloco")
+        if self.quorum:
+            self._validate_quorum()
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:
             raise UserError(
-                "balancing shares needs --micro-batches N (micro-batches per step in all, at least one per rank)"
+                "--balance or --speeds needs --micro-batches N (micro-batches per step in all, at least one per "
+                "rank); or give none of them: train balances by default when the probe shows uneven nodes"
             )
+
+    def _validate_quorum(self) -> None:
+        from vpscluster.train.strategies import QUORUM_ENGINES
+
+        if self.name not in QUORUM_ENGINES:
+            raise UserError(f"strategy.quorum needs --strategy {' or '.join(QUORUM_ENGINES)} for now (got {self.name}); "
+                            f"leave quorum off for {self.name}")
+        if self.fragments != 1 or self.micro_batches or self.wire_dtype.startswith("sparse"):
+            raise UserError("strategy.quorum runs whole-model syncs on an fp32, bf16 or int8 wire: leave fragments at 1, "
+                            "micro_batches at 0 and choose a dense wire_dtype")
+        if self.quorum_min_replicas < 1 or self.quorum_timeout_s <= 0:
+            raise UserError(f"strategy.quorum_min_replicas must be >= 1 and quorum_timeout_s positive, got "
+                            f"{self.quorum_min_replicas} and {self.quorum_timeout_s:g}")
 
 
 @dataclass
@@ -289,6 +315,9 @@ class TrainConfig:
         shape = get_preset(self.preset)
         if self.max_steps < 1:
             raise UserError(f"max_steps must be at least 1, got {self.max_steps}")
+        if self.strategy.quorum:  # the built-in trainer takes it once it runs on the session API
+            raise UserError("strategy.quorum is for the session API for now (a script of your own under "
+                            "`vpscluster run`); the built-in `train` does not run on a quorum yet")
         if self.batch_size < 0:
             raise UserError(f"batch_size must be positive, got {self.batch_size}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:

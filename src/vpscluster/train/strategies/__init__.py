@@ -33,16 +33,23 @@ COSTS: dict[str, str] = {
     "diloco": "vpscluster.train.strategies.diloco_costs:COSTS",
     "hierarchical": "vpscluster.train.strategies.hierarchical_costs:COSTS",
 }
+# The same strategies on a quorum of replica groups (`strategy.quorum`): name -> "module:Class".
+QUORUM_ENGINES: dict[str, str] = {
+    "diloco": "vpscluster.train.strategies.quorum_diloco:QuorumDiLoCoStrategy",
+}
 # Not a strategy: asks the planner (`plan/auto.py`) to choose one of STRATEGIES before training.
 AUTO = "auto"
 # What a user may write for `strategy.name` / `--strategy`.
 CHOICES: tuple[str, ...] = (*STRATEGIES, AUTO)
 
 
-def get_strategy_class(name: str) -> type["Strategy"]:
+def get_strategy_class(name: str, quorum: bool = False) -> type["Strategy"]:
+    """The strategy `name`; with `quorum`, its engine on a torchft quorum (`quorum_diloco.py`)."""
     try:
-        target = STRATEGIES[name]
+        target = (QUORUM_ENGINES if quorum else STRATEGIES)[name]
     except KeyError:
+        if quorum and name in STRATEGIES:
+            raise UserError(f"strategy {name!r} has no quorum engine yet; choose one of: {', '.join(QUORUM_ENGINES)}") from None
         raise UserError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None
     return _load(target)
 

@@ -35,7 +35,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -156,6 +156,17 @@ class Strategy(ABC):
         """Factor on the schedule's lr for this rank's optimizer. Default 1: the optimizer steps
         on the global batch (ddp)."""
         return 1.0
+
+    def join(self, position: "Callable[[], dict]") -> None:
+        """Called once after `setup`, before the loop. A quorum engine forms its first quorum
+        here; `position()` is the loop's place (`steps`, `data`) that a replica joining later
+        takes from this one. Default: nothing to join."""
+
+    def moved_to(self) -> dict | None:
+        """The loop's place (`steps`, `data`) this replica took from a peer it healed from since
+        the last call (a quorum engine: at `join`, or at a round's first step), else None. The
+        loop goes on from there."""
+        return None
 
     def finalize(self, step: int) -> None:
         """Called once after the last step, on every rank (DiLoCo: a last outer sync mid-round)."""

@@ -437,16 +437,21 @@ class DiLoCoStrategy(Strategy):
         import torch
         import torch.distributed as dist
 
+        world = self.participants()
         if isinstance(self.codec, sparse_wire.SparseCodec):  # one all-gather; the tokens ride in it
-            return sparse_wire.all_gather_sum(delta, my_tokens, self.codec, comm, self.replicas,
-                                              self.comm_device, group)
+            return sparse_wire.all_gather_sum(delta, my_tokens, self.codec, comm, world, self.comm_device, group)
         tokens = torch.tensor([my_tokens], dtype=torch.float64, device=self.comm_device)
-        with comm.timed(ring_allreduce_bytes(8, self.replicas)):
+        with comm.timed(ring_allreduce_bytes(8, world)):
             dist.all_reduce(tokens, group=group)
         total = float(tokens.item())
         # No token counts reported at all: weigh ranks equally.
-        weight = my_tokens / total if total > 0 else 1.0 / self.replicas
-        return all_reduce_sum(delta * weight, self.codec, comm, self.replicas, self.comm_device, group)
+        weight = my_tokens / total if total > 0 else 1.0 / world
+        return all_reduce_sum(delta * weight, self.codec, comm, world, self.comm_device, group)
+
+    def participants(self) -> int:
+        """The replicas an outer sync reduces over: `replicas` (the quorum engine: the replica
+        groups of the current quorum)."""
+        return self.replicas
 
     def collective_groups(self) -> list:
         """The agreement group: it waits as long as the loop's own collectives (the trainer sets
@@ -549,7 +554,7 @@ class DiLoCoStrategy(Strategy):
         self.global_flat[f].sub_(update, alpha=lr)
         self.fragment_syncs[f] += 1
         if self.config.sync_hashes:
-            print(sync_hash_line(f, self.fragment_syncs[f], self._step, self.ctx.world_size,
+            print(sync_hash_line(f, self.fragment_syncs[f], self._step, self.participants(),
                                  tensor_sha256(self.global_flat[f])), flush=True)
 
     def _send(self, f: int, step: int) -> None:

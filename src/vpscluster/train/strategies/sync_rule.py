@@ -215,3 +215,35 @@ def choose_sync(bandwidth_bytes_s: float, step_seconds: float, num_params: float
     return SyncChoice(sync_every=h, wire_dtype=wire, outer_lr=outer_lr_for(h), outer_momentum=OUTER_MOMENTUM,
                       outer_warmup=outer_warmup_for(h), sync_seconds=t, comm_fraction=share, meets_target=ok,
                       reason=reason, hidden=hid, egress_bound=bound)
+
+
+def choose_measured(step_seconds: float, ddp_comm_seconds: float, num_params: float, world_size: int,
+                    bandwidth_bytes_s: float, latency_s: float = 0.0, egress: "EgressBudget | None" = None,
+                    ddp_bytes_per_step: float = 0.0, overlap_steps: int = 1,
+                    choices=SYNC_EVERY_CHOICES, wires=WIRES) -> tuple[dict, str]:
+    """`--strategy auto` for a user's script (`vpscluster run`), decided on its first DDP steps:
+    the slowest rank's measured compute per step (`step_seconds`) and DDP's exposed all-reduce
+    time per step (`ddp_comm_seconds`), the model's parameter count, and the launcher's ring
+    (bandwidth, latency) and egress quotas. Returns the StrategyConfig keys to run with and the
+    one-line reason; a pure function, so every rank that calls it on the same figures agrees.
+
+    DDP stays where its exposed communication is within the sync rule's target share of a step
+    (`FRACTION`: nothing is gained by syncing less, and DDP learns the most per
+    sample) and its bytes keep every egress quota; otherwise DiLoCo with the sync rule's H,
+    wire and outer optimizer on the measured step (`choose_sync`)."""
+    if world_size <= 1:
+        return {"name": "ddp"}, "ddp: one rank, nothing to synchronise"
+    share = ddp_comm_seconds / (step_seconds + ddp_comm_seconds) if step_seconds + ddp_comm_seconds > 0 else 0.0
+    measured = (f"measured {step_seconds * 1000:.3g} ms compute and {ddp_comm_seconds * 1000:.3g} ms exposed "
+                f"all-reduce per DDP step")
+    allowance = egress.per_step(step_seconds + ddp_comm_seconds) if egress and egress.quotas else None
+    over_quota = allowance is not None and ddp_bytes_per_step > allowance
+    if share <= FRACTION and not over_quota:
+        return {"name": "ddp"}, (f"ddp: {measured}: communication is {share:.0%} of a step (target "
+                                 f"<= {FRACTION:.0%}), nothing is gained by syncing less")
+    c = choose_sync(bandwidth_bytes_s, step_seconds, num_params, world_size, latency_s=latency_s,
+                              choices=tuple(choices), wires=tuple(wires), overlap_steps=overlap_steps, egress=egress)
+    why = (f"ddp would send {ddp_bytes_per_step / 1e6:.3g} MB per rank per step, over the egress quota's "
+           f"{allowance / 1e6:.3g} MB" if over_quota else f"communication is {share:.0%} of a DDP step")
+    head, tail = c.reason.split(": ", 1)  # "H=10 int8", what the sync costs and why that wire
+    return {"name": "diloco", "compress": "none", **c.settings()}, f"diloco {head}: {measured}: {why}; {tail}"

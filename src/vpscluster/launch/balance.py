@@ -1,0 +1,90 @@
+"""Balancing by default on uneven nodes: the launcher's decision, written into the run's config.
+
+A run where the user set none of `--micro-batches`, `--speeds`, `--balance`/`--no-balance`
+(`strategy.balance` None) is balanced when the probe's figures say its ranks differ in speed by
+more than `plan.balance.SPREAD`: the split `plan.balance.choose_split` picks (the global batch and
+the inner step kept), runtime rebalancing on (`strategy.balance`: the first steps' measured times
+correct a wrong probe), the starting speeds per node (`strategy.node_speeds`). Otherwise
+`strategy.balance` becomes False (decided: even). The decision is made once per run: from the
+cluster's last saved probe when the run is prepared (so `--dry-run` shows it), else from the
+probe pre-flight takes before the first launch. The local cluster (every rank on this machine)
+has no per-node figures and stays even. A resumed run keeps its stored configuration.
+"""
+
+from __future__ import annotations
+
+import math
+
+from vpscluster.plan.balance import balance_line, choose_split, needs_balance, scaled_steps
+
+# TrainConfig's settings counted in steps: with DiLoCo's finer split a step carries k even steps'
+# tokens, so these are divided by k to train the same tokens on the same schedule.
+_STEP_KEYS = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "log_every")
+
+
+def undecided(cfg) -> bool:
+    """The user left the split to the launcher and it has not decided yet."""
+    s = cfg.strategy
+    return s.balance is None and not s.micro_batches and s.speeds is None and not s.node_speeds
+
+
+def capacities_differ(probe: dict | None, names: list[str]) -> bool:
+    """Do the nodes differ in what they have (CPU cores they really get, GPUs), not only in a
+    measurement? The probe's quick FLOP/s figure of identical nodes can differ by more than
+    SPREAD on a busy host (seen: 2.7x and 4.3x for a 3x quota), and balancing identical nodes
+    on noise would change a DiLoCo run's step counts for nothing. Unknown facts count as
+    different (the measurement decides)."""
+    nodes = {n.get("name"): n for n in (probe or {}).get("nodes", []) or [] if isinstance(n, dict)}
+    facts = [nodes.get(name) or {} for name in names]
+    gpus = [sorted(str(g.get("name", "")) for g in f.get("gpus") or [] if isinstance(g, dict)) for f in facts]
+    if any(g != gpus[0] for g in gpus):
+        return True
+    if gpus[0]:
+        return False  # the same GPUs on every node: they do the work
+    shares = [f.get("cpu_share") for f in facts]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in shares):
+        return True
+    return needs_balance(shares)
+
+
+def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None) -> str | None:
+    """Decide for an `undecided` run from `probe` (a probe document: its nodes' FLOP/s or CPU
+    shares) and `ranks` (ranks per node); change `cfg` in place and return the one line to say
+    (None: nothing to say - already decided, no figures yet, or even enough)."""
+    from vpscluster.train.shares import node_speeds_from_probe
+    from vpscluster.train.strategies import costs_for
+
+    if not undecided(cfg) or not ranks:
+        return None
+    if not costs_for(cfg.strategy.name).uneven_shares:
+        cfg.strategy.balance = False  # decided: this strategy keeps even shares
+        return None
+    speeds = node_speeds_from_probe(probe, ranks)
+    if speeds is None:
+        return None  # not every node measured: decide later (pre-flight's probe) or stay even
+    s = cfg.strategy
+    if not capacities_differ(probe, list(ranks)):
+        s.balance = False  # the same CPUs and GPUs everywhere: a spread in the quick FLOP/s is noise
+        return None
+    per_rank = [speeds[name] for name, n in ranks.items() for _ in range(n)]
+    steps = costs_for(s.name).micro_batches_are_steps
+    # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
+    round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
+    choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
+                          max(1, s.min_share), s.max_spread)
+    if choice is None:
+        s.balance = False  # decided: the even split is as good
+        return None
+    s.micro_batches, s.balance, s.node_speeds = choice.micro_batches, True, speeds
+    s.min_share = max(1, s.min_share)
+    cfg.batch_size = choice.batch_size
+    if choice.steps_per_step > 1:
+        k = choice.steps_per_step
+        if not s.inner_lr_scale:  # keep the even run's inner lr: 1/sqrt(M) of its M micro-batches
+            s.inner_lr_scale = 1.0 / math.sqrt(len(per_rank))
+        s.sync_every = choice.sync_every
+        for key in _STEP_KEYS:
+            if getattr(cfg, key):
+                setattr(cfg, key, scaled_steps(getattr(cfg, key), k))
+        cfg.checkpoint_every = scaled_steps(cfg.checkpoint_every, k, choice.sync_every)
+    return balance_line(speeds, ranks, choice)

@@ -1,0 +1,118 @@
+"""Balancing by default: the micro-batch split a run on uneven nodes starts with (pure Python).
+
+When the ranks' speeds (the probe's FLOP/s per rank, `train/shares.py: node_speeds_from_probe`)
+differ by more than `SPREAD`, `train` runs shares of the global batch instead of the even split,
+where every rank waits for the slowest (0.36 of the even spread's tokens/s on 0.45/0.45/0.45/0.15
+cores, issue #36). `choose_split` picks the shares' granularity:
+
+- ddp (a rank accumulates its micro-batches into one optimizer step): the global batch of
+  world x batch_size sequences stays; it is cut into micro-batches of batch_size / k sequences,
+  k the smallest divisor of batch_size whose split comes within `GAP_HINT` of an exact one.
+  The gradient is the even split's (`train/trainer.py: _shared_step`), so a step learns the same.
+- diloco (each micro-batch is an inner step of its own): the inner step's batch_size stays, so
+  the split is made finer with k x world micro-batches per step and a round of H / k steps - the
+  same H inner steps (on average) per rank per round, the same tokens per round. A step then
+  carries k even steps' tokens, so the run's step counts are divided by k (`scaled_steps`).
+  k is the smallest divisor of H within GAP_HINT that leaves a round `min_round_steps` steps: one
+  per streaming fragment, and one more than the overlapped steps (an outer sync overlaps at most
+  H - 1 steps: at H / k = 1 it would block. Measured: k = 10 at H = 10, a blocking sync every
+  step, ran at 87% of the even spread, 2026-12-07).
+
+Where no k reaches GAP_HINT, the one with the smallest gap (none when only the even split of one
+micro-batch per rank is possible). The runtime controller
+(`ShareController`, `balance` on) then corrects a probe that was wrong from the first steps'
+measured times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from vpscluster.train.shares import GAP_HINT, split, split_gap
+
+SPREAD = 1.15  # ranks whose speeds differ by more than this factor are balanced by default
+
+
+@dataclass(frozen=True)
+class BalancedSplit:
+    """The shares a balanced run starts with and the settings that give them."""
+
+    micro_batches: int  # per step, all ranks together
+    batch_size: int  # sequences per micro-batch
+    steps_per_step: int  # k: a step carries k even steps' tokens (ddp: 1)
+    sync_every: int | None  # diloco: steps per round (H / k); None for ddp
+    shares: tuple[int, ...]  # micro-batches per rank, in the order of the speeds given
+    gap: float  # how much longer than an exact split (`shares.split_gap`)
+
+
+def needs_balance(speeds: Sequence[float], spread: float = SPREAD) -> bool:
+    """True when the fastest rank is more than `spread` times as fast as the slowest."""
+    return len(speeds) > 1 and max(speeds) > spread * min(speeds)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose_split(speeds: Sequence[float], batch_size: int, micro_batches_are_steps: bool,
+                 sync_every: int | None = None, min_round_steps: int = 1, min_share: int = 1,
+                 max_spread: float = 8.0, gap: float = GAP_HINT) -> BalancedSplit | None:
+    """The split for ranks of these relative `speeds` (one per rank), or None when they are
+    within SPREAD of each other (the even split is as good). See the module docstring."""
+    if not needs_balance(speeds):
+        return None
+    world = len(speeds)
+    if micro_batches_are_steps:
+        if not sync_every:
+            raise ValueError("a split whose micro-batches are steps needs sync_every (H)")
+        ks = [k for k in _divisors(sync_every) if sync_every // k >= min_round_steps]
+    else:
+        ks = _divisors(batch_size)
+    even_gap = split_gap([1] * world, speeds, max_spread)  # one micro-batch per rank (k = 1)
+    best = None
+    for k in ks:
+        total = k * world
+        if k == 1 or total < min_share * world:
+            continue
+        shares = split(speeds, total, min_share, max_spread)
+        g = split_gap(shares, speeds, max_spread)
+        candidate = BalancedSplit(
+            micro_batches=total,
+            batch_size=batch_size if micro_batches_are_steps else batch_size // k,
+            steps_per_step=k if micro_batches_are_steps else 1,
+            sync_every=sync_every // k if micro_batches_are_steps else None,
+            shares=tuple(shares), gap=g)
+        if g <= gap:
+            return candidate
+        if best is None or g < best.gap - 1e-12:
+            best = candidate
+    # Too coarse to beat the even split (e.g. diloco at H = 1, ddp at one sequence per rank).
+    return best if best is not None and best.gap < even_gap else None
+
+
+def scaled_steps(steps: int, k: int, multiple_of: int = 1) -> int:
+    """A count of even steps as steps of k times the tokens: rounded up, at least one, and a
+    multiple of `multiple_of` (DiLoCo's checkpoints fall on outer steps)."""
+    n = max(1, math.ceil(steps / k))
+    return max(multiple_of, math.ceil(n / multiple_of) * multiple_of)
+
+
+def balance_line(node_speeds: dict[str, float], ranks_per_node: dict[str, int], choice: BalancedSplit) -> str:
+    """The one line a balanced run starts with, e.g. "balancing: node-4 is 3.0x slower than
+    node-1; micro-batches 6/6/6/2 of 20 a step (--no-balance to turn off)". `node_speeds`: per
+    rank of each node; the shares are read in the same node order."""
+    slow = min(node_speeds, key=lambda n: node_speeds[n])
+    fast = max(node_speeds, key=lambda n: node_speeds[n])
+    ratio = node_speeds[fast] / node_speeds[slow]
+    shares = "/".join(str(v) for v in choice.shares)
+    how = f"micro-batches {shares} of {choice.micro_batches} a step, {choice.batch_size} sequence" \
+          f"{'s' if choice.batch_size != 1 else ''} each"
+    if choice.steps_per_step > 1:  # diloco: fewer, larger steps; the rounds keep their inner steps
+        how += (f"; a round is {choice.sync_every} step{'s' if choice.sync_every != 1 else ''} of "
+                f"{choice.steps_per_step}x the tokens (the same inner steps), step counts divided by "
+                f"{choice.steps_per_step}")
+    many = sum(ranks_per_node.values()) > len(ranks_per_node)
+    return (f"balancing: {slow} is {ratio:.1f}x slower than {fast}{' per rank' if many else ''}; {how}"
+            f" (--no-balance to turn off)")

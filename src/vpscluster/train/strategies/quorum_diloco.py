@@ -1,0 +1,292 @@
+"""DiLoCo on a quorum of replica groups: the survivors go on, a returning or new replica heals from a peer.
+
+The engine is torchft's Manager (pytorch/torchft 0.2.0; the per-step quorum of "torchft: a
+fault-tolerant training library", and its `local_sgd.DiLoCo`). Each replica group (one node; in
+a local test one process) has a Manager that heartbeats to a lighthouse on the head
+(`launch/lighthouse.py`) and a reconfigurable gloo process group. A round of H inner steps is:
+
+    quorum   (first step of the round)   the lighthouse lists the replica groups present; the
+             process group is rebuilt when that list changed; a replica whose outer-step count
+             is behind the others' (new, returning, or one that missed a commit) first loads a
+             peer's state over torchft's checkpoint transport (HTTP): θ_global, the outer
+             momentum, the outer-step counts, and the loop's position (`join`)
+    H inner steps
+    sync     (step ≡ 0 mod H)   the token-weighted pseudo-gradient reduced over the quorum's
+             process group on vpscluster's wire (`DiLoCoStrategy._reduce`: fp32, bf16 or int8,
+             summed in fp32), then `should_commit`: the outer update lands only where the
+             reduction succeeded; otherwise the round is skipped (its steps and tokens ride on
+             the next sync, as `diloco.py` does after a failed sync)
+
+A replica killed mid-round breaks the others' next reduction (its sockets close) or, if it is
+stopped, times it out (`sync_timeout_s`, else `quorum_timeout_s`); they skip that one sync and
+the next quorum leaves it out once its heartbeats stop (the lighthouse's `heartbeat_timeout_ms`):
+no relaunch, no checkpoint reloaded. Agreement across replicas is torchft's: commits are decided
+per replica group, and a replica that committed less than the others heals from one of them at
+the next quorum, so every outer step's θ_global is the same on every replica that holds it
+(`sync_hashes` lines, compared by the tests).
+
+What carries over from `diloco.py`: the wire dtypes (dense), token weights, the outer Nesterov
+step and its warm-up, sync hashes, checkpoints of the same state. Not (yet): overlap (syncs are
+blocking: τ = 0), streaming fragments, sparse wires (their error-feedback residual is per
+replica), uneven shares, and more than one process per replica group. A replica that joins
+starts its inner optimizer afresh (its state is not sent).
+
+The lighthouse's failure: the replicas finish the round they are in (a reduction and a commit
+need no lighthouse), and the next quorum fails after `quorum_timeout_s` with one line naming the
+lighthouse; the process exits non-zero and the launcher's relaunch path (`--max-restarts`) takes
+over (`launch/lighthouse.py` says why a restarted lighthouse does not rescue the running job).
+
+Where things come from (set by the launcher, or by hand for local processes):
+`TORCHFT_LIGHTHOUSE` (torchft's own variable: http://HOST:PORT), `VPSC_REPLICA_GROUP`
+("INDEX/COUNT": this group's data shard of COUNT, and its id) and `VPSC_REPLICA_ADDR` (where
+peers reach this group's store, manager and checkpoint server; default 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from vpscluster.errors import UserError
+from vpscluster.train.strategies.base import DistContext
+from vpscluster.train.strategies.diloco import DiLoCoStrategy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from vpscluster.train.config import StrategyConfig
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_ENV = "VPSC_REPLICA_GROUP"
+ADDRESS_ENV = "VPSC_REPLICA_ADDR"
+
+
+class QuorumLost(RuntimeError):
+    """No quorum formed in time: the lighthouse is gone or too few replica groups remain."""
+
+
+@dataclass
+class ReplicaGroup:
+    index: int  # this group's data shard and id
+    count: int  # the replica groups the job was planned with (data shards)
+    lighthouse: str
+    address: str = "127.0.0.1"
+
+    @property
+    def replica_id(self) -> str:
+        return f"vpsc_replica_{self.index}"  # torchft reads the trailing digits
+
+    @classmethod
+    def from_environment(cls) -> "ReplicaGroup":
+        lighthouse, group = os.environ.get(LIGHTHOUSE_ENV), os.environ.get(REPLICA_ENV, "")
+        if not lighthouse:
+            raise UserError(f"strategy.quorum needs the lighthouse's address in {LIGHTHOUSE_ENV} (http://HOST:PORT); "
+                            "start the run with `vpscluster run --quorum`, or start a lighthouse and set it")
+        try:
+            index, count = (int(x) for x in group.split("/"))
+            if not 0 <= index < count:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"{REPLICA_ENV}={group!r}: give INDEX/COUNT (this replica group's number and how many "
+                            "there are, e.g. 0/3)") from None
+        return cls(index, count, lighthouse, os.environ.get(ADDRESS_ENV) or "127.0.0.1")
+
+
+def checkpoint_transport(address: str, timeout_s: float):
+    """torchft's HTTP checkpoint transport, advertising `address`: torchft 0.2.0 advertises
+    socket.gethostname(), which a peer may not resolve (a sandbox node, a VPS without DNS)."""
+    from datetime import timedelta
+
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timedelta(seconds=timeout_s), num_chunks=0)
+
+
+def require_torchft() -> None:
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise UserError("strategy.quorum needs torchft: pip install 'torchft==0.2.0'") from None
+
+
+class QuorumDiLoCoStrategy(DiLoCoStrategy):
+    name = "diloco"  # DiLoCo's settings and rules; `strategy.quorum` picks this engine
+
+    def __init__(self, config: "StrategyConfig", ctx: DistContext) -> None:
+        if ctx.world_size != 1:
+            raise UserError("strategy.quorum runs one process per replica group (node) for now; "
+                            "start it with --nproc-per-node 1")
+        require_torchft()
+        super().__init__(config, ctx)
+        self.overlap = 0  # blocking syncs (the module's docstring says why)
+        self.replica = ReplicaGroup.from_environment()
+        self.timeout_s = config.sync_timeout_s or config.quorum_timeout_s
+        self.manager = None
+        self.pg = None
+        self._position: Callable[[], dict] | None = None
+        self._completed = 0  # the loop's steps done when this round's quorum formed (what a joiner takes)
+        self._round_open = False
+        self._moved: dict[str, Any] | None = None  # the loop's place taken from a peer, until `moved_to`
+        self.quorums = 0
+        self.heals = 0
+        self.quorum_wait_seconds = 0.0
+        self.participants_seen: list[int] = []
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def setup(self, model: "nn.Module") -> "nn.Module":
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        model = super().setup(model)  # one process per group: no collective here
+        r, timeout = self.replica, timedelta(seconds=self.timeout_s)
+        quorum_timeout = timedelta(seconds=self.config.quorum_timeout_s)
+        self._store = TCPStore(r.address, 0, is_master=True, wait_for_workers=False, timeout=quorum_timeout)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.pg, min_replica_size=self.config.quorum_min_replicas, use_async_quorum=False,
+            load_state_dict=self._load_heal, state_dict=self._heal_state, replica_id=r.replica_id,
+            store_addr=r.address, store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=r.lighthouse,
+            hostname=r.address, timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=quorum_timeout,
+            checkpoint_transport=checkpoint_transport(r.address, self.timeout_s), init_sync=True)
+        return model
+
+    def join(self, position: Callable[[], dict]) -> None:
+        """The first quorum, before the loop: every replica starts from one replica's weights
+        (torchft's init_sync), and one that joins a running job heals from a peer (`moved_to`:
+        the peer's place). `position()`: the loop's place, sent to replicas that heal from this one."""
+        self._position = position
+        self._quorum(0)
+
+    def moved_to(self) -> dict | None:
+        moved, self._moved = self._moved, None
+        return moved
+
+    def data_shard(self) -> tuple[int, int]:
+        """Each replica group reads its own shard of `count`, present or not (torchft's way:
+        the shard of a dead group is not read while it is away)."""
+        return self.replica.index, self.replica.count
+
+    # -- the loop's calls -----------------------------------------------------------------------
+
+    def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
+        if not self._round_open:
+            self._quorum(step - 1)
+            if self._moved is not None:  # healed from a peer: this is the step after the peer's last
+                step = self._moved["steps"] = int(self._moved["steps"]) + 1
+        optimizer.step()
+        self._step = step
+        self.steps_since_sync[0] += 1
+        if step % self.config.sync_every == 0:
+            self._sync(0)
+
+    def is_sync_point(self, step: int) -> bool:
+        return step % self.config.sync_every == 0
+
+    def finalize(self, step: int) -> None:
+        """A last sync over the quorum when the loop stopped mid-round."""
+        self._step = step
+        if self.steps_since_sync[0] > 0:
+            if not self._round_open:
+                self._quorum(step)
+            self._pre_finalize_state = self._state(include_local=True)
+            self._sync(0)
+
+    def participants(self) -> int:
+        return self.manager.num_participants() if self.manager is not None else 1
+
+    # -- the quorum and the sync ----------------------------------------------------------------
+
+    def _quorum(self, completed: int) -> None:
+        from datetime import timedelta
+
+        self._completed = completed
+        t0 = time.perf_counter()
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=self.config.quorum_timeout_s))
+        except Exception as e:  # the lighthouse unreachable, or too few replicas within the time-out
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise QuorumLost(
+                f"replica group {self.replica.index}: no quorum of {self.config.quorum_min_replicas} replica groups "
+                f"within {self.config.quorum_timeout_s:g} s at the lighthouse {self.replica.lighthouse} ({why}); "
+                "the lighthouse is gone or too few replicas remain: the run's relaunch path takes over") from None
+        waited = time.perf_counter() - t0
+        self.quorum_wait_seconds += waited
+        self.comm.add(waited, 0)  # waiting for the others, as a collective does
+        if self.manager.errored() is not None:
+            print(f"warning: replica group {self.replica.index}: quorum set-up failed ({self.manager.errored()}); "
+                  "this round's sync is skipped", file=sys.stderr, flush=True)
+        self.quorums += 1
+        self.participants_seen.append(self.participants())
+        self._round_open = True
+
+    def _sync(self, f: int) -> None:
+        """The round's outer sync over the quorum; skipped (nothing applied) where it failed."""
+        from datetime import timedelta
+
+        self._round_open = False  # the next step starts a new quorum
+        self.syncs_attempted += 1
+        delta = self.global_flat[f] - self._local_flat(f)
+        reduced = None
+        if self.manager.errored() is None:
+            try:
+                reduced = self._reduce(self.tokens_since_sync[f], delta, self.pg, self.comm)
+            except Exception as e:  # a peer died or timed out mid-reduction
+                why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                print(f"warning: replica group {self.replica.index}: outer sync {self.syncs_attempted} failed: {why}",
+                      file=sys.stderr, flush=True)
+                self.manager.report_error(e)
+                # Close this replica's connections now: a peer still waiting on it in this
+                # reduction fails at once instead of at its time-out (the next quorum rebuilds them).
+                self.pg.abort()
+        commit = self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s))
+        if not commit or reduced is None:
+            self.syncs_failed += 1  # the next sync carries this round's steps and tokens
+            return
+        self._outer_update(f, reduced)
+        self._write_local(f, self.global_flat[f])
+        self.steps_since_sync[f] = 0
+        self.tokens_since_sync[f] = 0.0
+        self.outer_steps += 1
+
+    # -- healing (torchft's checkpoint transport calls these on its threads) --------------------
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a replica that is behind loads from this one: copies (served while this one trains on)."""
+        position = dict(self._position()) if self._position is not None else {}
+        position["steps"] = self._completed
+        return {"diloco": self._state(include_local=False), "position": position}
+
+    def _load_heal(self, payload: dict[str, Any]) -> None:
+        state = dict(payload["diloco"])
+        # θ_r = θ_global: this replica starts the round where the peer's outer step left it.
+        state.update(steps_since_sync=[0], tokens_since_sync=[0.0], in_flight=[], sparse_ef=None)
+        self.load_state_dict(state)
+        self._write_local(0, self.global_flat[0])
+        self._moved = payload.get("position")
+        self.heals += 1
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "quorum": True, "replica_group": self.replica.index,
+                "replica_groups": self.replica.count, "quorums": self.quorums, "heals": self.heals,
+                "quorum_wait_seconds": self.quorum_wait_seconds,
+                "participants_min": min(self.participants_seen, default=None),
+                "participants_max": max(self.participants_seen, default=None)}
+
+    def close(self) -> None:
+        super().close()
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None

@@ -1,0 +1,172 @@
+"""The head stage: join the towers' embeddings by batch, fuse, step, and send each tower its gradient.
+
+It holds the only copy of the labels. Every batch's sample ids must be the schedule's, the same
+from every tower; per epoch it counts them, and the report says whether each sample was trained
+exactly once. After training it scores the validation ids the towers send (phase `eval`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from vpscluster import fsutil
+from vpscluster.errors import UserError
+from vpscluster.vertical import data, wire
+from vpscluster.vertical.spec import Spec, build_module, build_optimizer, loss_fn
+
+
+def label_tensor(spec: Spec, values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.long if spec.head.loss == "cross_entropy" else torch.float32)
+
+
+def correct(spec: Spec, out, y) -> int | None:
+    """How many predictions are right (None for a regression loss)."""
+    if spec.head.loss == "cross_entropy":
+        return int((out.argmax(-1) == y).sum())
+    if spec.head.loss == "bce_with_logits":
+        return int(((out > 0).float() == y).sum())
+    return None
+
+
+def _inboxes(spec: Spec, run_id: str, queue):
+    """One inbox per tower and `join(phase, batch)` -> (embeddings in tower order, their messages)."""
+    K, timeout_s = spec.train.staleness, spec.train.timeout_s
+    queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
+    inboxes = {t: wire.Inbox(queue.consume(wire.emb_subject(run_id, t), durable=f"head-{t}", max_pending=K + 1,
+                                           ack_wait_s=max(30.0, timeout_s)), timeout_s, f"head (from tower {t})")
+               for t in spec.towers}
+
+    def join(phase: str, batch) -> tuple[list, list]:
+        embs, msgs = [], []
+        for t, inbox in inboxes.items():
+            tensor, meta, msg = inbox.take(phase, batch.step)
+            if meta["ids"] != batch.ids:
+                raise UserError(f"head: tower {t} sent {phase} batch {batch.step} with other sample ids than the "
+                                "schedule's; do all stages run the same spec and data?")
+            embs.append(tensor)
+            msgs.append(msg)
+        return embs, msgs
+
+    return inboxes, join
+
+
+def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_dir: str, queue) -> dict:
+    import torch
+
+    _, join = _inboxes(spec, run_id, queue)
+    sched = data.schedule_for(spec, ids, train=False)
+    fusion.eval()
+    lines, right, labelled = [], 0, 0
+    with torch.no_grad():
+        for batch in sched.eval_batches(sorted(ids)):
+            embs, msgs = join("eval", batch)
+            out = fusion(*embs)
+            pred = out.argmax(-1) if spec.head.loss == "cross_entropy" else (out > 0).long() \
+                if spec.head.loss == "bce_with_logits" else out
+            for i, p in zip(batch.ids, pred.tolist()):
+                lines.append(json.dumps({spec.id_column: i, "prediction": p}) + "\n")
+                if labels.get(i) is not None and spec.head.loss != "mse":
+                    labelled += 1
+                    right += int(p == labels[i])
+            for m in msgs:
+                m.ack()
+    out_path = Path(out_dir) / "predictions.jsonl"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.write_atomic(out_path, "".join(lines))
+    report = {"rows": len(lines), "predictions": str(out_path), "accuracy": right / labelled if labelled else None}
+    fsutil.write_json(Path(out_dir) / "report.json", report)
+    return report
+
+
+def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print, weights: str | None = None) -> dict:
+    """Train, then score the validation ids; with `weights` (a trained head's state) only predict
+    every row (predictions.jsonl; accuracy where the rows carry labels)."""
+    import torch
+
+    rows = data.read_rows(rows_file)
+    ids = data.check_ids(rows, spec.id_column)
+    labels = {r[spec.id_column]: r.get(spec.head.label) for r in rows}
+    fusion = build_module(spec, "head")
+    opt = build_optimizer(spec, "head", fusion.parameters())
+    loss_of = loss_fn(spec)
+    if weights:
+        fusion.load_state_dict(torch.load(weights, weights_only=True))
+        return _predict(spec, fusion, ids, labels, run_id, out_dir, queue)
+    sched = data.schedule_for(spec, ids)
+    K, timeout_s = spec.train.staleness, spec.train.timeout_s
+    towers = list(spec.towers)
+    inboxes, join = _inboxes(spec, run_id, queue)
+
+    counts: dict[int, Counter] = {}
+    losses: list[float] = []
+    grad_bytes = 0
+    t0 = t_first = time.monotonic()
+    every = max(1, sched.steps // 10)
+    said = t0
+    for batch in sched.train_batches():
+        embs, msgs = join("train", batch)
+        if batch.step == 0:
+            t_first = time.monotonic()  # the towers' start-up is not throughput
+        counts.setdefault(batch.epoch, Counter()).update(batch.ids)
+        leaves = [e.requires_grad_(True) for e in embs]
+        loss = loss_of(fusion(*leaves), label_tensor(spec, [labels[i] for i in batch.ids]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        for t, leaf in zip(towers, leaves):
+            payload, headers = wire.encode(leaf.grad, batch.step, batch.epoch, "train", batch.ids)
+            queue.publish(wire.grad_subject(run_id, t), payload, headers, timeout_s=timeout_s)
+            grad_bytes += wire.message_bytes(payload, headers)
+        for m in msgs:
+            m.ack()
+        losses.append(float(loss.detach()))
+        if (batch.step + 1) % every == 0 or batch.step + 1 == sched.steps or time.monotonic() - said > 10.0:
+            said = time.monotonic()
+            say(f"step {batch.step + 1}/{sched.steps} epoch {batch.epoch} loss {losses[-1]:.4f}")
+    train_s = time.monotonic() - t_first
+    train_bytes = sum(i.bytes for i in inboxes.values()) + grad_bytes
+
+    fusion.eval()
+    right = seen = 0
+    val_loss = 0.0
+    with torch.no_grad():
+        for batch in sched.eval_batches(sched.val_ids):
+            embs, msgs = join("eval", batch)
+            y = label_tensor(spec, [labels[i] for i in batch.ids])
+            out = fusion(*embs)
+            val_loss += float(loss_of(out, y)) * len(batch.ids)
+            c = correct(spec, out, y)
+            right += c or 0
+            seen += len(batch.ids)
+            for m in msgs:
+                m.ack()
+
+    epochs = []
+    scheduled: dict[int, list[int]] = {}
+    for b in sched.train_batches():
+        scheduled.setdefault(b.epoch, []).extend(b.ids)
+    for e, want in scheduled.items():
+        got = counts.get(e, Counter())
+        epochs.append({"epoch": e, "samples": sum(got.values()), "unique": len(got), "expected": len(want),
+                       "exactly_once": sorted(got) == sorted(want) and all(v == 1 for v in got.values())})
+    samples = sum(len(b.ids) for b in sched.train_batches())
+    report = {
+        "towers": towers, "staleness": K, "steps": sched.steps, "batch_size": spec.train.batch_size,
+        "samples": samples, "epochs": epochs, "exactly_once": all(e["exactly_once"] for e in epochs),
+        "final_train_loss": losses[-1] if losses else None,
+        "val_samples": seen, "val_loss": val_loss / seen if seen else None,
+        "val_accuracy": right / seen if seen and spec.head.loss != "mse" else None,
+        "train_seconds": train_s, "wall_seconds": time.monotonic() - t0,
+        "samples_per_s": samples / train_s if train_s > 0 else None,
+        "queue_bytes": train_bytes, "bytes_per_sample": train_bytes / samples if samples else None,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(fusion.state_dict(), out / "head.pt")
+    fsutil.write_json(out / "report.json", report)
+    return report

@@ -1,0 +1,274 @@
+"""Start a vertical split: place the stages, send each node only its columns, run, collect the report.
+
+    report = launch.train(spec, cluster=None, run_dir="runs/v1")   # None: every stage a local process
+
+Stages (the launch pipeline's shape, over the project's executors: local processes or SSH):
+
+    place     each tower on its node (`nodes:` names, else the first node with its `labels:`), the
+              head on `head.node` or the cluster's head; a tower with no node is refused
+    queue     the cluster's queue (`vpscluster queue up`, or the cluster file's server); on the local
+              cluster, a private nats-server on loopback for this run (queue/server.serve_private)
+    split     per stage one rows file holding only what it may see: a tower the id column and its
+              columns, the head the id column and the label (`data.write_columns`); the file is
+              all of the data that goes to its node
+    sync      to a remote node, the vpscluster package and the code the spec names (its top-level
+              packages or module files, never the whole current folder, which may hold the data;
+              by content hash, secrets left out: launch/sync.py), then the stage's rows file and spec
+    start     `python -m vpscluster.vertical.worker` per stage, with the queue's credentials in its
+              environment; every line it prints comes back prefixed with its stage
+    wait      until every stage ends; a tower that dies is started again from its checkpoint (the
+              others wait on the queue); the head failing, or a tower out of restarts, stops the
+              others, and its last line is the error
+    collect   the head's report.json and every stage's weights into RUN_DIR/stages/<stage>/
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import posixpath
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from vpscluster.errors import RemoteError, UserError
+from vpscluster.vertical import data
+from vpscluster.vertical.spec import Spec, check, code_paths
+
+START_TIMEOUT_S = 120.0  # a stage's first line (an interpreter importing torch on a busy node)
+
+
+def place(spec: Spec, cluster) -> dict[str, str]:
+    """stage -> node name: towers by name, then "head"."""
+    names = [n.name for n in cluster.nodes]
+    out = {}
+    for tname, t in spec.towers.items():
+        if cluster.is_local:
+            out[tname] = cluster.nodes[0].name
+            continue
+        if t.nodes:
+            unknown = [n for n in t.nodes if n not in names]
+            if unknown:
+                raise UserError(f"towers.{tname}.nodes: no node {unknown[0]!r} in the cluster; its nodes: {', '.join(names)}")
+            if len(t.nodes) > 1:
+                raise UserError(f"towers.{tname}.nodes: a tower runs on one node (replicas of a tower are not built yet); "
+                                "name one")
+            out[tname] = t.nodes[0]
+        else:
+            match = [n.name for n in cluster.nodes if all(n.labels.get(k) == str(v) for k, v in t.labels.items())]
+            if not match:
+                raise UserError(f"towers.{tname}.labels: no node of the cluster carries {t.labels}; label one in the "
+                                "cluster file or name it in nodes:")
+            out[tname] = match[0]
+    head = spec.head.node if spec.head.node and not cluster.is_local else cluster.head
+    if head not in names:
+        raise UserError(f"head.node: no node {head!r} in the cluster; its nodes: {', '.join(names)}")
+    out["head"] = head
+    return out
+
+
+def split_rows(spec: Spec, rows: list[dict], out_dir: Path, weights_from: Path | None = None) -> dict[str, list[Path]]:
+    """stage -> the files it receives: its rows file (only its columns; the head's label only where
+    the rows have it), and to predict, its trained weights."""
+    files = {}
+    for tname, t in spec.towers.items():
+        files[tname] = [data.write_columns(rows, [spec.id_column, *t.columns], out_dir / tname / "rows.jsonl")]
+    label = [spec.head.label] if all(spec.head.label in r for r in rows) else []
+    files["head"] = [data.write_columns(rows, [spec.id_column, *label], out_dir / "head" / "rows.jsonl")]
+    if weights_from is not None:
+        for stage in files:
+            w = weights_from / "stages" / stage / ("head.pt" if stage == "head" else f"tower-{stage}.pt")
+            if not w.is_file():
+                raise UserError(f"--from {weights_from}: no trained weights of stage {stage} ({w}); give the run dir "
+                                "of a finished `vertical train`")
+            files[stage].append(w)
+    return files
+
+
+def prepare(spec: Spec, data_path: str | None, labels: bool = True) -> list[dict]:
+    """The rows, after checking the spec against them (modules, columns, feature functions)."""
+    path = data_path or spec.data
+    if not path:
+        raise UserError("no data: give --data FILE or the spec's data: key (JSON lines)")
+    rows = data.read_rows(path)
+    data.check_ids(rows, spec.id_column)
+    check(spec, data.columns_of(rows) | (set() if labels else {spec.head.label}), rows[0])
+    return rows
+
+
+def train(spec: Spec, cluster=None, run_dir: str | Path | None = None, data_path: str | None = None,
+          say: Callable[[str], None] = print) -> dict:
+    """Run the split to the end; the head's report with where each stage ran and the run dir."""
+    return _launch(spec, cluster, run_dir, data_path, say, None)
+
+
+def predict(spec: Spec, from_run: str | Path, cluster=None, run_dir: str | Path | None = None,
+            data_path: str | None = None, say: Callable[[str], None] = print) -> dict:
+    """Every row through the trained stages of `from_run`; the head writes predictions.jsonl."""
+    return _launch(spec, cluster, run_dir, data_path, say, Path(from_run).resolve())
+
+
+def _launch(spec: Spec, cluster, run_dir, data_path, say, weights_from: Path | None) -> dict:
+    from vpscluster.cluster.inventory import local_cluster
+
+    cluster = cluster or local_cluster()
+    run_id = uuid.uuid4().hex[:10]
+    kind = "vertical" if weights_from is None else "vertical-predict"
+    run_dir = Path(run_dir or Path("runs") / f"{kind}-{run_id}").resolve()
+    rows = prepare(spec, data_path, labels=weights_from is None)
+    placement = place(spec, cluster)
+    files = split_rows(spec, rows, run_dir / "send", weights_from)
+    spec_file = run_dir / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+
+    private = None
+    if cluster.is_local and getattr(cluster, "queue", None) is None:
+        from vpscluster.queue.server import serve_private
+
+        private = serve_private(run_dir / "queue")
+        creds = private.creds
+        say(f"queue: a private nats-server for this run at {creds.url}")
+    else:
+        from vpscluster.queue.server import credentials
+
+        creds = credentials(cluster)
+        if creds is None:
+            raise UserError("no queue for this cluster; start one with `vpscluster queue up --cluster FILE`")
+    try:
+        report = asyncio.run(_run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say))
+    finally:
+        try:
+            _drop_stream(creds, run_id, say)
+        finally:
+            if private is not None:
+                private.stop()
+    report.update({"run_id": run_id, "run_dir": str(run_dir), "placement": placement, "queue": creds.url})
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _drop_stream(creds, run_id: str, say: Callable[[str], None]) -> None:
+    """The run's stream is its scratch: removed once the run ended, so a cluster's queue does not
+    keep it until its retention ends (a queue that does not answer now keeps it; said, not raised)."""
+    from vpscluster.queue.client import Queue, QueueError
+    from vpscluster.vertical.wire import stream_name
+
+    try:
+        with Queue(creds, timeout_s=5.0) as q:
+            q.delete_stream(stream_name(run_id))
+    except QueueError as e:
+        say(f"note: the run's stream {stream_name(run_id)} stays on the queue: {e}")
+
+
+async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say) -> dict:
+    import vpscluster
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.commands import LAUNCH_ID_ENV
+    from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.launch.pipeline import SyncItem, local_side
+    from vpscluster.launch.sync import sync_dir
+
+    timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
+    package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+    async with open_executors(cluster) as executors:
+        by_name = {ex.node.name: ex for ex in executors if ex.node.name in placement.values()}
+        workdirs = await resolve_workdirs(list(by_name.values()), timeout_s)
+        pythonpath: dict[str, str] = {}
+        # Only the code the spec names goes to remote nodes (its top-level packages or module files),
+        # never the current folder as a whole: it may hold the dataset, all of whose columns must not travel.
+        code = [(path, *local_side(SyncItem("code", path, ""))) for path in code_paths(spec)]
+        for name, ex in by_name.items():
+            if ex.node.local:
+                pythonpath[name] = os.pathsep.join([os.getcwd(), os.path.dirname(package_dir)])
+            else:  # the package and the user's code (the spec's modules), by content hash, secrets left out
+                pkg = await sync_dir(ex, package_dir, posixpath.join(workdirs[name], "code/src/vpscluster"),
+                                     timeout_s=max(timeout_s, 300.0), say=say)
+                user_root = posixpath.join(workdirs[name], "code/vertical", run_id)
+                for path, root, manifest in code:  # a package lands as user_root/<name>, a module file in user_root
+                    there = posixpath.join(user_root, os.path.basename(path)) if os.path.isdir(path) else user_root
+                    await sync_dir(ex, root, there,
+                                   timeout_s=max(timeout_s, 300.0), manifest=manifest, detect_shared=False, say=say)
+                pythonpath[name] = f"{user_root}:{posixpath.dirname(pkg.remote_path)}"
+
+        async def start(stage: str, resume: bool = False):
+            node = placement[stage]
+            ex = by_name[node]
+            if ex.node.local:
+                stage_dir, spec_path = str(run_dir / "stages" / stage), str(spec_file)
+                sent = [str(f) for f in files[stage]]
+            else:
+                stage_dir = posixpath.join(workdirs[node], "runs", f"vertical-{run_id}", stage)
+                spec_path = posixpath.join(stage_dir, "spec.json")
+                sent = [posixpath.join(stage_dir, "in", f.name) for f in files[stage]]
+                for f, there in zip(files[stage], sent):  # this stage's columns (and weights), nothing else
+                    await ex.put(str(f), there, timeout_s=timeout_s)
+                await ex.put(str(spec_file), spec_path, timeout_s=timeout_s)
+            role = ["head"] if stage == "head" else ["tower", stage]
+            argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", sent[0],
+                    "--run", run_id, "--out", stage_dir, *(["--weights", sent[1]] if len(sent) > 1 else []),
+                    *(["--resume"] if resume else [])]
+            env = {**creds.env(), LAUNCH_ID_ENV: run_id, "PYTHONPATH": pythonpath[node], "PYTHONUNBUFFERED": "1",
+                   "OMP_NUM_THREADS": "1"}
+            last = {"t": time.monotonic()}
+
+            def on_line(stream: str, line: str) -> None:
+                last["t"] = time.monotonic()
+                if not line.startswith("{"):
+                    say(f"[{stage}@{node}] {line}")
+            handle = await ex.start(argv, on_line=on_line, env=env, cwd=workdirs[node])
+            return stage, handle, stage_dir, last
+
+        started = []
+        try:
+            for stage in [*spec.towers, "head"]:
+                started.append(await start(stage))
+            restarts = await _wait(started, spec.train.timeout_s, spec.train.max_restarts, start, say)
+            head_dir = next(d for s, _, d, _ in started if s == "head")
+            local_stages = run_dir / "stages"
+            for stage, _, stage_dir, _ in started:
+                ex = by_name[placement[stage]]
+                if not ex.node.local:
+                    await ex.get(stage_dir, str(local_stages / stage), timeout_s=timeout_s)
+            report_file = (local_stages / "head" / "report.json") if not by_name[placement["head"]].node.local \
+                else Path(head_dir) / "report.json"
+            return {**json.loads(report_file.read_text()), "restarts": restarts}
+        finally:
+            await asyncio.gather(*(h.stop(grace_s=2.0) for _, h, _, _ in started), return_exceptions=True)
+
+
+async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) -> dict[str, int]:
+    """Until every stage ended. A tower that dies is started again from its checkpoint (`start(stage,
+    resume=True)`), at most `max_restarts` times each, while the others wait on the queue; the head
+    failing, a tower out of restarts, or every stage silent far past its own time-outs ends all.
+    Returns the restarts per tower."""
+    silent_limit = START_TIMEOUT_S + 3 * timeout_s
+    restarts: dict[str, int] = {}
+    while True:
+        states = [(stage, h.returncode, last) for stage, h, _, last in started]
+        states.sort(key=lambda st: st[0] != "head")  # the head failing ends the run: no tower restarts then
+        restarted = False
+        for stage, rc, _ in states:
+            if rc not in (None, 0):
+                k = next(i for i, st in enumerate(started) if st[0] == stage)
+                h = started[k][1]
+                lines = [ln for ln in h.output_tail.text().splitlines() if ln.strip()]
+                why = lines[-1].strip() if lines else "no output"
+                if stage != "head" and restarts.get(stage, 0) < max_restarts:
+                    restarts[stage] = restarts.get(stage, 0) + 1
+                    say(f"stage {stage} died (exit status {rc}: {why}); starting it again from its checkpoint "
+                        f"({restarts[stage]} of {max_restarts})")
+                    started[k] = await start(stage, resume=True)
+                    restarted = True
+                    continue
+                raise RemoteError(f"stage {stage} failed (exit status {rc}): {why}")
+        if restarted:
+            continue
+        if all(rc == 0 for _, rc, _ in states):
+            return restarts
+        quiet = min(time.monotonic() - last["t"] for _, rc, last in states if rc is None)
+        if quiet > silent_limit:
+            raise RemoteError(f"every running stage was silent for {quiet:.0f} s; stopped them (train.timeout_s "
+                              "bounds each wait on the queue)")
+        await asyncio.sleep(0.2)
