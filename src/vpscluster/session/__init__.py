@@ -36,4 +36,10 @@ def start(backend: str = "auto", **settings):
         from vpscluster.errors import UserError
 
         raise UserError(f"session.start(backend={backend!r}): choose auto, gloo or nccl")
-    return Session(from_environment(**settings), backend)
+    cfg = from_environment(**settings)
+    if cfg.strategy.micro_batches and cfg.strategy.name == "ddp":
+        from vpscluster.errors import UserError
+
+        raise UserError("uneven shares (--micro-batches) in a session need --strategy diloco for now; "
+                        "with ddp leave them out")
+    return Session(cfg, backend)
