@@ -14,7 +14,8 @@
 script.py` decides the strategy and its settings; plain `python script.py` is one process with
 nothing to synchronise. Checkpoints: `s.save(optimizer)` (or `checkpoint_every`) and
 `s.resume(optimizer)` before the loop. Modules: config (the launcher's settings), core (the
-Session), shard (the data split), report.
+Session), dist (joining the job), shard (the data split), balance (re-split shares), report.
+The built-in `vpscluster train` is one user of this API (`train/trainer.py`).
 """
 
 from __future__ import annotations
