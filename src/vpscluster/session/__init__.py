@@ -14,7 +14,8 @@
 script.py` decides the strategy and its settings; plain `python script.py` is one process with
 nothing to synchronise. Checkpoints: `s.save(optimizer)` (or `checkpoint_every`) and
 `s.resume(optimizer)` before the loop. Modules: config (the launcher's settings), core (the
-Session), shard (the data split), report.
+Session), dist (joining the job), shard (the data split), balance (re-split shares), report.
+The built-in `vpscluster train` is one user of this API (`train/trainer.py`).
 """
 
 from __future__ import annotations
@@ -36,4 +37,13 @@ def start(backend: str = "auto", **settings):
         from vpscluster.errors import UserError
 
         raise UserError(f"session.start(backend={backend!r}): choose auto, gloo or nccl")
-    return Session(from_environment(**settings), backend)
+    cfg = from_environment(**settings)
+    from vpscluster.train.strategies import COSTS, costs_for
+
+    name = cfg.strategy.name
+    if cfg.strategy.micro_batches and name in COSTS and not costs_for(name).micro_batches_are_steps:
+        from vpscluster.errors import UserError
+
+        raise UserError("uneven shares (--micro-batches) in a session need --strategy diloco for now; "
+                        f"with {name} leave them out")
+    return Session(cfg, backend)

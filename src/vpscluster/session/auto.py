@@ -95,7 +95,7 @@ def choose(session, summaries: list[dict[str, float]]) -> dict[str, Any]:
 def switch(session, made: dict[str, Any]) -> None:
     """Run the chosen strategy from the next step on (every rank, at the same step)."""
     from vpscluster.train.strategies import get_strategy_class
-    from vpscluster.train.trainer import end_startup
+    from vpscluster.session.dist import end_startup
 
     settings = made["settings"]
     if settings["name"] == session.strategy.name:

@@ -18,6 +18,7 @@ from vpscluster import fsutil
 from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, shorthand, to_dict
 from vpscluster.errors import UserError
 from vpscluster.train.config import StrategyConfig, TimeoutConfig
+from vpscluster.train.strategies import COSTS, costs_for
 
 ENV = "VPSC_SESSION"  # the path of this node's session.json, set by `vpscluster run`
 FILE = "session.json"
@@ -72,8 +73,9 @@ class SessionConfig:
             raise UserError(f"time_budget must be a positive number of seconds, got {self.time_budget_s}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise UserError("checkpoint_every must be >= 0 (0 = only when the script saves) and keep_checkpoints >= 1")
-        if self.strategy.compress != "none" and self.strategy.name == "diloco":
-            raise UserError("--compress applies to ddp; for diloco choose the pseudo-gradient's --wire-dtype")
+        name = self.strategy.name
+        if self.strategy.compress != "none" and name in COSTS and not costs_for(name).takes("compress"):
+            raise UserError(f"--compress applies to ddp; for {name} choose the pseudo-gradient's --wire-dtype")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"seed must be between 0 and 2**32 - 1, got {self.seed}")
 

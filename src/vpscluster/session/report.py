@@ -21,7 +21,7 @@ def build_report(s) -> dict[str, Any]:
     mine = {**t.to_dict(), "collective_busy_seconds": describe.get("collective_busy_seconds"),
             "model_sha256": checkpoint.state_hash(s.unwrap().state_dict()),
             "python": sys.executable, "torch": torch.__version__}
-    per_rank = s._all_gather_object(mine)
+    per_rank = s.all_gather_object(mine)
     n = len(per_rank)
     wall = max(r["wall_seconds"] for r in per_rank)
     samples = sum(r["tokens"] for r in per_rank)  # Totals counts the loop's units: samples here

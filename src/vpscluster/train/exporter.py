@@ -101,12 +101,13 @@ class RankExporter:
                 "rank_port": self.rank_port, "node_port": self.node_port}
 
     # ---- what the loop reports ----------------------------------------------------------------
-    def step(self, step: int, loss: float, run_tokens: int, local_tokens: int, step_s: float, comm_s: float,
+    def step(self, step: int, loss: float | None, run_tokens: int, local_tokens: int, step_s: float, comm_s: float,
              nbytes: int, outer_syncs: int | None = None) -> None:
         t0 = time.perf_counter()
         m = self._m
         m[T.STEP.name].set(step)
-        m[T.LOSS.name].set(loss)
+        if loss is not None:  # None: this rank ran no micro-batch this step (uneven shares); the gauge keeps its last
+            m[T.LOSS.name].set(loss)
         m[T.TOKENS.name].inc(local_tokens)
         m[T.TOKENS_PER_S.name].set(run_tokens / step_s if step_s > 0 else 0.0)
         m[T.STEP_SECONDS.name].observe(step_s)

@@ -64,3 +64,45 @@ def egress_of(inputs) -> sync_rule.EgressBudget | None:
     """The launcher's egress quotas and run length, as the rule takes them (None: no quota)."""
     quotas = tuple((float(b), float(p)) for b, p in inputs.egress_quotas)
     return sync_rule.EgressBudget(quotas, inputs.run_steps, inputs.run_seconds) if quotas else None
+
+
+def replannable(t: Any) -> bool:
+    """Does this run (`t`: the Trainer) re-make its sync plan on the measured step? DiLoCo with
+    rule inputs from the launcher, on even shares (with uneven ones a loop step is several inner
+    steps: the window would not measure one)."""
+    s = t.cfg.strategy
+    return s.replan is not None and hasattr(t.strategy, "retune") and not s.micro_batches \
+        and t.ctx.world_size > 1
+
+
+def window_full(t: Any) -> None:
+    """The correction window is full: every rank's summary gathered once (as communication);
+    rank 0 records the corrected prediction (train/prediction.py), and every rank re-makes the
+    sync plan where the measured step is far off the planned one."""
+    from vpscluster.train import prediction
+    from vpscluster.train.shares import look_every
+    from vpscluster.train.strategies.diloco import RETUNABLE
+
+    session = t.session
+    with t.strategy.comm.timed(0):
+        summaries = session.all_gather_object(prediction.rank_summary(t.samples))
+    session.book_off_comm()
+    if session.is_main and t.prediction is not None:
+        doc = prediction.compare(t.prediction, summaries, comm_every_step=t.strategy.steps_per_sync() == 1)
+        session.events.emit("prediction", step=session.steps, predicted=doc["predicted"], measured=doc["measured"],
+                            error=doc["error"], corrected=doc["corrected"])
+    if not replannable(t):
+        return
+    s = t.cfg.strategy
+    step_s = measured_step(summaries)
+    before = {k: getattr(s, k) for k in RETUNABLE}
+    again = plan_again(s.replan, step_s, session.world_size, before, s.overlap_steps)
+    if again is None:
+        return
+    settings, reason = again
+    t.strategy.retune(settings)  # the same figures on every rank: the same settings, this step
+    session.look_every = look_every(s.rebalance_every, s.sync_every if t.strategy.micro_batches_are_steps else None)
+    t.replanned = {"step": session.steps, "planned_step_seconds": s.replan.step_seconds,
+                   "planned_from": s.replan.step_source, "measured_step_seconds": step_s,
+                   "before": before, "after": {k: getattr(s, k) for k in RETUNABLE}, "reason": reason}
+    session.events.emit("replan", **t.replanned)

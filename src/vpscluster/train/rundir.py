@@ -6,7 +6,7 @@
       checkpoints/            step-NNNNNNNN/ with one shard per rank and a manifest
       logs/                   each rank's output (rank-N.log), the launcher's (launcher.log; on a
                               cluster <node>.log), torchrun's own (torchelastic/)
-      report.json             the run report (contract keys, see trainer.build_report)
+      report.json             the run report (contract keys, see train/report.py)
 """
 
 from __future__ import annotations

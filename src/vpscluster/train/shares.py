@@ -3,7 +3,7 @@
 A step's global batch is `total` micro-batches of the same shape. Rank r runs `shares[r]` of
 them; the shares always sum to `total`, so the global batch - and with the loss scaled by
 world/total per micro-batch, the averaged gradient - is exactly that of an even split (see
-`train/trainer.py`). Only *who* computes which micro-batch changes.
+`train/step_runner.py`). Only *who* computes which micro-batch changes.
 
 - `split(speeds, total, ...)`: the integer shares that minimise the predicted step time
   max_r(shares[r] / speeds[r]) - every rank starts at `min_share`, then each further

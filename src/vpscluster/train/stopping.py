@@ -1,7 +1,7 @@
 """Stopping together: the time budget and a requested stop, agreed at sync points.
 
-Shared by the built-in trainer (`train/trainer.py`) and the session API (`session/`), so a
-user's loop stops the way `train` does:
+Run by the session API (`session/core.py: Session.step`), which the built-in trainer
+(`train/trainer.py`) uses too, so a user's loop stops the way `train` does:
 
 - A rank votes at the strategy's sync points only (`Strategy.is_sync_point`: ddp every step,
   diloco the steps an outer update lands), where the ranks wait for each other anyway.

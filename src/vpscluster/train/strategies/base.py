@@ -55,7 +55,7 @@ class DistContext:
     backend: str = "gloo"
     device: Any = "cpu"  # torch.device
     # The process group of the job (the default one), or None without one. It starts with the
-    # long `timeouts.startup_collective_s`; `trainer.end_startup` lowers it to the short
+    # long `timeouts.startup_collective_s`; `session/dist.py: end_startup` lowers it to the short
     # `timeouts.train_collective_s` once start-up is over, so a dead peer is noticed fast.
     group: Any = None
 
@@ -214,14 +214,14 @@ class Strategy(ABC):
     def replica_sha256(self) -> str:
         """A sha256 of the state every rank must hold alike at a checkpoint (ddp: the model's
         weights; diloco: the global weights and outer momentum, its replicas differ mid-round).
-        The loop compares it across ranks before every checkpoint (`trainer.save_checkpoint`)."""
+        The loop compares it across ranks before every checkpoint (`Session.save`)."""
         from vpscluster.train.checkpoint import state_hash
 
         return state_hash(self.unwrap().state_dict())
 
     def collective_groups(self) -> list:
         """Process groups of the strategy's own whose time-out follows the loop's collectives
-        (`trainer.end_startup` lowers it with the default group's). Default: none."""
+        (`session/dist.py: end_startup` lowers it with the default group's). Default: none."""
         return []
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ the ranks all-reduce a success flag (MIN, on a group of their own with the loop'
 `_agree`): the outer update is applied only where the attempt succeeded on every rank; otherwise
 every rank retries on a fresh group, or skips the round and keeps its pre-sync state, alike. An
 agreement that fails itself stops the run. The trainer compares `replica_sha256` (θ_global, m,
-the outer steps) across ranks before every checkpoint (`trainer.check_replicas`).
+the outer steps) across ranks before every checkpoint (`Session.check_replicas`).
 
 Resume: the state holds θ_global, m, and per fragment the outer steps applied (the warm-up's
 clock) and the steps and tokens since its last sync,
@@ -455,7 +455,7 @@ class DiLoCoStrategy(Strategy):
 
     def collective_groups(self) -> list:
         """The agreement group: it waits as long as the loop's own collectives (the trainer sets
-        its time-out with the default group's, `trainer.end_startup`)."""
+        its time-out with the default group's, `session/dist.py: end_startup`)."""
         return [self.agree_group] if self.agree_group is not None else []
 
     def _agree(self, ok: bool, comm: CommStats) -> bool:
@@ -465,7 +465,7 @@ class DiLoCoStrategy(Strategy):
         applied the update while its peer skipped it would leave the replicas different for the
         rest of the run. An agreement that fails itself (a peer gone for longer than the loop's
         time-out) raises: no rank can know what the others did, so the run stops and resumes
-        from its last checkpoint, whose replicas were compared (`trainer.save_checkpoint`)."""
+        from its last checkpoint, whose replicas were compared (`Session.save`)."""
         import torch
         import torch.distributed as dist
 
