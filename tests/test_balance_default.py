@@ -161,3 +161,17 @@ def test_the_decision_lands_in_the_runs_config(uneven_cluster):
     probe([4.5e10] * 4)
     even = prepare_training(TrainConfig(cluster=str(cluster), preset="small", strategy=StrategyConfig(name="ddp")))
     assert even.speeds_note is None and even.cfg.strategy.balance is False and not even.cfg.strategy.micro_batches
+
+
+def test_a_strategy_that_keeps_even_shares_is_not_balanced():
+    from vpscluster.launch.balance import apply_default_balance
+    from vpscluster.train.config import StrategyConfig, TrainConfig
+
+    probe = {"nodes": [{"name": f"node-{i + 1}", "flops": f * 1e11, "gpus": []} for i, f in enumerate(ISSUE)]}
+    ranks = {f"node-{i + 1}": 1 for i in range(len(ISSUE))}
+    flat = TrainConfig(preset="small", strategy=StrategyConfig(name="diloco"))
+    assert apply_default_balance(flat, probe, ranks) and flat.strategy.micro_batches  # these nodes are balanced
+    # hierarchical runs DDP inside a region: no uneven shares yet (its companion's uneven_shares)
+    hier = TrainConfig(preset="small", strategy=StrategyConfig(name="hierarchical"))
+    assert apply_default_balance(hier, probe, ranks) is None
+    assert hier.strategy.balance is False and not hier.strategy.micro_batches and hier.strategy.node_speeds is None

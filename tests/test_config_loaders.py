@@ -182,7 +182,7 @@ def test_strategy_word_and_flags_merge(tmp_path):
 
 @pytest.mark.parametrize("text, fragments", [
     ("timeouts: 5\n", ["my.yaml: timeouts: expected a mapping of rendezvous_s", "got 5"]),
-    ("strategy: {name: ring}\n", ["my.yaml: strategy.name: 'ring' is not one of 'ddp', 'diloco' or 'auto'"]),
+    ("strategy: {name: ring}\n", ["my.yaml: strategy.name: 'ring' is not one of 'ddp', 'diloco', 'hierarchical' or 'auto'"]),
     ("strategy: [ddp]\n", ["my.yaml: strategy: expected a mapping of name, compress"]),
     ("max_steps: yes\n", ["my.yaml: max_steps: expected a number, got true"]),
     ("max_steps: 2.5\n", ["my.yaml: max_steps: expected an integer with no fraction, got 2.5"]),

@@ -34,7 +34,7 @@ def test_every_strategy_has_a_companion_of_its_name():
 
 
 def test_the_running_strategy_answers_from_its_companion():
-    for name, every in (("ddp", 1), ("diloco", 20)):
+    for name, every in (("ddp", 1), ("diloco", 20), ("hierarchical", 20)):
         s = get_strategy_class(name)(StrategyConfig(name=name, sync_every=20), DistContext())
         assert s.costs is costs_for(name)
         assert s.steps_per_sync() == every

@@ -56,6 +56,9 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
 
     if not undecided(cfg) or not ranks:
         return None
+    if not costs_for(cfg.strategy.name).uneven_shares:
+        cfg.strategy.balance = False  # decided: this strategy keeps even shares
+        return None
     speeds = node_speeds_from_probe(probe, ranks)
     if speeds is None:
         return None  # not every node measured: decide later (pre-flight's probe) or stay even

@@ -28,6 +28,7 @@ from pathlib import Path
 from vpscluster.errors import RemoteError, UserError
 from vpscluster.launch.commands import parse_program, relative_script
 from vpscluster.launch.pipeline import Job, SyncItem
+from vpscluster.train.strategies import STRATEGIES, costs_for
 
 SESSION_FETCH = ("report.json", "metrics.jsonl")  # what a session writes on rank 0's node
 
@@ -81,6 +82,15 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         run_id = Path(run_dir).name
     here = all(n.local for n in cluster.nodes)
     session = session or SessionConfig()
+    s = session.strategy
+    if s.name in STRATEGIES and costs_for(s.name).by_region and s.regions is None and not s.node_regions:
+        # Each rank looks up its node's region (`train/strategies/hierarchical.py`): from the
+        # cluster file's labels.region, else the last probe's regions.
+        from vpscluster.plan.hierarchical import cluster_regions, saved_probe
+
+        regions = cluster_regions(cluster, saved_probe(cluster))
+        if regions:
+            session = dataclasses.replace(session, strategy=dataclasses.replace(s, node_regions=regions))
     if session.strategy.name == "auto" and session.auto is None:
         session = dataclasses.replace(session, auto=auto_inputs(cluster, nproc_per_node if in_place else 0))
     threads = None

@@ -132,6 +132,12 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
         cfg.strategy, reason = choose_for_training(cfg, cluster if cfg.cluster else None, None, given)
         cfg.validate()
+    elif costs_for(cfg.strategy.name).by_region and resume_dir is None:  # the regions, H and wire among them
+        from vpscluster.plan.hierarchical import plan_for_training
+
+        cfg.strategy = plan_for_training(cfg, cluster if cfg.cluster else None, given)
+        cfg.validate()
+        reason = cfg.strategy.planned_reason
     elif costs_for(cfg.strategy.name).planned_keys and resume_dir is None:  # DiLoCo's H and wire
         from vpscluster.plan.auto import given_keys, plan_diloco, plan_inputs
 

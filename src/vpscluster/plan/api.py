@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vpscluster.errors import UserError
-from vpscluster.plan import auto, comm, memory
+from vpscluster.plan import auto, comm, hierarchical, memory
+from vpscluster.plan.compute import tokens_per_rank_step
 from vpscluster.plan import steptime
 from vpscluster.plan.calibrate import efficiency_for
 from vpscluster.plan.guidance import guidance
@@ -131,17 +132,29 @@ def make_plan(req: PlanRequest) -> dict:
     options = auto.candidates(res.world_size, strategies=("ddp",), base=base)
     if rule is not None:
         options.append(dataclasses.replace(base, name="diloco", compress="none"))
+    # With regions (labels.region, or the probe's): DiLoCo across them, DDP inside (`plan/hierarchical.py`).
+    by_region = hierarchical.plan_options(model, res, eff.value, base, hierarchical.cluster_regions(cluster, probe),
+                                          req.sync_every, req.wire_dtype,
+                                          math.ceil(tokens / (tokens_per_rank_step(model) * res.world_size)))
+    for option in by_region.values():
+        options.append(option)
+        preds.append(predict(model, res, option, tokens, eff.value))
     auto_pred, auto_reason, _ = auto.choose(model, res, tokens, eff.value, options)
-    if rule is not None and auto_pred.settings.costs.planned_keys:  # and why this H and wire, as `train` says it
+    flat_rule = rule is not None and auto_pred.settings.costs.planned_keys and not auto_pred.settings.costs.by_region
+    if flat_rule:  # and why this H and wire, as `train` says it
         auto_reason = f"{auto_reason}; {rule.reason}"
     if req.strategy == AUTO:
         chosen, reason = auto_pred, auto_reason
     else:
         asked = costs_for(req.strategy)
         settings = dataclasses.replace(base, name=req.strategy, compress=req.compress if asked.takes("compress") else "none")
+        if asked.by_region:
+            if req.strategy not in by_region:
+                raise UserError(hierarchical.needs_regions(req.strategy))
+            settings = by_region[req.strategy]
         chosen = predict(model, res, settings, tokens, eff.value)
         reason = f"as asked (--strategy {req.strategy}); auto would choose {auto_pred.settings.label()}"
-        if rule is not None and asked.planned_keys and not (req.sync_every and req.wire_dtype):
+        if rule is not None and asked.planned_keys and not asked.by_region and not (req.sync_every and req.wire_dtype):
             reason = f"as asked (--strategy {req.strategy}), {rule.reason}; auto would choose {auto_pred.settings.label()}"
         if chosen.time_to_train_seconds > auto_pred.time_to_train_seconds * 1.1:
             reason += f", {chosen.time_to_train_seconds / auto_pred.time_to_train_seconds:.1f}x faster to the token target"
@@ -180,7 +193,6 @@ def _sync_rule(req: PlanRequest, model, res, efficiency: float, tokens: float):
     for a run of `tokens` (the egress quotas' share); a value the request sets is kept. None with
     one rank or without a usable link figure."""
     from vpscluster.train.strategies import sync_rule
-    from vpscluster.plan.compute import tokens_per_rank_step
 
     if res.world_size <= 1:
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from vpscluster.plan import hierarchical
 from vpscluster.train.strategies import sync_rule
 from vpscluster.plan.predict import Prediction, Settings, predict, risk_label
 from vpscluster.plan.resources import Resources
@@ -208,8 +209,15 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     if res.world_size > 1:
         dl = plan_diloco(cfg, model, res, eff.value, given, strategy=dataclasses.replace(s, fragments=1))
         options.append(Settings.of(dl, name="diloco", compress="none", fragments=1))
+    # The strategies that run on regions, where the cluster has them (`plan/hierarchical.py`).
+    by_region = hierarchical.options_for_auto(cfg, model, res, eff.value, cluster, probe, given) if dl else {}
+    options += [Settings.of(o) for o in by_region.values()]
     chosen, reason, _ = choose(model, res, tokens, eff.value, options)
     c = chosen.settings
+    if c.name in by_region:
+        out = by_region[c.name]
+        reason = f"{reason}; {out.planned_reason}" if out.planned_reason else reason
+        return dataclasses.replace(out, planned_reason=reason), reason
     if dl is not None and c.name == dl.name:
         out = dataclasses.replace(dl, name="diloco", compress="none", fragments=1)
         if out.planned_reason:

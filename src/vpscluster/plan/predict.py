@@ -155,6 +155,10 @@ def ring_for(res: Resources) -> comm.Ring:
 
 def predict(model: ModelSpec, res: Resources, settings: Settings, tokens: float, efficiency: float,
             ring: comm.Ring | None = None) -> Prediction:
+    if settings.costs.by_region:  # priced on the regions (`plan/hierarchical.py`)
+        from vpscluster.plan.hierarchical import predict_hierarchical
+
+        return predict_hierarchical(model, res, settings, tokens, efficiency)
     n = res.world_size
     ring = ring or ring_for(res)
     costs = settings.costs

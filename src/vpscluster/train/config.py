@@ -128,6 +128,13 @@ class StrategyConfig:
     min_share: Int = 1
     max_spread: Float = 8.0
     rebalance_every: Int = 5
+    # hierarchical (`strategies/hierarchical.py`): the region of each rank, by rank (e.g.
+    # [fra, fra, lax, lax]), or of each node, by node name: the launcher fills `node_regions`
+    # from the cluster file's labels.region or the probe's regions and each rank looks up its
+    # node (`regions`, per rank, wins). Ranks of a region all-reduce gradients every step; the
+    # regions meet in a DiLoCo outer sync every sync_every steps.
+    regions: list[str] | None = None
+    node_regions: dict[str, str] | None = None
     # diloco on a quorum (torchft's Manager, `strategies/quorum_diloco.py`): each replica group
     # (a node) trains on whoever is present; a dead one is dropped at the next sync, a returning
     # or new one heals from a peer. The outer syncs wait for at least `quorum_min_replicas`
@@ -180,6 +187,13 @@ class StrategyConfig:
             raise UserError(f"strategy.speeds must be positive numbers, one per rank, got {self.speeds}")
         if self.node_speeds is not None and (not self.node_speeds or any(v <= 0 for v in self.node_speeds.values())):
             raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
+        if self.regions is not None and (not self.regions or not all(isinstance(r, str) and r for r in self.regions)):
+            raise UserError(f"strategy.regions must name the region of each rank, got {self.regions}")
+        if self.node_regions is not None and not all(r for r in self.node_regions.values()):
+            raise UserError(f"strategy.node_regions must map node names to region names, got {self.node_regions}")
+        if self.micro_batches and self.name in STRATEGIES and not costs_for(self.name).uneven_shares:
+            raise UserError(f"uneven shares (--micro-batches) are not supported by --strategy {self.name} yet; "
+                            "leave them out or use --strategy diloco")
         if self.quorum:
             self._validate_quorum()
         if (self.balance or self.speeds is not None) and self.micro_batches == 0:

@@ -25,11 +25,13 @@ if TYPE_CHECKING:
 STRATEGIES: dict[str, str] = {
     "ddp": "vpscluster.train.strategies.ddp:DDPStrategy",
     "diloco": "vpscluster.train.strategies.diloco:DiLoCoStrategy",
+    "hierarchical": "vpscluster.train.strategies.hierarchical:HierarchicalStrategy",
 }
 # name -> "module:instance" of its cost companion (torch-free)
 COSTS: dict[str, str] = {
     "ddp": "vpscluster.train.strategies.ddp_costs:COSTS",
     "diloco": "vpscluster.train.strategies.diloco_costs:COSTS",
+    "hierarchical": "vpscluster.train.strategies.hierarchical_costs:COSTS",
 }
 # The same strategies on a quorum of replica groups (`strategy.quorum`): name -> "module:Class".
 QUORUM_ENGINES: dict[str, str] = {

@@ -56,6 +56,12 @@ class StrategyCosts:
     # Uneven shares: is each of a rank's micro-batches an optimizer step of its own (True), or
     # are a step's micro-batches one accumulated gradient (False)? (`Strategy.micro_batches_are_steps`)
     micro_batches_are_steps: ClassVar[bool] = False
+    # May the ranks take uneven shares of a step (`--micro-batches`, `train/shares.py`)?
+    uneven_shares: ClassVar[bool] = True
+    # A strategy that runs on the cluster's regions: (the strategy inside each region, the one
+    # among the regions' leaders), e.g. ("ddp", "diloco"). The planner prices it on the regions
+    # (`plan/hierarchical.py`) and the launcher gives it `node_regions`. None: one flat group.
+    by_region: ClassVar[tuple[str, str] | None] = None
 
     def takes(self, key: str) -> bool:
         return key in self.settings_keys
@@ -78,6 +84,10 @@ class StrategyCosts:
     def quality_risk(self, s: "StrategyConfig", total_steps: int | None = None) -> float:
         """0 = the same updates as one big machine; larger = further from it (heuristic scale)."""
         return 0.0
+
+    def risk_on_regions(self, s: "StrategyConfig", total_steps: int | None, n_regions: int, world_size: int) -> float:
+        """A strategy `by_region`: its quality risk with `n_regions` regions of `world_size` ranks."""
+        return self.quality_risk(s, total_steps)
 
     def candidates(self, base: "StrategyConfig", world_size: int, sync_every_choices) -> list:
         """The settings `--strategy auto` weighs for this strategy, varied from `base`."""

@@ -335,10 +335,24 @@ class DiLoCoStrategy(Strategy):
         for f in range(len(self.tokens_since_sync)):
             self.tokens_since_sync[f] += tokens
 
+    @property
+    def replicas(self) -> int:
+        """The models that train apart and meet at an outer sync: one per rank here (a
+        hierarchical run has one per region, `hierarchical.py`)."""
+        return self.ctx.world_size
+
+    def round_length(self) -> int:
+        """Inner steps between two syncs of a fragment: H."""
+        return self.config.sync_every
+
     def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
         optimizer.step()
+        self._after_inner_step(step)
+
+    def _after_inner_step(self, step: int) -> None:
+        """Count the step; land the overlapped syncs due; sync the fragments this step schedules."""
         self._step = step
-        H, F = self.config.sync_every, len(self.fragment_params)
+        H, F = self.round_length(), len(self.fragment_params)
         for f in range(F):
             self.steps_since_sync[f] += 1
         while self.in_flight and self.in_flight[0].apply_at <= step:  # updates sent τ steps ago land
@@ -352,11 +366,11 @@ class DiLoCoStrategy(Strategy):
 
     def lr_scale(self) -> float:
         """The replicas' inner lr factor: M = the micro-batches of a global step (one per rank)."""
-        return inner_lr_scale(self.config.inner_lr_scale, self.config.micro_batches or self.ctx.world_size)
+        return inner_lr_scale(self.config.inner_lr_scale, self.config.micro_batches or self.replicas)
 
     def is_sync_point(self, step: int) -> bool:
         """The steps an outer update lands (sent τ steps earlier): the ranks wait there anyway."""
-        H, F = self.config.sync_every, len(self.fragment_params)
+        H, F = self.round_length(), len(self.fragment_params)
         sent = step - self.overlap
         return sent >= 1 and any(sent % H == sync_offset(f, F, H) for f in range(F))
 
@@ -418,7 +432,8 @@ class DiLoCoStrategy(Strategy):
         return dist.new_group()
 
     def _reduce(self, my_tokens: float, delta: "torch.Tensor", group, comm: CommStats) -> "torch.Tensor":
-        """The token-weighted sum of every rank's `delta` (two collectives on `group`)."""
+        """The token-weighted sum of every replica's `delta` (two collectives on `group`, of
+        `replicas` members)."""
         import torch
         import torch.distributed as dist
 
@@ -434,9 +449,9 @@ class DiLoCoStrategy(Strategy):
         return all_reduce_sum(delta * weight, self.codec, comm, world, self.comm_device, group)
 
     def participants(self) -> int:
-        """The replicas an outer sync reduces over: every rank of the job (the quorum engine:
-        the replica groups of the current quorum)."""
-        return self.ctx.world_size
+        """The replicas an outer sync reduces over: `replicas` (the quorum engine: the replica
+        groups of the current quorum)."""
+        return self.replicas
 
     def collective_groups(self) -> list:
         """The agreement group: it waits as long as the loop's own collectives (the trainer sets

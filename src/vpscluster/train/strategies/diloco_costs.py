@@ -45,7 +45,7 @@ class DiLoCoCosts(StrategyCosts):
 
     def label(self, s) -> str:
         frag = f" F={s.fragments}" if s.fragments > 1 else ""
-        return f"diloco H={s.sync_every} {s.wire_dtype}{frag}"
+        return f"{self.name} H={s.sync_every} {s.wire_dtype}{frag}"
 
     def describe(self, s) -> dict:
         return {"name": self.name, "sync_every": s.sync_every, "wire_dtype": s.wire_dtype, "fragments": s.fragments,
