@@ -58,7 +58,7 @@ def build_report(t: Any, val_loss: float | None, stopped_by: str, start_step: in
         "preset": cfg.preset,
         "num_params": t.num_params,
         "strategy_details": t.strategy.describe(),
-        # DiLoCo's settings the launcher chose from the plan (plan/sync_rule.py) and why.
+        # DiLoCo's settings the launcher chose from the plan (train/strategies/sync_rule.py) and why.
         "strategy_planned": ({"keys": list(cfg.strategy.planned), "reason": cfg.strategy.planned_reason}
                              if cfg.strategy.planned else None),
         # The sync plan re-made on this session's measured step (train/replan.py), or None.
