@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HOST_SYSCTLS = ["net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
                 "net.ipv4.tcp_congestion_control", "net.ipv4.tcp_mtu_probing", "net.ipv4.tcp_slow_start_after_idle"]
 STORE_PORT, EXPORTER_PORT, USER_PORT = 29500, 9400, 5432
+QUEUE_PORT = 4222  # telemetry.QUEUE_PORT: `vpscluster queue up`'s NATS clients
 
 
 def host_state() -> dict:
@@ -122,8 +123,8 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
 
     # Firewall: listeners on node-1; a peer reaches them, a stranger only SSH and the user's port.
     node1 = info.nodes[0].address
-    listen = ("import socket,time\nss=[]\nfor p in (%d,%d,%d):\n s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              " s.bind(('0.0.0.0',p)); s.listen(16); ss.append(s)\ntime.sleep(90)\n") % (STORE_PORT, EXPORTER_PORT, USER_PORT)
+    listen = ("import socket,time\nss=[]\nfor p in (%d,%d,%d,%d):\n s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              " s.bind(('0.0.0.0',p)); s.listen(16); ss.append(s)\ntime.sleep(90)\n") % (STORE_PORT, EXPORTER_PORT, USER_PORT, QUEUE_PORT)
     ssh_run(info, "node-1", "cat > /tmp/pv-listen.py <<'EOF'\n" + listen + "EOF\n"
                             "nohup python3 /tmp/pv-listen.py >/dev/null 2>&1 &")
     deadline = time.monotonic() + 20
@@ -131,7 +132,9 @@ def test_provision_check_apply_idempotent_firewall_and_host_untouched(own_root, 
         assert time.monotonic() < deadline, "the peer cannot reach the store port"
         time.sleep(0.5)
     assert can_connect_from_node(info, "node-2", node1, EXPORTER_PORT)
+    assert can_connect_from_node(info, "node-2", node1, QUEUE_PORT)  # the queue: peers only
     assert not can_connect_from_ns(stranger, node1, STORE_PORT)
+    assert not can_connect_from_ns(stranger, node1, QUEUE_PORT)
     assert not can_connect_from_ns(stranger, node1, EXPORTER_PORT)
     assert can_connect_from_ns(stranger, node1, 22)
     assert can_connect_from_ns(stranger, node1, USER_PORT)
