@@ -175,3 +175,18 @@ def test_a_strategy_that_keeps_even_shares_is_not_balanced():
     hier = TrainConfig(preset="small", strategy=StrategyConfig(name="hierarchical"))
     assert apply_default_balance(hier, probe, ranks) is None
     assert hier.strategy.balance is False and not hier.strategy.micro_batches and hier.strategy.node_speeds is None
+
+
+def test_capacity_is_what_a_node_is_given_not_a_share_measured_under_load():
+    from vpscluster.launch.balance import capacities_differ
+
+    def probe(*nodes):
+        return {"nodes": [{"name": f"n{i}", "gpus": [], **n} for i, n in enumerate(nodes)]}
+
+    names = ["n0", "n1"]
+    busy = ({"cpu_affinity": 2, "cpu_quota_cores": None, "cpu_share": 2.0, "cpu_share_source": "affinity"},
+            {"cpu_affinity": 2, "cpu_quota_cores": None, "cpu_share": 1.1, "cpu_share_source": "measured"})
+    assert not capacities_differ(probe(*busy), names)  # the same two cores: a loaded host's reading is noise
+    quotas = ({"cpu_affinity": 2, "cpu_quota_cores": 0.75}, {"cpu_affinity": 2, "cpu_quota_cores": 0.25})
+    assert capacities_differ(probe(*quotas), names)
+    assert capacities_differ(probe({}, {}), names)  # nothing known: the measured speeds decide

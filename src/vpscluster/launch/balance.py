@@ -41,10 +41,24 @@ def capacities_differ(probe: dict | None, names: list[str]) -> bool:
         return True
     if gpus[0]:
         return False  # the same GPUs on every node: they do the work
-    shares = [f.get("cpu_share") for f in facts]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in shares):
+    shares = [_cores(f) for f in facts]
+    if not all(v is not None and v > 0 for v in shares):
         return True
     return needs_balance(shares)
+
+
+def _cores(facts: dict) -> float | None:
+    """The cores a node is given (its CPU affinity, capped by its cgroup quota): what it has, not
+    `cpu_share` as measured under load (a busy host's figure, which differs between identical
+    nodes). None when the probe lacks both."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    affinity, quota = facts.get("cpu_affinity"), facts.get("cpu_quota_cores")
+    if number(affinity):
+        return min(float(affinity), float(quota)) if number(quota) else float(affinity)
+    share = facts.get("cpu_share")
+    return float(share) if number(share) and facts.get("cpu_share_source") != "measured" else None
 
 
 def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None) -> str | None:
