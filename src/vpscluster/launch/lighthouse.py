@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vpscluster import procutil
 from vpscluster.errors import UserError
 
 BINARY = "torchft_lighthouse"
@@ -69,13 +70,7 @@ class Lighthouse:
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout_s)
+        procutil.stop(self.proc, timeout_s)
         self.proc = None
 
 

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vpscluster import procutil
 from vpscluster import telemetry as T
 from vpscluster.errors import RemoteError, UserError
 
@@ -425,15 +426,7 @@ class PrivateServer:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (nats-server flushes its store), SIGKILL after `timeout_s`."""
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout_s)
+        procutil.stop(self.proc, timeout_s)
 
     def __enter__(self) -> PrivateServer:
         return self
