@@ -119,3 +119,38 @@ def node_run_dir(node, run_dir) -> Path:
 
     uid = yaml.safe_load((Path(run_dir) / rundir.CONFIG).read_text()).get("run_uid") or ""
     return Path(node.workdir, "runs", rundir.node_name(run_dir, uid))
+
+
+def iperf3_mbit(info, src: str, dst: str, port: int = 5201, seconds: float = 3, omit: float = 1) -> float:
+    """iperf3's receiver-side goodput src -> dst in Mbit/s (`omit` s of slow start left out).
+
+    The server keeps listening until the end, and the client is tried again until it reports a
+    result: it fails fast while the server is not listening yet, and a test cut short on a busy
+    machine comes back with an "error" and no `sum_received`."""
+    import json
+    import time
+
+    server = ns_popen(info, dst, ["iperf3", "-s", "-B", info.node(dst).address, "-p", str(port)],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            client = ns_popen(info, src, ["iperf3", "-c", info.node(dst).address, "-p", str(port), "-t", str(seconds),
+                                          "-O", str(omit), "-J", "--connect-timeout", "2000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                out, err = client.communicate(timeout=seconds + omit + 20)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                client.communicate()
+                raise AssertionError(f"iperf3 {src} -> {dst} did not finish") from None
+            doc = json.loads(out) if out.strip().startswith("{") else {}
+            received = doc.get("end", {}).get("sum_received")
+            if client.returncode == 0 and received:
+                return received["bits_per_second"] / 1e6
+            if time.monotonic() > deadline:
+                raise AssertionError(f"iperf3 {src} -> {dst} failed: {doc.get('error') or err.strip() or out[-300:]}")
+            time.sleep(0.2)
+    finally:
+        server.kill()
+        server.wait(timeout=10)

@@ -43,6 +43,25 @@ def wait_until(pred, proc, timeout_s: float) -> None:
     assert pred(), f"launcher: {proc.poll()}" + (f": {proc.stderr.read()[-3000:]}" if proc.poll() is not None else "")
 
 
+def wait_files_settled(folder: Path, proc, quiet_s: float, timeout_s: float) -> None:
+    """Until rank 0's metrics and its ranks' logs under `folder` have not grown for `quiet_s`
+    (while the launcher still runs; failed checkpoints come and go and are not watched)."""
+    def sizes() -> dict[str, int]:
+        files = [folder / "metrics.jsonl", *sorted((folder / "logs").glob("rank-*.log"))]
+        return {str(p): p.stat().st_size for p in files if p.exists()}
+
+    deadline = time.monotonic() + timeout_s
+    last, since = sizes(), time.monotonic()
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        now = sizes()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+    raise AssertionError(f"{folder}: files still growing after {timeout_s} s, or the launcher ended ({proc.poll()})")
+
+
 @pytest.fixture(scope="module")
 def sandbox2():
     """One 2-node sandbox for the module's tests (each clears its faults when done)."""
@@ -113,7 +132,11 @@ def test_disk_full_on_rank0s_node_keeps_training(tmp_path, sandbox2):
         # Its output reaches the launcher through torchelastic's log files on that same disk, so
         # nothing more is seen until there is room. A few more steps on the full disk (each
         # writes a metrics line there, dropped and counted), then clear it: the run must finish.
-        time.sleep(8)
+        # A tmpfs "full" still takes appends into the last page a file already holds, so the
+        # first few lines after the fill are written: wait until rank 0's files stop growing
+        # (the page is used up and lines are being dropped), not a fixed time a loaded machine
+        # may not fill.
+        wait_files_settled(node_run_dir(victim, run_dir), proc, quiet_s=6, timeout_s=180)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         faults.clear(info.name)
         _, err = proc.communicate(timeout=300)

@@ -13,24 +13,9 @@ import time
 import pytest
 import yaml
 
-from sandbox_fixtures import ns_popen, ssh_run
+from sandbox_fixtures import iperf3_mbit, ssh_run
 
 pytestmark = pytest.mark.sandbox
-
-
-def iperf3_mbit(info, src: str, dst: str, port: int = 5399, seconds: int = 3) -> float:
-    """iperf3's receiver-side rate from `src` to `dst` (1 s of slow start omitted, like our warm-up)."""
-    server = ns_popen(info, dst, ["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(0.5)
-        client = ns_popen(info, src, ["iperf3", "-c", info.node(dst).address, "-p", str(port), "-t", str(seconds),
-                                      "-O", "1", "-J"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, _ = client.communicate(timeout=seconds + 20)
-        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e6
-    finally:
-        server.kill()
-        server.wait(timeout=10)
 
 
 @pytest.mark.slow
@@ -55,7 +40,7 @@ def test_uneven_rates_match_shaping_and_iperf3_and_buffers_are_judged(make_sandb
         assert l["bandwidth_mbit"] == pytest.approx(expected, rel=0.10), (src, dst, l)
         assert l["rtt_ms"] < 5
     for src, dst in [("node-1", "node-3"), ("node-3", "node-2"), ("node-2", "node-3")]:
-        reference = iperf3_mbit(info, src, dst)
+        reference = iperf3_mbit(info, src, dst, port=5399)
         assert links[(src, dst)]["bandwidth_mbit"] == pytest.approx(reference, rel=0.05), (src, dst, reference)
 
     # The TCP settings are the node's own, read there.

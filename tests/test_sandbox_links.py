@@ -7,14 +7,10 @@ time and both are killed afterwards.
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import time
 
 import pytest
 
-from sandbox_fixtures import ns_popen
+from sandbox_fixtures import iperf3_mbit
 
 pytestmark = pytest.mark.sandbox
 
@@ -24,33 +20,7 @@ PORT = 5201
 
 def iperf_mbit(info, src: str, dst: str) -> float:
     """Goodput src -> dst in Mbit/s, as the receiver counts it."""
-    if not shutil.which("iperf3"):
-        pytest.skip("iperf3 is not installed (apt-get install iperf3)")
-    server = ns_popen(info, dst, ["iperf3", "-s", "-B", info.node(dst).address, "-p", str(PORT)],
-                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while True:  # the server needs a moment to listen; the client fails fast until it does
-            client = ns_popen(info, src, ["iperf3", "-c", info.node(dst).address, "-p", str(PORT), "-t", str(SECONDS),
-                                          "-O", "1", "-J", "--connect-timeout", "2000"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            try:
-                out, err = client.communicate(timeout=SECONDS + 20)
-            except subprocess.TimeoutExpired:
-                client.kill()
-                client.communicate()
-                raise AssertionError(f"iperf3 {src} -> {dst} did not finish") from None
-            doc = json.loads(out) if out.strip().startswith("{") else {}
-            received = doc.get("end", {}).get("sum_received")
-            if client.returncode == 0 and received:
-                return received["bits_per_second"] / 1e6
-            # Not listening yet, or a test cut short (iperf3 then reports an "error"): try again.
-            if time.monotonic() > deadline:
-                raise AssertionError(f"iperf3 {src} -> {dst} failed: {doc.get('error') or err.strip() or out[-300:]}")
-            time.sleep(0.2)
-    finally:
-        server.kill()
-        server.wait(timeout=10)
+    return iperf3_mbit(info, src, dst, port=PORT, seconds=SECONDS)
 
 
 def test_tbf_parameters_scale_with_rate():

@@ -13,12 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from sandbox_fixtures import SandboxFactory, ns_popen
+from sandbox_fixtures import SandboxFactory, iperf3_mbit
 
 pytestmark = pytest.mark.sandbox
 
@@ -35,26 +34,9 @@ def regions():
         factory.close()
 
 
-def iperf_mbit(info, src: str, dst: str, port: int = 5211, seconds: float = 1.5) -> float:
+def iperf_mbit(info, src: str, dst: str) -> float:
     """Receiver-side goodput src -> dst in Mbit/s (0.5 s of slow start omitted)."""
-    server = ns_popen(info, dst, ["iperf3", "-s", "-1", "-B", info.node(dst).address, "-p", str(port)],
-                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 15
-        while True:  # until the server listens
-            client = ns_popen(info, src, ["iperf3", "-c", info.node(dst).address, "-p", str(port), "-t", str(seconds),
-                                          "-O", "0.5", "-J", "--connect-timeout", "2000"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            out, err = client.communicate(timeout=seconds + 20)
-            doc = json.loads(out) if out.strip().startswith("{") else {}
-            received = doc.get("end", {}).get("sum_received")
-            if client.returncode == 0 and received:
-                return received["bits_per_second"] / 1e6
-            assert time.monotonic() < deadline, f"iperf3 {src} -> {dst}: {doc.get('error') or err.strip()}"
-            time.sleep(0.2)
-    finally:
-        server.kill()
-        server.wait(timeout=10)
+    return iperf3_mbit(info, src, dst, port=5211, seconds=1.5, omit=0.5)
 
 
 def within(info, src: str, dst: str, rate: float) -> float:
