@@ -190,3 +190,33 @@ def test_capacity_is_what_a_node_is_given_not_a_share_measured_under_load():
     quotas = ({"cpu_affinity": 2, "cpu_quota_cores": 0.75}, {"cpu_affinity": 2, "cpu_quota_cores": 0.25})
     assert capacities_differ(probe(*quotas), names)
     assert capacities_differ(probe({}, {}), names)  # nothing known: the measured speeds decide
+
+
+def test_diloco_moves_the_plans_h_to_one_that_splits_better_and_keeps_the_users():
+    # Measured speeds 3.6x apart (bench uneven): at H = 10 the best round of >= 2 steps is
+    # 6/6/7/1 of 20, 10% over exact; H = 8 (k = 4: 5/5/5/1 of 16) comes within 6%.
+    from vpscluster.launch.balance import apply_default_balance
+    from vpscluster.plan.balance import choose_split_near
+    from vpscluster.train.config import StrategyConfig, TrainConfig
+
+    skewed = [0.462, 0.4594, 0.4913, 0.1359]
+    h, c = choose_split_near(skewed, 4, 10, min_round_steps=2)
+    assert (h, c.micro_batches, c.shares, c.sync_every) == (8, 16, (5, 5, 5, 1), 2) and c.gap < GAP_HINT
+    assert choose_split_near(ISSUE, 4, 10, min_round_steps=2)[0] == 10  # H itself splits exactly: kept
+    for h0 in (5, 10, 20, 30, 50):  # never further than a quarter away, never a worse split
+        h, c = choose_split_near(skewed, 4, h0, min_round_steps=2)
+        base = choose_split(skewed, 4, True, h0, min_round_steps=2)
+        assert abs(h - h0) <= 0.25 * h0 + 1 and (base is None or c.gap <= base.gap)
+        assert c is not None  # H = 5 alone has no round of >= 2 steps to split; 4 or 6 have
+
+    probe = {"nodes": [{"name": f"node-{i + 1}", "flops": f * 1e11, "gpus": []} for i, f in enumerate(skewed)]}
+    ranks = {f"node-{i + 1}": 1 for i in range(4)}
+    planned = TrainConfig(preset="small", max_steps=200,
+                          strategy=StrategyConfig(name="diloco", sync_every=10, overlap_steps=1, planned=["sync_every"]))
+    line = apply_default_balance(planned, probe, ranks)
+    assert "H = 8 instead of the plan's 10" in line and planned.strategy.sync_every == 2, line
+    assert planned.max_steps == 50  # 200 inner steps in steps of 4x the tokens
+    users = TrainConfig(preset="small", max_steps=200,
+                        strategy=StrategyConfig(name="diloco", sync_every=10, overlap_steps=1))
+    line = apply_default_balance(users, probe, ranks)
+    assert "instead of" not in line and users.strategy.sync_every == 2 and users.strategy.micro_batches == 20

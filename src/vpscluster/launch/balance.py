@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from vpscluster.plan.balance import balance_line, choose_split, needs_balance, scaled_steps
+from vpscluster.plan.balance import balance_line, choose_split, choose_split_near, needs_balance, scaled_steps
 
 # TrainConfig's settings counted in steps: with DiLoCo's finer split a step carries k even steps'
 # tokens, so these are divided by k to train the same tokens on the same schedule.
@@ -84,8 +84,18 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     steps = costs_for(s.name).micro_batches_are_steps
     # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
     round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
-    choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
-                          max(1, s.min_share), s.max_spread)
+    moved = None
+    if steps and "sync_every" in (s.planned or []):  # the plan's H, not the user's: it may move to split better
+        h, choice = choose_split_near(per_rank, cfg.micro_batch(), s.sync_every, round_steps, max(1, s.min_share),
+                                      s.max_spread)
+        if choice is not None and h != s.sync_every:
+            moved = f"H = {h} instead of the plan's {s.sync_every}: its rounds split these speeds closer to exact"
+            s.sync_every = h
+            if s.planned_reason:
+                s.planned_reason += f"; {moved}"
+    else:
+        choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
+                              max(1, s.min_share), s.max_spread)
     if choice is None:
         s.balance = False  # decided: the even split is as good
         return None
@@ -101,4 +111,5 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
             if getattr(cfg, key):
                 setattr(cfg, key, scaled_steps(getattr(cfg, key), k))
         cfg.checkpoint_every = scaled_steps(cfg.checkpoint_every, k, choice.sync_every)
-    return balance_line(speeds, ranks, choice)
+    line = balance_line(speeds, ranks, choice)
+    return f"{line}; {moved}" if moved else line

@@ -18,7 +18,8 @@ cores, issue #36). `choose_split` picks the shares' granularity:
   H - 1 steps: at H / k = 1 it would block. Measured: k = 10 at H = 10, a blocking sync every
   step, ran at 87% of the even spread, 2026-12-07).
 
-Where no k reaches GAP_HINT, the one with the smallest gap (none when only the even split of one
+Where the plan chose H (not the user), `choose_split_near` may move H by up to a quarter to a
+value whose divisors split the speeds better. Where no k reaches GAP_HINT, the one with the smallest gap (none when only the even split of one
 micro-batch per rank is possible). The runtime controller
 (`ShareController`, `balance` on) then corrects a probe that was wrong from the first steps'
 measured times.
@@ -90,6 +91,26 @@ def choose_split(speeds: Sequence[float], batch_size: int, micro_batches_are_ste
             best = candidate
     # Too coarse to beat the even split (e.g. diloco at H = 1, ddp at one sequence per rank).
     return best if best is not None and best.gap < even_gap else None
+
+
+def choose_split_near(speeds: Sequence[float], batch_size: int, sync_every: int, min_round_steps: int = 1,
+                      min_share: int = 1, max_spread: float = 8.0, window: float = 0.25,
+                      gap: float = GAP_HINT) -> tuple[int, BalancedSplit | None]:
+    """DiLoCo when the plan chose H (the user did not): H itself when a split of it comes within
+    `gap`, else the H within +-`window` of it whose split comes closest to exact (the nearest H
+    among equals). The usable splits of H are its divisors, so one H can leave the slow rank 11%
+    over an exact split where its neighbour fits (H = 10 at speeds 3.6x apart: k = 5, 6/6/7/1 and
+    the rest waiting; H = 12: k = 4, 5/5/5/1). Returns (H, the split or None)."""
+    first = choose_split(speeds, batch_size, True, sync_every, min_round_steps, min_share, max_spread, gap)
+    if not needs_balance(speeds) or (first is not None and first.gap <= gap):
+        return sync_every, first
+    best_h, best = sync_every, first
+    lo, hi = max(1, math.floor(sync_every * (1 - window))), math.ceil(sync_every * (1 + window))
+    for h in sorted(range(lo, hi + 1), key=lambda h: (abs(h - sync_every), h)):
+        c = choose_split(speeds, batch_size, True, h, min_round_steps, min_share, max_spread, gap)
+        if c is not None and (best is None or c.gap < best.gap - 1e-9):
+            best_h, best = h, c
+    return best_h, best
 
 
 def scaled_steps(steps: int, k: int, multiple_of: int = 1) -> int:
