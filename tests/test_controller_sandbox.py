@@ -70,6 +70,7 @@ def test_detach_to_the_head_outlives_the_local_side(tmp_path):
         os.killpg(follower.pid, signal.SIGKILL)
         follower.wait(timeout=10)
         assert processes_mentioning(str(run)) == []  # nothing of the run left on this machine
+        assert pid_alive(pid)  # and the launcher on the head goes on
 
         t0 = time.monotonic()
         done = run_cli("attach", str(run), timeout=120)
