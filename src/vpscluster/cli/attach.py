@@ -13,6 +13,7 @@ import sys
 import time
 
 POLL_S = 0.5
+FOLLOW_S = 30 * 86400.0  # following a run on its controller node: at most this long per attach
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,15 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.launch.logs import FileTail
 
     run_dir = detached.find_run(args.run)
+    state = detached.read_state(run_dir)
+    if state and state.get("controller"):  # the launcher runs on a node: follow it there
+        from vpscluster.launch import controller
+
+        try:
+            return controller.remote_cli(state, ["attach", state["remote_run_dir"]], timeout_s=FOLLOW_S)
+        except KeyboardInterrupt:
+            print(f"detached; the run goes on on {state['controller']} (vpscluster stop {run_dir} stops it)", file=sys.stderr)
+            return 0
     log, metrics = FileTail(detached.log_path(run_dir)), FileTail(run_dir / "metrics.jsonl")
     last_step_shown = 0.0
     try:

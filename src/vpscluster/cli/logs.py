@@ -36,6 +36,18 @@ def run(args: argparse.Namespace) -> int:
     from vpscluster.train import rundir
 
     run_dir = rundir.find(args.run)
+    state = detached.read_state(run_dir)
+    if state and state.get("controller"):  # the logs are on the controller node: print them from there
+        from vpscluster.launch import controller
+
+        argv = ["logs", state["remote_run_dir"]] + [a for n in args.node or () for a in ("--node", n)]
+        argv += [a for r in args.rank or () for a in ("--rank", str(r))]
+        argv += (["--tail", str(args.tail)] if args.tail is not None else []) + (["--grep", args.grep] if args.grep else [])
+        argv += ["--follow"] if args.follow else []
+        try:
+            return controller.remote_cli(state, argv, timeout_s=30 * 86400.0 if args.follow else 600.0)
+        except KeyboardInterrupt:
+            return 0
     if args.tail is not None and args.tail < 0:
         raise UserError(f"--tail {args.tail}: give a number of lines >= 0")
     logs = node_logs(run_dir / rundir.LOGS)

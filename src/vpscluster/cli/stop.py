@@ -30,6 +30,11 @@ def run(args: argparse.Namespace) -> int:
     timeout = args.timeout if args.timeout is not None else detached.stop_grace_s(run_dir) + 60.0
     out = console(args.json)
     state = detached.read_state(run_dir) or {}
+    if state.get("controller"):  # the launcher runs on a node: stop it there (SIGTERM, as here)
+        from vpscluster.launch import controller
+
+        argv = ["stop", state["remote_run_dir"], "--timeout", f"{timeout:g}"] + (["--json"] if args.json else [])
+        return controller.remote_cli(state, argv, timeout_s=timeout + 60.0)
     if not detached.running(state):
         raise UserError(f"run {run_dir} is not running ({detached.describe_end(state)}); "
                         f"continue it with: {detached.resume_command(run_dir)}")

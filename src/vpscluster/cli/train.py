@@ -228,6 +228,8 @@ def _run(args: argparse.Namespace) -> int:
             require_safe_network(prepared.cluster)
             if not args.json and not prepared.local:  # the background launcher says it again in its log
                 out.print(prepared.recovery().line(), markup=False, soft_wrap=True)
+        if args.controller:
+            return detach.start_on_controller(args, prepared, out)
         return detach.start(args, prepared.run_dir, out, run_dir_given=args.resume is not None or args.run_dir is not None)
     if args.dry_run:
         from vpscluster.cli.run import print_dry_run

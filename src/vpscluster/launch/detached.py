@@ -68,6 +68,10 @@ def check_free(run_dir: Path) -> None:
     if held is not None:
         raise runlock.refusal(Path(run_dir), held)
     state = read_state(run_dir)
+    if state is not None and state.get("controller"):
+        raise UserError(f"run {run_dir} has its launcher on node {state['controller']}: follow it with vpscluster attach "
+                        f"{run_dir}, stop it with vpscluster stop {run_dir}; to continue it, run vpscluster train --resume "
+                        f"{state.get('remote_run_dir')} --detach on {state['controller']}")
     if state is not None and state.get("pid") != os.getpid() and running(state):
         import socket
 
@@ -102,6 +106,8 @@ def find_run(ref: str, base: str | Path = "runs") -> Path:
 def running(state: dict[str, Any]) -> bool:
     """The launcher process still runs (and is the one started: same pid, a vpscluster command, not a zombie)."""
     pid = state.get("pid")
+    if state.get("controller"):
+        return False  # its pid is on the controller node, not here (launch/controller.py asks there)
     if not isinstance(pid, int) or state.get("exit_status") is not None and state.get("ended"):
         return False
     try:

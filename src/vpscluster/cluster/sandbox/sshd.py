@@ -54,6 +54,7 @@ KbdInteractiveAuthentication no
 UsePAM no
 PrintMotd no
 AcceptEnv LANG LC_*
+SetEnv VPSC_AUTHORIZED_KEYS={authorized_keys}
 Subsystem sftp {sftp}
 """
     )

@@ -1,0 +1,310 @@
+"""The controller on the cluster: `train --detach --controller NODE` runs the launcher on a node.
+
+The laptop can then sleep, lose its network or be SIGKILLed: the launcher (and so the node-side
+guards' SSH sessions) lives on NODE (`head`: the cluster's head). What is shipped there:
+
+    <workdir>/code/src/vpscluster            the package, synced by content hash (as for the workers)
+    <workdir>/controller/<run>/cluster.yaml  the cluster file as NODE sees it: every node reached
+                                             with the controller key, checked against known_hosts
+    <workdir>/controller/<run>/known_hosts   the host keys the user already accepted, for these nodes only
+    <workdir>/controller/<run>/id_ed25519    the cluster's controller key (never the user's own key)
+    <workdir>/controller/<run>/data/NAME     the training data, where it is a local file or folder
+    <workdir>/controller-runs/<run>/         the run dir there: config.yaml (resolved here), then
+                                             everything the launcher writes
+
+The controller key pair is made once per cluster file and kept beside it
+(`.vpscluster/<stem>.controller_ed25519`, like the cluster's other records); its public key is
+added to every node's authorized_keys over the user's own SSH (`$VPSC_AUTHORIZED_KEYS` where the
+node's sshd names another file, as the sandbox's does). On NODE, the run is started as a
+detached `train --resume` of that run dir (launch/detached.py: a session of its own, no
+terminal), so the SSH session that started it may go.
+
+Here, the run dir holds config.yaml and launcher.json with "controller", "remote_run_dir" and how
+to run vpscluster on NODE; `attach`, `logs`, `stop` and `report` run the same command on NODE over
+the user's SSH (`remote_cli`), `report` then fetches report.json, metrics.jsonl and report.html.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import posixpath
+import shlex
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from vpscluster import fsutil
+from vpscluster.errors import RemoteError, UserError
+
+KEY_KIND = "controller_ed25519"
+CONNECT_TIMEOUT_S = 60.0
+SYNC_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 300.0  # `train --resume --detach` on NODE: resolving the run, then starting the launcher
+FETCHED = ("report.json", "metrics.jsonl", "report.html")
+
+
+def is_remote(state: dict[str, Any] | None) -> bool:
+    """launcher.json of a run whose launcher runs on a node of the cluster."""
+    return bool(state and state.get("controller"))
+
+
+def resolve_node(cluster, name: str):
+    """The node `name` names (`head`: the cluster's head); a one-line error otherwise."""
+    if cluster.is_local:
+        raise UserError("--controller needs a cluster file (--cluster FILE): the local cluster has no node to run it on")
+    if name == "head":
+        return cluster.head_node
+    try:
+        return cluster.node(name)
+    except KeyError:
+        names = ", ".join(n.name for n in cluster.nodes)
+        raise UserError(f"--controller {name}: no node {name} in {cluster.source} (its nodes: {names}; "
+                        "or `head` for its head)") from None
+
+
+def key_path(cluster) -> Path:
+    """Where the cluster's controller key is (made once), beside the cluster file's other records."""
+    from vpscluster.cluster import records
+
+    for json_path in records.candidates(cluster, KEY_KIND):
+        key = json_path.with_suffix("")  # <folder>/<stem>.controller_ed25519
+        if key.is_file() or _writable(key.parent):
+            return key
+    raise UserError(f"cannot keep the controller key beside {cluster.source}: no writable folder; "
+                    "make the cluster file's folder writable")
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
+
+
+def ensure_key(cluster) -> tuple[Path, str]:
+    """The controller key pair (private key path, public key line), generated the first time."""
+    key = key_path(cluster)
+    pub = key.with_name(key.name + ".pub")
+    if not (key.is_file() and pub.is_file()):
+        for p in (key, pub):
+            p.unlink(missing_ok=True)
+        try:
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"vpscluster-controller@{Path(cluster.source).stem}",
+                            "-f", str(key)], check=True, capture_output=True, timeout=30)
+        except FileNotFoundError:
+            raise UserError("ssh-keygen not found: install OpenSSH's client tools to make the controller key") from None
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            raise UserError(f"ssh-keygen could not make the controller key {key}: {getattr(e, 'stderr', b'') or e}") from None
+    return key, pub.read_text().strip()
+
+
+def known_hosts_text(cluster) -> str:
+    """The lines of the user's known_hosts for the cluster's nodes (hashed entries included)."""
+    from vpscluster.cluster.known_hosts import host_pattern
+
+    source = Path(cluster.known_hosts or "~/.ssh/known_hosts").expanduser()
+    lines: list[str] = []
+    for node in cluster.nodes:
+        try:
+            r = subprocess.run(["ssh-keygen", "-F", host_pattern(node.host, node.port), "-f", str(source)],
+                               capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise UserError(f"cannot read the host keys of {node.name} from {source} ({e}); check that file") from None
+        found = [ln for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+        if not found:
+            raise UserError(f"{source} holds no host key for {node.name} ({node.host}); connect once from here "
+                            "(e.g. `vpscluster probe --accept-new-host-keys`) before detaching to a controller")
+        lines += [ln for ln in found if ln not in lines]
+    return "\n".join(lines) + "\n"
+
+
+def node_cluster_doc(cluster, support: str) -> dict[str, Any]:
+    """The cluster file as the controller node uses it: the user's own file, with every node
+    reached with the controller key and checked against the shipped known_hosts, and `python` as
+    resolved here (a provisioned venv's record stays here). `queue:` is left out: its secret
+    files stay on this machine (training does not use the queue)."""
+    from vpscluster.config import load_yaml
+
+    doc = dict(load_yaml(cluster.source, what="cluster file"))
+    key = posixpath.join(support, "id_ed25519")
+    doc.pop("queue", None)
+    doc.update(known_hosts=posixpath.join(support, "known_hosts"), accept_new_host_keys=False,
+               insecure_network=bool(cluster.insecure_network), head=cluster.head)
+    doc["defaults"] = {**(doc.get("defaults") or {}), "identity_file": key}
+    python = {n.name: n.python for n in cluster.nodes}
+    doc["nodes"] = [{**entry, "identity_file": key, "python": python[entry["name"]]} for entry in doc["nodes"]]
+    return doc
+
+
+def _authorize_command(pub: str) -> str:
+    q = shlex.quote(pub)
+    return ('f="${VPSC_AUTHORIZED_KEYS:-$HOME/.ssh/authorized_keys}"; mkdir -p "$(dirname "$f")" && '
+            f'touch "$f" && chmod 600 "$f" && (grep -qxF {q} "$f" || echo {q} >> "$f")')
+
+
+def _unreachable(node, why: str) -> UserError:
+    return UserError(f"controller node {node.name} ({node.host}) unreachable: {why.rstrip(' .;')} "
+                     "(fix it, or pick another node with --controller NODE)")
+
+
+async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str, Any]:
+    """Everything the launcher needs on `node`, then the launcher itself; its launcher.json there."""
+    import vpscluster
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.launch.sync import sync_dir
+    from vpscluster.train import rundir
+
+    async with open_executors(cluster) as executors:
+        ex = next(e for e in executors if e.node.name == node.name)
+        try:
+            workdir = (await resolve_workdirs([ex], CONNECT_TIMEOUT_S))[node.name]
+        except RemoteError as e:
+            raise _unreachable(node, str(e).split(": ", 1)[-1].split(" — ")[0]) from None
+        key, pub = ensure_key(cluster)
+        hosts = known_hosts_text(cluster)
+        say(f"controller {node.name}: adding the cluster's controller key to every node's authorized_keys")
+        results = await asyncio.gather(*(e.run(_authorize_command(pub), timeout_s=CONNECT_TIMEOUT_S) for e in executors))
+        bad = [f"{r.node}: {r.reason()}" for r in results if not r.ok]
+        if bad:
+            raise RemoteError("cannot add the controller key on " + "; ".join(bad) + " — fix the node or remove it from the cluster file")
+        run_name = prepared.run_dir.name
+        support = posixpath.join(workdir, "controller", run_name)
+        remote_run = posixpath.join(workdir, "controller-runs", run_name)
+        package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+        pkg = await sync_dir(ex, package_dir, posixpath.join(workdir, "code/src/vpscluster"), timeout_s=SYNC_TIMEOUT_S, say=say)
+        pythonpath = posixpath.dirname(pkg.remote_path.rstrip("/"))
+        r = await ex.run(f"mkdir -p {shlex.quote(support)}/data {shlex.quote(remote_run)}/logs {shlex.quote(remote_run)}/checkpoints"
+                         f" && chmod 700 {shlex.quote(support)}", timeout_s=CONNECT_TIMEOUT_S)
+        if not r.ok:
+            raise RemoteError(f"controller node {node.name}: cannot make {support}: {r.reason()}")
+        cfg = copy.deepcopy(prepared.cfg)
+        cfg.cluster = posixpath.join(support, "cluster.yaml")
+        cfg.run_dir = remote_run
+        if cfg.data:
+            data = os.path.abspath(cfg.data)
+            target = posixpath.join(support, "data", os.path.basename(data))
+            if os.path.isdir(data):
+                await sync_dir(ex, data, target, timeout_s=SYNC_TIMEOUT_S, detect_shared=False, say=say)
+            else:
+                await ex.put(data, target, timeout_s=SYNC_TIMEOUT_S)
+            cfg.data = target
+        with tempfile.TemporaryDirectory(prefix="vpsc-ctl-") as tmp:
+            import yaml
+
+            t = Path(tmp)
+            (t / "known_hosts").write_text(hosts)
+            (t / "cluster.yaml").write_text(yaml.safe_dump(node_cluster_doc(cluster, support), sort_keys=False))
+            rundir.write_config(cfg, t)
+            for name, src in (("id_ed25519", key), ("known_hosts", t / "known_hosts"), ("cluster.yaml", t / "cluster.yaml")):
+                await ex.put(str(src), posixpath.join(support, name), timeout_s=CONNECT_TIMEOUT_S)
+            await ex.put(str(t / rundir.CONFIG), posixpath.join(remote_run, rundir.CONFIG), timeout_s=CONNECT_TIMEOUT_S)
+        r = await ex.run(f"chmod 600 {shlex.quote(posixpath.join(support, 'id_ed25519'))}", timeout_s=CONNECT_TIMEOUT_S)
+        if not r.ok:
+            raise RemoteError(f"controller node {node.name}: cannot protect the controller key: {r.reason()}")
+        where = {"controller": node.name, "remote_run_dir": remote_run, "remote_cwd": support,
+                 "remote_python": node.python, "remote_pythonpath": pythonpath}
+        argv = ["train", "--resume", remote_run, "--detach", "--json"]
+        argv += ["--force"] if prepared.force else []
+        argv += ["--insecure-network"] if cluster.insecure_network else []
+        say(f"controller {node.name}: starting the launcher in {remote_run}")
+        r = await ex.run(remote_command(where, argv), timeout_s=START_TIMEOUT_S)
+        if not r.ok:
+            raise RemoteError(f"controller node {node.name}: the launcher did not start: {r.reason()}")
+        try:
+            started = json.loads(r.stdout[r.stdout.index("{"):])
+        except ValueError:
+            raise RemoteError(f"controller node {node.name}: the launcher printed no JSON: {r.stdout[-300:]!r}") from None
+        return {**where, "pid": started["pid"], "remote_log": started["log"], "host": node.host}
+
+
+def remote_command(where: dict[str, Any], argv: list[str]) -> str:
+    """`vpscluster ARGV` as the controller node runs it: its synced package first on PYTHONPATH."""
+    import shutil
+
+    columns = shutil.get_terminal_size((120, 24)).columns  # its lines wrapped as this terminal's would be
+    return (f"cd {shlex.quote(where['remote_cwd'])} && PYTHONPATH={shlex.quote(where['remote_pythonpath'])} "
+            f"PYTHONUNBUFFERED=1 COLUMNS={columns} exec {shlex.quote(where['remote_python'])} -m vpscluster "
+            + " ".join(shlex.quote(a) for a in argv))
+
+
+def start(prepared, node_name: str, argv: list[str], say: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
+    """Run `prepared`'s launcher on node `node_name` (`head` for the head); record it here.
+    Returns the local launcher.json."""
+    from vpscluster.launch import detached
+    from vpscluster.train import rundir
+
+    cluster = prepared.cluster
+    node = resolve_node(cluster, node_name)
+    run_dir = Path(prepared.run_dir)
+    rundir.fresh_path(run_dir)  # refused before anything is shipped
+    where = asyncio.run(_ship(cluster, node, prepared, say))
+    rundir.create(run_dir)
+    rundir.write_config(prepared.cfg, run_dir)
+    state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time()}
+    fsutil.write_json(run_dir / detached.STATE, state)
+    return state
+
+
+def _executor(state: dict[str, Any]):
+    from vpscluster.cluster.inventory import executor_for, load_cluster
+
+    cluster = load_cluster(state["cluster"])
+    try:
+        node = cluster.node(state["controller"])
+    except KeyError:
+        raise UserError(f"the run's controller node {state['controller']} is no longer in {state['cluster']}; "
+                        "put it back to reach the run") from None
+    return executor_for(node, cluster)
+
+
+def remote_cli(state: dict[str, Any], argv: list[str], timeout_s: float,
+               on_line: Callable[[str, str], None] | None = None) -> int:
+    """Run `vpscluster ARGV` on the run's controller node over the user's SSH; its lines go to
+    `on_line` (default: printed here, stdout and stderr kept apart). Returns its exit status."""
+    import sys
+
+    def show(stream: str, line: str) -> None:
+        print(line, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+
+    async def go() -> int:
+        ex = _executor(state)
+        try:
+            r = await ex.stream(remote_command(state, argv), on_line or show, timeout_s=timeout_s)
+        finally:
+            await ex.close()
+        if r.error or r.timed_out:
+            node = ex.node
+            raise UserError(f"controller node {node.name} ({node.host}) unreachable: {r.reason()}; the run goes on there "
+                            "if the node does: try again once it answers")
+        return int(r.exit_status or 0)
+
+    return asyncio.run(go())
+
+
+def fetch(run_dir: Path, state: dict[str, Any], names=FETCHED, timeout_s: float = 120.0) -> list[str]:
+    """Copy the controller's files `names` (those it has) into the local run dir; the names copied."""
+
+    async def go() -> list[str]:
+        ex = _executor(state)
+        got = []
+        try:
+            for name in names:
+                remote = posixpath.join(state["remote_run_dir"], name)
+                r = await ex.run(["test", "-f", remote], timeout_s=timeout_s)
+                if r.error:
+                    raise UserError(f"controller node {ex.node.name} ({ex.node.host}) unreachable: {r.error}")
+                if r.ok:
+                    await ex.get(remote, str(Path(run_dir) / name), timeout_s=timeout_s)
+                    got.append(name)
+        finally:
+            await ex.close()
+        return got
+
+    return asyncio.run(go())

@@ -1,0 +1,117 @@
+"""`train --detach --controller head`: the launcher runs on the sandbox's head node, so the local
+side can be SIGKILLed (the command that followed the run) and the run still finishes; a second
+local `attach` and `report` reach it over SSH and show it finished. The head reaches the other
+node with the cluster's own controller key, never the user's. Unknown or unreachable controller
+nodes are one-line errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import pid_alive, processes_mentioning, run_cli
+from sandbox_fixtures import SandboxFactory
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_detach_to_the_head_outlives_the_local_side(tmp_path):
+    factory = SandboxFactory(kind="ctl-")
+    try:
+        info = factory(nodes=2, bandwidth="1gbit")
+        corpus = tmp_path / "corpus.txt"
+        with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
+            corpus.write_text(f.read(100_000))
+        run = tmp_path / "run"
+        steps = 40
+        start = subprocess.Popen(
+            [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
+             "--strategy", "ddp", "--data", str(corpus), "--batch-size", "4", "--max-steps", str(steps),
+             "--eval-every", "20", "--checkpoint-every", "20", "--threads-per-rank", "1", "--detach", "--controller", "head",
+             "--run-dir", str(run), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out, err = start.communicate(timeout=120)
+        assert start.returncode == 0, err[-3000:]
+        doc = json.loads(out)
+        head = info.nodes[0]
+        assert doc["controller"] == head.name and doc["remote_run_dir"].startswith(head.workdir + "/")
+        pid = doc["pid"]
+        # The launcher is a process of the head node (its network namespace), not of this machine.
+        assert pid_alive(pid) and os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        state = json.loads((run / "launcher.json").read_text())
+        assert state["controller"] == head.name and state["remote_run_dir"] == doc["remote_run_dir"]
+
+        # What the head was given: the cluster's controller key (not the user's), known_hosts for
+        # the nodes, a cluster file that uses them.
+        support = Path(state["remote_cwd"])
+        key = Path(info.cluster_file).parent / ".vpscluster" / (Path(info.cluster_file).stem + ".controller_ed25519")
+        assert (support / "id_ed25519").read_bytes() == key.read_bytes() != Path(info.identity_file).read_bytes()
+        shipped = yaml.safe_load((support / "cluster.yaml").read_text())
+        assert {n["identity_file"] for n in shipped["nodes"]} == {str(support / "id_ed25519")}
+        assert shipped["known_hosts"] == str(support / "known_hosts")
+
+        # The local side goes: a follower SIGKILLed while the run trains (the starter already returned).
+        follower = subprocess.Popen([sys.executable, "-m", "vpscluster", "attach", str(run)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        first = follower.stdout.readline()
+        assert first, "attach printed nothing"
+        os.killpg(follower.pid, signal.SIGKILL)
+        follower.wait(timeout=10)
+        assert processes_mentioning(str(run)) == []  # nothing of the run left on this machine
+        assert pid_alive(pid)  # and the launcher on the head goes on
+
+        t0 = time.monotonic()
+        done = run_cli("attach", str(run), timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"step {steps}: validation loss" in done.stdout and "exit status 0" in done.stderr, done.stdout[-2000:]
+        assert time.monotonic() - t0 < 90
+
+        r = run_cli("report", str(run), timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == str(run / "report.html") and (run / "report.html").stat().st_size > 1000
+        report = json.loads((run / "report.json").read_text())
+        assert report["steps"] == steps and report["stopped_by"] == "max_steps" and report["world_size"] == 2
+        assert len((run / "metrics.jsonl").read_text().splitlines()) >= steps
+        assert not pid_alive(pid)
+
+        # Errors, one line each: a node the cluster does not have, a second launcher on the run.
+        bad = run_cli("train", "--cluster", info.cluster_file, "--preset", "tiny", "--detach", "--controller", "nope",
+                      "--run-dir", str(tmp_path / "other"), timeout=120)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert "--controller nope: no node nope" in bad.stderr and not (tmp_path / "other").exists()
+        again = run_cli("train", "--resume", str(run), "--max-steps", str(steps + 1), timeout=120)
+        assert again.returncode == 2 and f"has its launcher on node {head.name}" in again.stderr, again.stderr
+    finally:
+        factory.close()
+
+
+def test_unreachable_controller_is_one_line(tmp_path):
+    """The controller node refuses SSH: one line naming it, and no run dir left behind."""
+    key = tmp_path / "k"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
+    (tmp_path / "c.yaml").write_text(
+        f"connect_timeout_s: 3\ndefaults: {{identity_file: {key}, port: 1}}\n"
+        "nodes:\n  - {name: a, host: 127.0.0.1}\n  - {name: b, host: 127.0.0.1, port: 2}\n")
+    run = tmp_path / "run"
+    r = run_cli("train", "--cluster", str(tmp_path / "c.yaml"), "--preset", "tiny", "--strategy", "ddp",
+                "--detach", "--controller", "b", "--run-dir", str(run), timeout=120, cwd=str(tmp_path))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "controller node b (127.0.0.1) unreachable" in lines[0] and "--controller NODE" in lines[0], lines
+    assert not run.exists()
+    local = run_cli("train", "--nodes", "2", "--detach", "--controller", "head", "--run-dir", str(run), timeout=120)
+    assert local.returncode == 2 and "--controller needs a cluster file" in local.stderr
+    plain = run_cli("train", "--nodes", "2", "--controller", "head", "--run-dir", str(run), timeout=120)
+    assert plain.returncode == 2 and "goes with --detach" in plain.stderr

@@ -1,0 +1,93 @@
+"""The pieces of `--controller` that need no node: the key pair made once per cluster file, the
+known_hosts lines shipped (hashed entries too, only the cluster's hosts), the cluster file as the
+controller node sees it, and the authorized_keys edit (idempotent, in the file sshd names)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vpscluster.cluster.inventory import cluster_from_mapping, load_cluster
+from vpscluster.errors import UserError
+from vpscluster.launch import controller
+
+
+def _host_key(tmp_path: Path, name: str) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True, timeout=30)
+    return " ".join((tmp_path / f"{name}.pub").read_text().split()[:2])
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    user_key = tmp_path / "id_user"
+    user_key.write_text("not shipped")
+    known = tmp_path / "known_hosts"
+    known.write_text(f"10.0.0.1 {_host_key(tmp_path, 'h1')}\n[10.0.0.2]:2222 {_host_key(tmp_path, 'h2')}\n"
+                     f"10.9.9.9 {_host_key(tmp_path, 'other')}\n")
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(known)], check=True, capture_output=True, timeout=30)
+    (tmp_path / "c.yaml").write_text(
+        "known_hosts: known_hosts\nqueue: {url: nats://10.0.0.1:4222, token_file: tok}\n"
+        "defaults: {identity_file: id_user, python: /usr/bin/python3}\n"
+        "nodes:\n  - {name: a, host: 10.0.0.1, egress_quota: 2TB/month}\n"
+        "  - {name: b, host: 10.0.0.2, port: 2222, workdir: /srv/w}\n")
+    (tmp_path / "tok").write_text("secret")
+    return load_cluster(tmp_path / "c.yaml")
+
+
+def test_key_made_once_beside_the_cluster_file(cluster, tmp_path):
+    key, pub = controller.ensure_key(cluster)
+    assert key == tmp_path / ".vpscluster" / "c.controller_ed25519" and pub.startswith("ssh-ed25519 ")
+    assert controller.ensure_key(cluster) == (key, pub)  # not made again
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+
+
+def test_known_hosts_only_the_clusters_hosts_hashed_entries_too(cluster, tmp_path):
+    text = controller.known_hosts_text(cluster)
+    lines = text.splitlines()
+    assert len(lines) == 2 and all(line.startswith("|1|") for line in lines)  # hashed as the user's file is
+    out = tmp_path / "shipped"
+    out.write_text(text)
+    for pattern, found in (("10.0.0.1", True), ("[10.0.0.2]:2222", True), ("10.9.9.9", False)):
+        r = subprocess.run(["ssh-keygen", "-F", pattern, "-f", str(out)], capture_output=True, text=True, timeout=30)
+        assert (r.returncode == 0) == found, pattern
+    (tmp_path / "known_hosts").write_text("")
+    with pytest.raises(UserError, match="holds no host key for a"):
+        controller.known_hosts_text(cluster)
+
+
+def test_cluster_file_as_the_controller_sees_it(cluster, tmp_path):
+    doc = controller.node_cluster_doc(cluster, "/w/controller/r")
+    assert "queue" not in doc and doc["accept_new_host_keys"] is False
+    support = tmp_path / "support"
+    support.mkdir()
+    (support / "id_ed25519").write_text("k")
+    doc = controller.node_cluster_doc(cluster, str(support))
+    seen = cluster_from_mapping(doc, "shipped", base_dir=support)
+    assert [n.name for n in seen.nodes] == ["a", "b"] and seen.head == "a"
+    assert {n.identity_file for n in seen.nodes} == {str(support / "id_ed25519")}
+    assert seen.known_hosts == str(support / "known_hosts")
+    assert seen.node("b").port == 2222 and seen.node("b").workdir == "/srv/w"
+    assert seen.node("a").egress_quota_bytes == cluster.node("a").egress_quota_bytes
+    assert {n.python for n in seen.nodes} == {"/usr/bin/python3"}
+
+
+def test_resolve_node(cluster):
+    assert controller.resolve_node(cluster, "head").name == "a"
+    assert controller.resolve_node(cluster, "b").name == "b"
+    with pytest.raises(UserError, match=r"--controller c: no node c in .*c.yaml \(its nodes: a, b; or `head`"):
+        controller.resolve_node(cluster, "c")
+
+
+def test_authorize_is_idempotent_in_the_file_sshd_names(tmp_path):
+    keys = tmp_path / "sub" / "authorized_keys"
+    pub = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl vpscluster-controller@c"
+    env = {**os.environ, "VPSC_AUTHORIZED_KEYS": str(keys)}
+    keys.parent.mkdir()
+    keys.write_text("ssh-ed25519 AAAAother user@laptop\n")
+    for _ in range(2):
+        subprocess.run(["sh", "-c", controller._authorize_command(pub)], env=env, check=True, timeout=30)
+    assert keys.read_text().splitlines() == ["ssh-ed25519 AAAAother user@laptop", pub]
+    assert oct(keys.stat().st_mode & 0o777) == "0o600"
