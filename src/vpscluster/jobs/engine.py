@@ -12,7 +12,6 @@ loses only its own partition. `--death-timeout` makes a worker whose scheduler v
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import posixpath
 from dataclasses import dataclass, field
@@ -71,10 +70,9 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
 
     `ship` names files the function needs (parameter -> local path, e.g. a checkpoint): they are
     synced like the code, and the parameter holds each node's own path to its copy."""
-    import vpscluster
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.pipeline import SyncItem, local_side
-    from vpscluster.launch.sync import scan, sync_dir
+    from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, scan, sync_dir
 
     from vpscluster.cluster.netsafety import require_firewall
 
@@ -85,7 +83,7 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
     workdirs = await pf.resolve_workdirs(executors, timeout_s)
     await require_firewall(cluster, executors, timeout_s)  # public nodes: the firewall must be up
     endpoints = pf.node_endpoints(cluster)  # the overlay's addresses once provisioned, as train and run
-    package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+    package = package_dir()
     code_dirs: dict[str, str | None] = {}
     pythonpath: dict[str, str] = {}
     node_params: dict[str, dict[str, str]] = {n.name: dict(params or {}) for n in cluster.nodes}
@@ -94,11 +92,11 @@ async def start(cluster, executors, job_id: str, code_dir: str, *, workers_per_n
         node = ex.node
         if node.local:
             code_dirs[node.name] = code_dir
-            pythonpath[node.name] = os.pathsep.join([code_dir, os.path.dirname(package_dir)])
+            pythonpath[node.name] = os.pathsep.join([code_dir, os.path.dirname(package)])
             node_params[node.name].update({k: os.path.abspath(v) for k, v in (ship or {}).items()})
             return
         wd = workdirs[node.name]
-        pkg = await sync_dir(ex, package_dir, posixpath.join(wd, "code/src/vpscluster"), timeout_s=max(timeout_s, 300.0),
+        pkg = await sync_dir(ex, package, posixpath.join(wd, PACKAGE_ON_NODE), timeout_s=max(timeout_s, 300.0),
                              say=say)
         user = await sync_dir(ex, code_dir, posixpath.join(wd, "code/batch", os.path.basename(code_dir.rstrip("/")) or "code"),
                               timeout_s=max(timeout_s, 300.0), manifest=user_files.manifest, say=say)

@@ -155,10 +155,9 @@ def _unreachable(node, why: str) -> UserError:
 
 async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str, Any]:
     """Everything the launcher needs on `node`, then the launcher itself; its launcher.json there."""
-    import vpscluster
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.preflight import resolve_workdirs
-    from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
     from vpscluster.train import rundir
 
     async with open_executors(cluster) as executors:
@@ -177,8 +176,7 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
         run_name = prepared.run_dir.name
         support = posixpath.join(workdir, "controller", run_name)
         remote_run = posixpath.join(workdir, "controller-runs", run_name)
-        package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
-        pkg = await sync_dir(ex, package_dir, posixpath.join(workdir, "code/src/vpscluster"), timeout_s=SYNC_TIMEOUT_S, say=say)
+        pkg = await sync_dir(ex, package_dir(), posixpath.join(workdir, PACKAGE_ON_NODE), timeout_s=SYNC_TIMEOUT_S, say=say)
         pythonpath = posixpath.dirname(pkg.remote_path.rstrip("/"))
         r = await ex.run(f"mkdir -p {shlex.quote(support)}/data {shlex.quote(remote_run)}/logs {shlex.quote(remote_run)}/checkpoints"
                          f" && chmod 700 {shlex.quote(support)}", timeout_s=CONNECT_TIMEOUT_S)

@@ -28,6 +28,7 @@ from pathlib import Path
 from vpscluster.errors import RemoteError, UserError
 from vpscluster.launch.commands import parse_program, relative_script
 from vpscluster.launch.pipeline import Job, SyncItem
+from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir
 from vpscluster.train.strategies import STRATEGIES, costs_for
 
 SESSION_FETCH = ("report.json", "metrics.jsonl")  # what a session writes on rank 0's node
@@ -67,7 +68,6 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
     """The job for `argv` on `cluster`; `session`: the resolved `session.config.SessionConfig`
     handed to the script's `session.start()` (None: the defaults). `in_place` (`--nodes N`, a
     cluster of this machine): run from the script's folder, nothing copied."""
-    import vpscluster
     from vpscluster.session.config import ENV, FILE, SessionConfig
 
     root = os.path.abspath(sync or os.getcwd())
@@ -107,8 +107,7 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         name = os.path.basename(root.rstrip("/")) or "root"
         syncs = [SyncItem("code", root, f"code/{name}")]
         if not here:  # nodes elsewhere need this package for `from vpscluster import session`
-            package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
-            syncs.append(SyncItem("vpscluster", package_dir, "vpscluster/src/vpscluster"))
+            syncs.append(SyncItem("vpscluster", package_dir(), PACKAGE_ON_NODE))
         cwd_key, run_dir_on_node = "code", None
     job: Job
 

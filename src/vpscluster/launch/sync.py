@@ -41,6 +41,19 @@ EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".egg-info")
 SECRET_DIRS = {".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store"}
 SECRET_FILES = ("*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", ".env", ".env.*", "*.env",
                 ".netrc", ".pgpass", ".git-credentials", ".pypirc", "credentials.json", "*.kdbx")
+# Where every launcher puts this package on a node, under its workdir: torchrun's ranks (train and
+# run), Dask's workers, the exporters, the vertical split's stages and the controller all import it
+# from there (PYTHONPATH=<workdir>/code/src), one copy per node, synced by content hash.
+PACKAGE_ON_NODE = "code/src/vpscluster"
+
+
+def package_dir() -> str:
+    """This package's folder on this machine: what goes to PACKAGE_ON_NODE."""
+    import vpscluster
+
+    return os.path.dirname(os.path.abspath(vpscluster.__file__))
+
+
 MAX_FILES = 20_000
 MAX_BYTES = 8 * 2**30
 

@@ -39,6 +39,7 @@ from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
 from vpscluster.launch.logs import LOCAL_LOG
 from vpscluster.launch.pipeline import Job, SyncItem
+from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir
 from vpscluster.train import rundir
 from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
 from vpscluster.train.strategies import AUTO, costs_for
@@ -274,7 +275,6 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
                  rdzv_id: str | None = None, rdzv_port: int | None = None, say: Say = _quiet,
                  on_event: OnEvent | None = None, prediction: dict | None = None) -> Job:
     """The pipeline's job for this run (pure: touches no node and creates nothing)."""
-    import vpscluster
 
     run_id = rundir.node_name(run_dir, cfg.run_uid)  # the run's folder on the nodes: runs/<run_id>
     here = all(n.local for n in cluster.nodes)
@@ -282,8 +282,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
     if cfg.data and not os.path.exists(cfg.data):
         raise UserError(f"--data {cfg.data}: no such file or folder")
     if not here:  # nodes elsewhere need the package and the data; this machine has them
-        package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
-        syncs.append(SyncItem("code", package_dir, "code/src/vpscluster"))
+        syncs.append(SyncItem("code", package_dir(), PACKAGE_ON_NODE))
         if cfg.data:
             data = os.path.abspath(cfg.data)
             syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import posixpath
 import shlex
 import tempfile
@@ -220,11 +219,10 @@ def _which_debian() -> str:
 
 async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say,
               node_exporter: str = "builtin", debian_port: int = T.DEBIAN_NODE_PORT) -> MonitorRecord:
-    import vpscluster
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.pipeline import SyncItem, local_side
     from vpscluster.launch.preflight import node_endpoints, resolve_workdirs
-    from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
     from vpscluster.probe.store import load_probe
 
     timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
@@ -238,7 +236,7 @@ async def _up(cluster, port: int, scrape_interval_s: float, prometheus: str, say
     endpoints = node_endpoints(cluster)
     async with open_executors(cluster) as executors:
         workdirs = await resolve_workdirs(executors, timeout_s)
-        code = SyncItem("code", os.path.dirname(os.path.abspath(vpscluster.__file__)), "code/src/vpscluster")
+        code = SyncItem("code", package_dir(), PACKAGE_ON_NODE)
         root, manifest = local_side(code)
 
         debian: dict[str, str] = {}  # node -> the binary of Debian's node exporter there

@@ -163,15 +163,14 @@ def _drop_stream(creds, run_id: str, say: Callable[[str], None]) -> None:
 
 
 async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, creds, say) -> dict:
-    import vpscluster
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.commands import LAUNCH_ID_ENV
     from vpscluster.launch.preflight import resolve_workdirs
     from vpscluster.launch.pipeline import SyncItem, local_side
-    from vpscluster.launch.sync import sync_dir
+    from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
 
     timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
-    package_dir = os.path.dirname(os.path.abspath(vpscluster.__file__))
+    package = package_dir()
     async with open_executors(cluster) as executors:
         by_name = {ex.node.name: ex for ex in executors if ex.node.name in placement.values()}
         workdirs = await resolve_workdirs(list(by_name.values()), timeout_s)
@@ -181,9 +180,9 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
         code = [(path, *local_side(SyncItem("code", path, ""))) for path in code_paths(spec)]
         for name, ex in by_name.items():
             if ex.node.local:
-                pythonpath[name] = os.pathsep.join([os.getcwd(), os.path.dirname(package_dir)])
+                pythonpath[name] = os.pathsep.join([os.getcwd(), os.path.dirname(package)])
             else:  # the package and the user's code (the spec's modules), by content hash, secrets left out
-                pkg = await sync_dir(ex, package_dir, posixpath.join(workdirs[name], "code/src/vpscluster"),
+                pkg = await sync_dir(ex, package, posixpath.join(workdirs[name], PACKAGE_ON_NODE),
                                      timeout_s=max(timeout_s, 300.0), say=say)
                 user_root = posixpath.join(workdirs[name], "code/vertical", run_id)
                 for path, root, manifest in code:  # a package lands as user_root/<name>, a module file in user_root
