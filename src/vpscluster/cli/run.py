@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console as make_console, emit_json
     from vpscluster.errors import UserError
     from vpscluster.launch.pipeline import dry_run
-    from vpscluster.launch.run import launch_script, script_job
+    from vpscluster.launch.run import launch_script, recovery_policy, script_job
 
     command = list(args.program)
     if command and command[0] == "--":
@@ -177,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         import dataclasses
 
         cluster = dataclasses.replace(cluster, insecure_network=True)
+    plan = recovery_policy(cluster, recovery_cfg)  # a --min-nodes above the nodes is refused before anything starts
     job = script_job(cluster, command, sync=args.sync, run_dir=run_dir,
                      nproc_per_node=args.nodes or args.nproc_per_node,
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
@@ -196,9 +197,6 @@ def _run(args: argparse.Namespace) -> int:
         return detach.start(args, job.run_dir, console, run_dir_given=bool(args.resume or args.run_dir),
                             program=list(args.program))
     if args.dry_run:
-        from vpscluster.launch.recovery import policy
-
-        plan = policy(recovery_cfg, len(job.cluster.nodes), all(n.local for n in job.cluster.nodes))
         doc = dry_run(job)
         doc["recovery"] = {"max_restarts": plan.max_restarts, "min_nodes": plan.min_nodes, "nodes": plan.nodes,
                            "by_default": plan.by_default}

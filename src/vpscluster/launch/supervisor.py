@@ -45,11 +45,14 @@ class Supervisor:
 
     `cluster`: the run's whole cluster; `policy`: `recovery.policy(...)`; `resume`: the first
     launch resumes (`--resume`); `continue_with`: the command a user runs to go on by hand when
-    too few nodes answer (said in the error); `min_nodes_given`: `--min-nodes` came from the user."""
+    too few nodes answer (said in the error); `min_nodes_given`: `--min-nodes` came from the user;
+    `retry_without_progress` False: a launch that failed while every node still answers and that
+    saved no checkpoint is not relaunched (a script's own error would only come again: `run`)."""
 
     def __init__(self, cluster, policy: recovery.Policy, *, rejoin_poll_s: float, stop_grace_s: float | None,
                  resume: bool = False, continue_with: str, min_nodes_given: bool = False,
-                 say: Callable[[str], None] = _quiet, failed: type[Exception] = RecoveryFailed) -> None:
+                 say: Callable[[str], None] = _quiet, failed: type[Exception] = RecoveryFailed,
+                 retry_without_progress: bool = True) -> None:
         self.cluster = cluster
         self.policy = policy
         self.rejoin_poll_s = rejoin_poll_s
@@ -68,6 +71,8 @@ class Supervisor:
         self.resumed_from = 0  # the checkpoint step the current launch resumed from (0: the start)
         # The step of the checkpoint a stop saved: None: no stop seen; -1: stopping, none saved yet.
         self.stop_checkpoint: int | None = None
+        self.retry_without_progress = retry_without_progress
+        self.saved = False  # the current launch saved a checkpoint (rank 0's "checkpoint" event)
 
     # ---- rank 0's events ------------------------------------------------------------------
     def watch(self, event: dict) -> None:
@@ -75,17 +80,22 @@ class Supervisor:
         kind = event.get("event")
         if kind == "resume":
             self.resumed_from = int(event.get("step") or 0)
-            if self.recoveries and "resumed_from_step" not in self.recoveries[-1]:
-                self.recoveries[-1]["resumed_from_step"] = event.get("step")
+            last = self.recoveries[-1] if self.recoveries else None
+            if last is not None and "resumed_from_step" not in last:
+                last["resumed_from_step"] = event.get("step")
+                last["resumed_after_s"] = round(time.monotonic() - last["_at"], 1)  # the checkpoint loaded
         elif kind == "stopping":
             self.stop_checkpoint = -1
-        elif kind == "checkpoint" and self.stop_checkpoint is not None:
-            self.stop_checkpoint = int(event.get("step", -1))
+        elif kind == "checkpoint":
+            self.saved = True
+            self.last_step = max(self.last_step, int(event.get("step", 0)))  # a script's session has no step events
+            if self.stop_checkpoint is not None:
+                self.stop_checkpoint = int(event.get("step", -1))
         elif kind == "step":
             self.last_step = int(event.get("step", self.last_step))
             last = self.recoveries[-1] if self.recoveries else None
             if last is not None and "training_again_after_s" not in last:
-                last["training_again_after_s"] = round(time.monotonic() - last.pop("_at"), 1)
+                last["training_again_after_s"] = round(time.monotonic() - last["_at"], 1)
                 last["training_again_at"] = round(time.time(), 2)
 
     @property
@@ -116,6 +126,7 @@ class Supervisor:
                 job.stop_when = lambda out=out: recovery.wait_for_any(self.cluster, out, self.rejoin_poll_s)
             self.stop_checkpoint = None
             self.resumed_from = 0
+            self.saved = False
             try:
                 result = launch(job)
             except Exception as e:  # refused before anything started: pre-flight, sync, prepare
@@ -137,6 +148,10 @@ class Supervisor:
                 return result
             # A node that teardown could not reach is out (the watcher takes it back when it answers).
             unreached = [o.name for o in result.nodes if o.name in self.current and o.teardown_error]
+            if not unreached and not self.saved and not self.retry_without_progress:
+                self.say("not relaunched: every node still answers and the launch saved no checkpoint, "
+                         "so a relaunch would only meet the same failure")
+                return result
             self._go_on_without(unreached, str(result.error), result.failed_node, result.ended_at)
 
     def _go_on_without(self, gone: list[str], error: str, failed_node: str | None, ended_at: float | None) -> None:
