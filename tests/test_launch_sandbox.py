@@ -3,7 +3,8 @@
 `vpscluster train --cluster` completes and learns; a plain DDP tutorial script runs unchanged
 through `vpscluster run` and every rank ends with identical weights; a failing rank is named
 with its error and nothing is left running; SIGINT to the launcher leaves no training process
-on any node within 15 s; a node whose sshd is down fails the launch within the time-out, named.
+on any node within 15 s; a node whose sshd is down fails the launch within the time-out, named;
+a session script run by `run` goes on without a node killed mid-run, from its checkpoint.
 """
 
 from __future__ import annotations
