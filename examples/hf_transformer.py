@@ -51,7 +51,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     s.resume(optimizer)  # vpscluster: continues a `vpscluster run --resume RUN_DIR`
     train = counting_rows(args.rows, args.seq_len, config.vocab_size, seed=1)
-    for epoch in range(args.epochs):
+    for epoch in range(s.epoch, args.epochs):  # vpscluster: a resumed run goes on in its epoch
         total, batches = 0.0, 0
         for (ids,) in s.shard(train, batch_size=args.batch_size):  # vpscluster: this rank's part
             ids = ids.to(s.device)

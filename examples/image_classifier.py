@@ -83,7 +83,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     s.resume(optimizer)  # vpscluster: continues a `vpscluster run --resume RUN_DIR`
     train, test = draw(args.samples, seed=1), draw(512, seed=2)
-    for epoch in range(args.epochs):
+    for epoch in range(s.epoch, args.epochs):  # vpscluster: a resumed run goes on in its epoch
         total, batches = 0.0, 0
         for x, y in s.shard(train, batch_size=args.batch_size):  # vpscluster: this rank's part
             x, y = x.to(s.device), y.to(s.device)

@@ -77,7 +77,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     s.resume(optimizer)  # vpscluster: continues a `vpscluster run --resume RUN_DIR`
     train, test = write_rows(args.rows, seed=1), write_rows(1000, seed=2)
-    for epoch in range(args.epochs):
+    for epoch in range(s.epoch, args.epochs):  # vpscluster: a resumed run goes on in its epoch
         total, batches = 0.0, 0
         for ids, labels in s.shard(train, batch_size=args.batch_size):  # vpscluster
             ids, labels = ids.to(s.device), labels.to(s.device)

@@ -194,3 +194,50 @@ def test_the_agent_stores_listen_only_on_the_address_given(tmp_path):
     listeners = found[0]
     assert f"127.0.0.1:{port}" in listeners, listeners  # the rendezvous store, where it was asked for
     assert listeners and all(a.startswith("127.0.0.1:") for a in listeners), listeners
+
+
+def _three_node_file(tmp_path):
+    key = tmp_path / "k"
+    key.write_text("x")
+    cluster = tmp_path / "c3.yaml"
+    cluster.write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n"
+                       + "".join(f"  - {{name: n{i}, host: 192.0.2.{50 + i}}}\n" for i in range(3)))
+    return cluster
+
+
+def test_run_recovery_flags_as_train_defaults_and_refusals(tmp_path, cli):
+    """`run --max-restarts/--min-nodes`: on by default on a cluster (train's defaults and line),
+    off with --max-restarts 0 and on the local cluster; --min-nodes above the nodes: one line."""
+    from vpscluster.launch.recovery import default_min_nodes, default_restarts
+
+    cluster = _three_node_file(tmp_path)
+    base = ("run", "--cluster", str(cluster), "--dry-run", "--json", "--sync", str(SCRIPTS))
+    on = json.loads(cli(*base, "--", "python", "ddp_tutorial.py", timeout=60).stdout)
+    assert on["recovery"] == {"max_restarts": default_restarts(3), "min_nodes": default_min_nodes(3), "nodes": 3,
+                              "by_default": True}
+    assert any(n.startswith("recovery: on (") for n in on["notes"]), on["notes"]
+    given = json.loads(cli(*base, "--max-restarts", "1", "--min-nodes", "3", "--", "python", "ddp_tutorial.py",
+                           timeout=60).stdout)
+    assert given["recovery"] == {"max_restarts": 1, "min_nodes": 3, "nodes": 3, "by_default": False}
+    off = json.loads(cli(*base, "--max-restarts", "0", "--", "python", "ddp_tutorial.py", timeout=60).stdout)
+    assert off["recovery"]["max_restarts"] == 0 and "recovery: off (--max-restarts 0" in " ".join(off["notes"])
+    local = json.loads(cli("run", "--nodes", "2", "--dry-run", "--json", "--", "python", "tests/scripts/ddp_tutorial.py",
+                           cwd=str(SCRIPTS.parents[1]), timeout=60).stdout)
+    assert local["recovery"]["max_restarts"] == 0 and "the local cluster has no node to lose" in " ".join(local["notes"])
+    r = cli(*base, "--min-nodes", "4", "--", "python", "ddp_tutorial.py", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--min-nodes 4 is more than the 3 nodes of the cluster; give at most 3" in r.stderr, r.stderr
+    r = cli(*base, "--max-restarts", "-1", "--", "python", "ddp_tutorial.py", timeout=60)
+    assert r.returncode == 2 and "must not be negative" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_collective_timeout_reaches_the_session_settings(tmp_path):
+    from vpscluster.cli.run import add_arguments, session_settings
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--nodes", "2", "--collective-timeout", "7", "--", "python", "x.py"])
+    assert session_settings(args).timeouts.train_collective_s == 7.0
+    args = p.parse_args(["--nodes", "2", "--", "python", "x.py"])
+    assert session_settings(args).timeouts.train_collective_s == 180.0

@@ -3,7 +3,8 @@
 `vpscluster train --cluster` completes and learns; a plain DDP tutorial script runs unchanged
 through `vpscluster run` and every rank ends with identical weights; a failing rank is named
 with its error and nothing is left running; SIGINT to the launcher leaves no training process
-on any node within 15 s; a node whose sshd is down fails the launch within the time-out, named.
+on any node within 15 s; a node whose sshd is down fails the launch within the time-out, named;
+a session script run by `run` goes on without a node killed mid-run, from its checkpoint.
 """
 
 from __future__ import annotations
@@ -291,4 +292,65 @@ def test_run_diloco_user_script_cuts_bytes_by_about_h_with_equal_hashes(sandbox3
     print(f"bytes sent: ddp {sum(reports['ddp']['bytes_sent'])}, diloco {sum(reports['diloco']['bytes_sent'])}, "
           f"ratio {ratio:.2f}; wall ddp {reports['ddp']['wall_seconds']:.1f} s, diloco {reports['diloco']['wall_seconds']:.1f} s")
     assert 0.6 * h < ratio < 1.4 * h, f"ddp/diloco bytes {ratio:.2f}, expected about {h}"
+    assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}
+
+
+def test_run_goes_on_without_a_dead_node_from_the_session_checkpoint(sandbox3, tmp_path):
+    """`vpscluster run` with recovery on by default (3 nodes: relaunch while 2 answer): a user's
+    script on the session API (examples/image_classifier.py, a checkpoint every 10 steps)
+    loses node-3 mid-run — off the network, then every process on it killed (a VPS powered off).
+    The survivors' collectives time out (`--collective-timeout 5`), the launcher relaunches the
+    script on node-1 and node-2 with the session's resume on, the session continues from its
+    newest checkpoint (re-cut for two ranks), and the run finishes there: the report says two
+    ranks, the checkpoint step resumed from, the recovery, and equal final weights."""
+    from vpscluster.cluster.sandbox import faults
+    from sandbox_fixtures import ssh_run
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "run", "--cluster", sandbox3.cluster_file, "--run-dir", str(run_dir),
+         "--sync", str(REPO / "examples"), "--checkpoint-every", "10", "--collective-timeout", "5", "--json",
+         "--", "python", "image_classifier.py", "--epochs", "2", "--samples", "9600"],
+        stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    t0 = time.monotonic()
+    try:
+        deadline = time.monotonic() + 120
+        while not any('"event":"checkpoint"' in p.read_text(errors="replace")
+                      for p in (run_dir / "logs").glob("node-*.log")):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
+            time.sleep(0.2)
+        faults.inject(sandbox3.name, "node-3", "link-down", seconds=300)
+        cut = time.monotonic()
+        faults.inject(sandbox3.name, "node-3", "kill")
+        proc.wait(timeout=180)
+        done = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        faults.clear(sandbox3.name, "node-3")
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    print(f"first checkpoint {cut - t0:.1f} s after the start; finished {done - cut:.1f} s after node-3 went down")
+    assert proc.returncode == 0, err[-4000:]
+    assert "recovery: on" in err and "relaunching on 2 nodes from the last checkpoint without node-3" in err, err[-3000:]
+    doc = json.loads(out)  # the last launch
+    assert doc["ok"] and [n["name"] for n in doc["nodes"]] == ["node-1", "node-2"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["world_size"] == 2 and report["stopped_by"] == "end_of_loop"
+    assert report["resumed_from_step"] and report["resumed_from_step"] % 10 == 0, report["resumed_from_step"]
+    (lost,) = report["recoveries"]
+    assert lost["kind"] == "restart" and lost["out"] == ["node-3"] and lost["nodes"] == ["node-1", "node-2"], lost
+    assert lost["resumed_from_step"] == report["resumed_from_step"] and lost["after_step"] >= lost["resumed_from_step"]
+    print(f"the relaunch resumed from step {lost['resumed_from_step']} {lost['resumed_after_s']} s after the failure was seen")
+    assert [p["model_sha256"] for p in report["per_rank"]] == [report["model_sha256"]] * 2
+    # One history across both launches: the first launch's steps up to the checkpoint, then the relaunch's.
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[0] <= report["resumed_from_step"] < steps[-1] == report["steps"]
+    # Both epochs were trained once: 2 epochs of 64-sample steps at most, more than one epoch of them.
+    assert 9600 // 96 + 9600 // 64 <= report["steps"] <= 2 * (9600 // 64), report["steps"]
+    deadline = time.monotonic() + 60  # node-3 answers again before the module's next test
+    while ssh_run(sandbox3, "node-3", "true", timeout_s=10).returncode != 0:
+        assert time.monotonic() < deadline, "node-3 did not answer after the fault was cleared"
+        time.sleep(1)
     assert training_leftovers(sandbox3) == {n.name: [] for n in sandbox3.nodes}

@@ -177,3 +177,33 @@ def test_fewer_nodes_need_no_more_memory_per_rank(strategy):
         need = [memory.estimate(model, strategy, world, mixed_precision=False, wire_dtype=wire).total_bytes
                 for world in (1, 2, 3, 4, 8)]
         assert need == sorted(need), (wire, need)  # never more on fewer ranks
+
+
+def test_supervisor_follows_rank0_and_refuses_to_go_on_below_min_nodes():
+    """The supervisor's plain state: the step resumed from, the last step seen (a script's session
+    says only its checkpoints), a stop's checkpoint, the recoveries for the report; a failure that
+    leaves fewer than --min-nodes ends the run in one line naming how to go on."""
+    from vpscluster.launch.supervisor import RecoveryFailed, Supervisor
+
+    said = []
+    sup = Supervisor(_cluster(), recovery.Policy(max_restarts=3, min_nodes=3, nodes=4, by_default=False),
+                     rejoin_poll_s=1.0, stop_grace_s=1.0, continue_with="vpscluster run --resume R -- python x.py",
+                     min_nodes_given=True, say=said.append)
+    sup.watch({"event": "checkpoint", "step": 10})
+    assert sup.last_step == 10 and sup.saved and sup.stop_checkpoint is None
+    sup._go_on_without(["d"], "node d failed", "d", None)
+    assert sup.current == ["a", "b", "c"] and sup.resume and sup.restarts == 1
+    assert said[-1] == "node d failed; relaunching on 3 nodes from the last checkpoint without d (restart 1 of 3)"
+    sup.watch({"event": "resume", "step": 10})
+    assert sup.resumed_from == 10
+    sup.watch({"event": "stopping", "step": 12})
+    assert not sup.stopped_with_checkpoint
+    sup.watch({"event": "checkpoint", "step": 12})
+    assert sup.stopped_with_checkpoint and sup.stop_checkpoint == 12
+    (r,) = sup.record()
+    assert (r["kind"], r["out"], r["nodes"], r["after_step"], r["resumed_from_step"]) == \
+        ("restart", ["d"], ["a", "b", "c"], 10, 10) and "_at" not in r and r["resumed_after_s"] >= 0
+    with pytest.raises(RecoveryFailed, match=r"only 2 of 4 nodes answer \(a, b\), fewer than the 3 it needs "
+                                             r"\(--min-nodes\).*continue with vpscluster run --resume R"):
+        sup._go_on_without(["c"], "node c failed", "c", None)
+    assert sup.restarts == 1

@@ -138,7 +138,7 @@ def test_run_strategy_auto_resumes_with_the_choice_it_made(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     made = json.loads((run_dir / "report.json").read_text())["strategy_choice"]
     r = run_cli("run", "--nodes", "2", "--resume", str(run_dir), "--strategy", "auto", "--checkpoint-every", "10",
-                *args, "--epochs", "1", cwd=str(REPO), timeout=300)  # the script's epoch loop counts from 0 again
+                *args, "--epochs", "2", cwd=str(REPO), timeout=300)  # the epochs in all: one more (s.epoch)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["resumed_from_step"] == 16 and report["steps"] == 32

@@ -252,3 +252,35 @@ def test_shard_splits_each_epoch_anew_and_covers_every_sample_once():
         assert len(seen[0]) == len(seen[1]) == 24  # 50 // 8 = 6 steps of 4 each; 2 left out
         epochs.append(seen)
     assert epochs[0] != epochs[1]  # a new order each epoch
+
+
+def test_a_checkpoint_of_an_epochs_last_step_resumes_at_the_next_epoch():
+    """During an epoch's last step the position already names the next epoch (what a checkpoint
+    of that step stores and `Session.epoch` says), so `for e in range(s.epoch, epochs)` after a
+    resume trains no epoch twice; a break mid-epoch goes on where it stopped."""
+    from vpscluster.session.config import SessionConfig
+    from vpscluster.session.shard import ShardLoader
+
+    class Fake:
+        def __init__(self):
+            self.rank, self.cfg, self._data, self._micro = 0, SessionConfig(), {"epoch": 0, "index": 0}, (0, 1)
+
+        def _shares(self):
+            return [1]
+
+        def _shard_index(self):
+            return 0
+
+    f = Fake()
+    seen = []
+    for batch in ShardLoader(f, list(range(12)), 4, None):  # 3 steps an epoch
+        seen.append(dict(f._data))
+    assert seen == [{"epoch": 0, "index": 1}, {"epoch": 0, "index": 2}, {"epoch": 1, "index": 0}]
+    loader = ShardLoader(f, list(range(12)), 4, None)
+    for batch in loader:
+        break
+    assert f._data == {"epoch": 1, "index": 1}
+    assert len(list(loader)) == 2 and f._data == {"epoch": 2, "index": 0}  # the rest of epoch 1, once
+    old = Fake()
+    old._data = {"epoch": 0, "index": 3}  # a checkpoint written before this rule: the epoch had ended
+    assert len(list(ShardLoader(old, list(range(12)), 4, None))) == 3 and old._data == {"epoch": 2, "index": 0}

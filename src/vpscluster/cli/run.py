@@ -22,7 +22,7 @@ SESSION_FLAGS = ("strategy", "compress", "sync_every", "wire_dtype", "overlap_st
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from vpscluster.cli.train import _speeds
-    from vpscluster.train.config import StrategyConfig, strategy_choices
+    from vpscluster.train.config import StrategyConfig, TimeoutConfig, strategy_choices
 
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", metavar="FILE", help="the cluster file (cluster.yaml)")
@@ -42,6 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-port", type=int, metavar="PORT", help="rendezvous port on the head (default: a free one)")
     p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="every node must join the rendezvous within this (default 600)")
+    from vpscluster.launch.recovery import default_restarts
+
+    p.add_argument("--max-restarts", type=int, metavar="N",
+                   help=f"after a failure, relaunch the script on the nodes that answer, up to N times; its session "
+                        f"resumes from its newest checkpoint (default on a cluster of two or more nodes: twice the node "
+                        f"count, at least {default_restarts(1)}; with --nodes: 0. 0 turns recovery off)")
+    p.add_argument("--min-nodes", type=int, metavar="N",
+                   help="go on with at least N nodes when some stop answering; a node that answers again takes part "
+                        "again (default: half the nodes, rounded up)")
     d = StrategyConfig()
     g = p.add_argument_group("for scripts that use the session API (vpscluster.session)")
     g.add_argument("--strategy", choices=strategy_choices("name"),
@@ -55,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, metavar="N", help="diloco: micro-batches per step in all, split among the ranks by --speeds (default: one per rank)")
     g.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="the session saves a checkpoint every N steps (default: only where the script calls save)")
+    g.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help=f"once training runs, a collective waiting this long fails: how fast a dead peer is noticed "
+                        f"(default {TimeoutConfig().train_collective_s:g})")
     g.add_argument("--resume", metavar="RUN_DIR", help="run again in RUN_DIR; the script's session.resume() continues from its newest checkpoint")
     detach.add_arguments(p, "run (its launcher)")
     add_json_flag(p)
@@ -113,9 +125,18 @@ def session_settings(args: argparse.Namespace):
     doc = _nest(given)  # e.g. {"strategy": {"name": "diloco", "sync_every": 8}, "time_budget_s": 60.0}
     if args.checkpoint_every is not None:
         doc["checkpoint_every"] = args.checkpoint_every
+    if args.collective_timeout is not None:
+        doc["timeouts"] = {"train_collective_s": args.collective_timeout}
     if args.resume:
         doc["resume"] = True
     return build(SessionConfig, doc, "flags")
+
+
+def recovery_settings(args: argparse.Namespace):
+    """`--max-restarts` and `--min-nodes` as train's RecoveryConfig (its checks, its defaults)."""
+    from vpscluster.train.config import RecoveryConfig
+
+    return RecoveryConfig(max_restarts=args.max_restarts, min_nodes=args.min_nodes or 0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console as make_console, emit_json
     from vpscluster.errors import UserError
-    from vpscluster.launch.pipeline import dry_run, launch
-    from vpscluster.launch.run import script_job
+    from vpscluster.launch.pipeline import dry_run
+    from vpscluster.launch.run import launch_script, recovery_policy, script_job
 
     command = list(args.program)
     if command and command[0] == "--":
@@ -140,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.nodes is not None and not 1 <= args.nodes <= 64:
         raise UserError(f"--nodes {args.nodes}: give 1 to 64 local processes, or a cluster file")
     session = session_settings(args)
+    recovery_cfg = recovery_settings(args)
     run_dir = args.resume or args.run_dir
     if args.resume and args.run_dir and os.path.abspath(args.resume) != os.path.abspath(args.run_dir):
         raise UserError("--resume RUN_DIR runs in RUN_DIR; drop --run-dir")
@@ -155,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         import dataclasses
 
         cluster = dataclasses.replace(cluster, insecure_network=True)
+    plan = recovery_policy(cluster, recovery_cfg)  # a --min-nodes above the nodes is refused before anything starts
     job = script_job(cluster, command, sync=args.sync, run_dir=run_dir,
                      nproc_per_node=args.nodes or args.nproc_per_node,
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
@@ -175,9 +198,15 @@ def _run(args: argparse.Namespace) -> int:
                             program=list(args.program))
     if args.dry_run:
         doc = dry_run(job)
+        doc["recovery"] = {"max_restarts": plan.max_restarts, "min_nodes": plan.min_nodes, "nodes": plan.nodes,
+                           "by_default": plan.by_default}
+        doc["notes"] = [*doc.get("notes", []), plan.line()]
         emit_json(doc) if args.json else print_dry_run(doc, console)
         return 0
-    result = launch(job)
+    result, _ = launch_script(cluster, command, recovery_cfg=recovery_cfg, session=session, say=make_say(console),
+                              in_place=args.nodes is not None, sync=args.sync, run_dir=str(job.run_dir),
+                              nproc_per_node=args.nodes or args.nproc_per_node, force=args.force,
+                              rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port, join_timeout_s=args.join_timeout)
     if args.json:
         emit_json(result.to_dict())
     else:

@@ -1,9 +1,11 @@
 """Going on after a failure: relaunch on the nodes that answer, take returning nodes back.
 
-`train --max-restarts N --min-nodes M` (TrainConfig.recovery). The engines stay what they are —
-torchrun on every node, the pipeline's teardown, the trainer's checkpoints — and recovery is the
-launcher's loop around them, as a managed job's controller does it (SkyPilot's managed jobs,
-torchrun's own `--max-restarts` for the workers of one node):
+`train --max-restarts N --min-nodes M` (TrainConfig.recovery), and `run` with the same flags for a
+script on the session API (its session resumes from its newest checkpoint). The engines stay what
+they are — torchrun on every node, the pipeline's teardown, the session's checkpoints — and
+recovery is the launcher's loop around them (launch/supervisor.py, for train and run alike), as
+a managed job's controller does it (SkyPilot's managed jobs, torchrun's own `--max-restarts`
+for the workers of one node). This module holds its rules and node checks:
 
 1. A launch fails (a node died, hangs, or its link is down: the survivors' collectives time
    out, the pipeline names the node and stops every process it can reach).

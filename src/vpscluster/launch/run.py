@@ -140,3 +140,76 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         stop_grace_s=session.timeouts.stop_grace_s,  # a session checkpoints before it stops
     )
     return job
+
+
+def recovery_policy(cluster, recovery_cfg):
+    """The run's `recovery.Policy` (`--max-restarts`, `--min-nodes` as train's: on by default on a
+    cluster of two or more nodes, off on this machine); a `--min-nodes` above the nodes is refused."""
+    from vpscluster.launch.recovery import policy
+
+    n = len(cluster.nodes)
+    local = all(node.local for node in cluster.nodes)
+    if recovery_cfg.min_nodes > n:
+        raise UserError(f"--min-nodes {recovery_cfg.min_nodes} is more than the {n} node{'s' if n != 1 else ''} "
+                        f"of {'this machine (one local node)' if local else 'the cluster'}; give at most {n}")
+    return policy(recovery_cfg, n, local)
+
+
+def launch_script(cluster, argv: list[str], *, recovery_cfg, session=None, say=print, in_place: bool = False,
+                  **job_args):
+    """Run `argv` on `cluster` to the end, relaunched after failures as `recovery_cfg` (a
+    `train.config.RecoveryConfig`: `--max-restarts`, `--min-nodes`) and `recovery.policy` say —
+    the same supervisor as `train` (launch/supervisor.py). A relaunch starts the script again
+    with the session's `resume` on: its `session.resume(optimizer)` continues from the newest
+    checkpoint in the run dir (re-cut for the ranks present; a node without one receives it from
+    a holder). A failure while every node still answers is relaunched only when the launch saved
+    a checkpoint (else the script's own error would just come again). Returns (the last launch's LaunchResult, the Supervisor: its `recoveries`);
+    `job_args`: `script_job`'s other keywords (sync, run_dir, nproc_per_node, ...)."""
+    from vpscluster.launch.supervisor import Supervisor
+    from vpscluster.session.config import SessionConfig
+    from vpscluster.train import rundir
+    from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
+
+    session = session or SessionConfig()
+    plan = recovery_policy(cluster, recovery_cfg)
+    local = plan.local
+    first = script_job(cluster, argv, session=session, say=say, in_place=in_place, **job_args)
+    job_args["run_dir"] = str(first.run_dir)  # every launch runs in the first one's run dir (its checkpoints)
+    say(plan.line())
+    continue_with = (f"vpscluster run --resume {first.run_dir} --cluster <a file of the nodes that answer> -- "
+                     + " ".join(argv))
+    sup = Supervisor(cluster, plan, rejoin_poll_s=recovery_cfg.rejoin_poll_s, stop_grace_s=session.timeouts.stop_grace_s,
+                     resume=session.resume, continue_with=continue_with, min_nodes_given=bool(recovery_cfg.min_nodes),
+                     say=say, retry_without_progress=False)
+
+    unused = [first]  # the first launch's job, built above (its checks refuse a bad command before the line)
+
+    def make_job(part, resume: bool):
+        job = unused.pop() if unused else script_job(
+            part, argv, session=dataclasses.replace(session, resume=session.resume or resume), say=say,
+            in_place=in_place, **job_args)
+        if plan.on:
+            job.fetch_after_failure = [rundir.METRICS]  # what rank 0 trained before the failure
+        return job
+
+    metrics_path = first.run_dir / rundir.METRICS
+    history = read_metrics(metrics_path) if session.resume else []
+
+    def after_launch(result, resumed_from: int) -> None:
+        nonlocal history
+        if local or not plan.on:
+            return  # rank 0 wrote into this run dir itself, or one launch: its file as fetched
+        if str(metrics_path) in result.fetched:
+            history = merge_launch(history, read_metrics(metrics_path), resumed_from)
+        if history:
+            write_metrics(metrics_path, history)
+
+    result = sup.run(make_job, after_launch)
+    report_path = first.run_dir / rundir.REPORT
+    if result.ok and (sup.recoveries or plan.on) and report_path.is_file():
+        from vpscluster import fsutil
+
+        report = rundir.read_report(first.run_dir)
+        report["recoveries"] = sup.record()
+        fsutil.write_json(report_path, report)
+    return result, sup

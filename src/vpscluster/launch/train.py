@@ -399,17 +399,14 @@ def launch_training(run: TrainingRun, *, say: Say = _quiet, on_event: OnEvent | 
 def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | None) -> dict[str, Any]:
     """launch_training's body (`lock`: the run's, taken when a new run is created).
 
-    As `recovery.policy` says (on by default on a cluster of two or more nodes), a failed launch
-    is relaunched from the last checkpoint on the nodes that still answer (at least its
-    `min_nodes`), a relaunch that fails before it
-    trains (a node's pre-flight or sync) is relaunched again without the nodes at fault, each
-    counted as a restart, and a node that is ready again is taken back (launch/recovery.py); the
-    report lists each in `recoveries`."""
-    import asyncio
-    import time
-
-    from vpscluster.launch import recovery
-    from vpscluster.launch.pipeline import launch
+    The recovery supervisor (launch/supervisor.py) runs the launches: as `recovery.policy` says
+    (on by default on a cluster of two or more nodes), a failed launch is relaunched from the
+    last checkpoint on the nodes that still answer (at least its `min_nodes`), a relaunch that
+    fails before it trains is relaunched again without the nodes at fault, and a node that is
+    ready again is taken back; the report lists each in `recoveries`. What is `train`'s own is
+    here: the run dir created once pre-flight passed, the metrics of launches on different
+    heads merged, the exporters published to Prometheus."""
+    from vpscluster.launch.supervisor import Supervisor
 
     created: list[bool] = []
 
@@ -425,123 +422,48 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
 
             fsutil.write_json(run.run_dir / PREDICTION, run.prediction)
 
-    stop_checkpoint: list[int] = []  # the step of the checkpoint saved by a stop, once rank 0 says so
-    resumed_from = [0]  # the checkpoint step the current launch resumed from (0: from the start)
     history = read_metrics(run.run_dir / rundir.METRICS)  # every launch's metrics, merged (see _merge_metrics)
-    recoveries: list[dict[str, Any]] = []  # the launcher's record of each relaunch
-    last_step = [0]
+    plan = run.recovery()  # prepare_training checked --min-nodes against the cluster
+    say(plan.line())
+    sup = Supervisor(run.cluster, plan, rejoin_poll_s=run.cfg.recovery.rejoin_poll_s,
+                     stop_grace_s=run.cfg.timeouts.stop_grace_s, resume=run.resume,
+                     continue_with=f"vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>",
+                     min_nodes_given=bool(run.cfg.recovery.min_nodes), say=say, failed=TrainingFailed)
 
     def with_monitor(event: dict) -> None:
-        kind = event.get("event")
-        if kind == "resume":
-            resumed_from[0] = int(event.get("step") or 0)
-        if kind == "start" and event.get("exporters"):
+        if event.get("event") == "start" and event.get("exporters"):
             _publish_targets(run, event["exporters"], say)
-        if kind == "stopping":
-            stop_checkpoint[:] = [-1]
-        elif kind == "checkpoint" and stop_checkpoint:
-            stop_checkpoint[:] = [int(event.get("step", -1))]
-        elif kind == "resume" and recoveries and "resumed_from_step" not in recoveries[-1]:
-            recoveries[-1]["resumed_from_step"] = event.get("step")
-        elif kind == "step":
-            last_step[0] = int(event.get("step", last_step[0]))
-            if recoveries and "training_again_after_s" not in recoveries[-1]:
-                recoveries[-1]["training_again_after_s"] = round(time.monotonic() - recoveries[-1].pop("_at"), 1)
-                recoveries[-1]["training_again_at"] = round(time.time(), 2)
         if on_event is not None:
             on_event(event)
 
-    everyone = [n.name for n in run.cluster.nodes]
-    plan = run.recovery()  # prepare_training checked --min-nodes against the cluster
-    need = plan.min_nodes
-    say(plan.line())
-    current, resume, restarts, launch_ids = list(everyone), run.resume, 0, []
-
-    def go_on_without(gone: list[str], error: str, failed_node: str | None, ended_at: float | None) -> None:
-        """Leave `gone` out, count a restart and relaunch on the rest, or raise when --min-nodes fails."""
-        nonlocal current, resume, restarts
-        live = [n for n in current if n not in gone]
-        if len(live) < need:
-            say(f"{error}")
-            raise TrainingFailed(
-                f"training failed and only {len(live)} of {len(everyone)} nodes answer ({', '.join(live) or 'none'}), "
-                f"fewer than the {need} the run needs (--min-nodes{'' if run.cfg.recovery.min_nodes else ', by default half'}); the checkpoints stay on the nodes: "
-                f"continue with vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>")
-        restarts += 1
-        out = [n for n in everyone if n not in live]
-        say(f"{error}; relaunching on {len(live)} node{'s' if len(live) != 1 else ''} from the last checkpoint"
-            + (f" without {', '.join(out)}" if out else "") + f" (restart {restarts} of {plan.max_restarts})")
-        # Timed from the moment the launcher saw the failure (a worker's time-out fired), so
-        # teardown and the relaunch count, as a person waiting for training would count them.
-        recoveries.append({"kind": "restart", "after_step": last_step[0], "error": error,
-                           "failed_node": failed_node, "nodes": live, "out": out, **_seen(ended_at)})
-        current, resume = live, True
-
-    while True:
-        cluster = run.cluster if current == everyone else recovery.subset(run.cluster, current)
-        out = [n for n in everyone if n not in current]
+    def make_job(cluster, resume: bool) -> Job:
         job = training_job(run.cfg, run.run_dir, cluster, resume=resume, force=run.force,
                            say=say, on_event=with_monitor, prediction=run.prediction)
         job.create_run = create_run
-        job.relaunch = bool(launch_ids)
-        # A stop that saved its checkpoint also wrote the report (stopped_by): bring it here too.
-        job.fetch_when_interrupted = lambda: bool(stop_checkpoint) and stop_checkpoint[0] >= 0
-        if out:  # while a node is out: look whether it answers again
-            job.stop_when = lambda out=out: recovery.wait_for_any(run.cluster, out, run.cfg.recovery.rejoin_poll_s)
-        stop_checkpoint.clear()
-        resumed_from[0] = 0
-        try:
-            result = launch(job)
-        except Exception as e:  # refused before anything started: pre-flight, sync, prepare
-            if isinstance(e, Interrupted) or not launch_ids:
-                raise  # the first launch is refused as any command is
-            # A relaunch: a node failed its pre-flight or sync, or a returning one dropped again.
-            gone = asyncio.run(recovery.at_fault(run.cluster, current, e))
-            if not gone or restarts >= plan.max_restarts:
-                raise
-            go_on_without(gone, f"the relaunch failed before training: {e}", gone[0], None)
-            continue
-        launch_ids.append(result.rdzv_id)
+        return job
+
+    def after_launch(result, resumed_from: int) -> None:
+        nonlocal history
         if not run.local:
-            history = _merge_metrics(run.run_dir / rundir.METRICS, history, result.fetched, resumed_from[0])
+            history = _merge_metrics(run.run_dir / rundir.METRICS, history, result.fetched, resumed_from)
         _clear_targets(run, say)
-        if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
-            back = asyncio.run(recovery.ready(run.cluster, out))
-            left = asyncio.run(recovery.reap_left(run.cluster, back, launch_ids[:-1], run.cfg.timeouts.stop_grace_s))
-            if left:
-                say(f"could not clear what earlier launches left on a returning node ({'; '.join(left)}); it stays out")
-                back = [n for n in back if not any(line.startswith(f"{n}: ") for line in left)]
-            current = [n for n in everyone if n in current or n in back]
-            saved = (f"the checkpoint of step {stop_checkpoint[0]}" if stop_checkpoint and stop_checkpoint[0] >= 0
-                     else "the last checkpoint")  # stopped before it trained: nothing new to save
-            say(f"{', '.join(back) or 'no node'} answer{'s' if len(back) == 1 else ''} again: relaunching on "
-                f"{len(current)} nodes from {saved}")
-            recoveries.append({"kind": "rejoin", "after_step": last_step[0], "nodes": list(current), "back": back,
-                               **_seen(result.ended_at)})  # timed from the stop for the rejoin
-            resume = True
-            continue
-        if result.interrupted:  # every process on every node has been stopped
-            if stop_checkpoint and stop_checkpoint[0] >= 0:
-                raise Interrupted(f"interrupted; checkpoint saved at step {stop_checkpoint[0]}, "
-                                  f"continue with: vpscluster train --resume {run.run_dir}")
-            raise Interrupted()
-        if result.ok:
-            break
-        if restarts >= plan.max_restarts:
-            _raise_failed(run, result)
-        # A node that teardown could not reach is out (the watcher takes it back when it answers).
-        unreached = [o.name for o in result.nodes if o.name in current and o.teardown_error]
-        go_on_without(unreached, str(result.error), result.failed_node, result.ended_at)
+
+    result = sup.run(make_job, after_launch)
+    if result.interrupted:  # every process on every node has been stopped
+        if sup.stopped_with_checkpoint:
+            raise Interrupted(f"interrupted; checkpoint saved at step {sup.stop_checkpoint}, "
+                              f"continue with: vpscluster train --resume {run.run_dir}")
+        raise Interrupted()
+    if not result.ok:
+        _raise_failed(run, result)
     report = rundir.read_report(run.run_dir)
     if not run.local:
         # The worker wrote its node's path; here the run lives in the local run directory.
         report["node_run_dir"] = report.get("run_dir")
         report["run_dir"] = str(run.run_dir)
         report["rank0_node"] = result.rank0_node
-    if recoveries or plan.on:
-        for r in recoveries:
-            r.pop("_at", None)
-        report["recoveries"] = recoveries
+    if sup.recoveries or plan.on:
+        report["recoveries"] = sup.record()
         from vpscluster import fsutil
 
         fsutil.write_json(run.run_dir / rundir.REPORT, report)
@@ -557,15 +479,6 @@ def _merge_metrics(path: Path, history: list[dict[str, Any]], fetched: list[str]
     if history:
         write_metrics(path, history)
     return history
-
-
-def _seen(ended_at: float | None) -> dict[str, float]:
-    """When the launcher saw a launch end: `_at` (monotonic, for durations) and `detected_at`
-    (Unix time, to line a recovery up with a fault injected at a known moment)."""
-    import time
-
-    at = ended_at if ended_at is not None else time.monotonic()
-    return {"_at": at, "detected_at": round(time.time() - (time.monotonic() - at), 2)}
 
 
 def _raise_failed(run: TrainingRun, result) -> None:

@@ -46,4 +46,11 @@ def start(backend: str = "auto", **settings):
 
         raise UserError("uneven shares (--micro-batches) in a session need --strategy diloco for now; "
                         f"with {name} leave them out")
-    return Session(cfg, backend)
+    s = Session(cfg, backend)
+    import os
+
+    if os.environ.get(ENV):  # started by `vpscluster run`: rank 0's few events (resume, checkpoint, stopping)
+        from vpscluster.train.events import event_writer  # reach the launcher's recovery (launch/supervisor.py)
+
+        s.events = event_writer(s.rank)
+    return s

@@ -148,6 +148,12 @@ class Session:
         return self.ctx.rank == 0
 
     @property
+    def epoch(self) -> int:
+        """The epoch `shard`'s next batch comes from (0-based; a resumed session's, from its
+        checkpoint): a script that loops over epochs starts at it, `for e in range(s.epoch, epochs)`."""
+        return int(self._data["epoch"])
+
+    @property
     def start_step(self) -> int:
         """The step this session's loop started from (a resumed checkpoint's, else 0)."""
         return self._start_step

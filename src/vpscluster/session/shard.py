@@ -11,7 +11,9 @@ same number of steps per epoch (the samples of a last, incomplete step are left 
 
 The position (epoch, steps started in it) lives in the session and is checkpointed with it: a
 new `shard(...)` call, or a new `for` over the same loader, goes on where the last one stopped,
-and an epoch that ended starts the next one in a new order.
+and an epoch that ended starts the next one in a new order. The epoch's last step already
+counts as the next epoch's start (`Session.epoch`), so a script resumed from a checkpoint of
+that step (`for epoch in range(s.epoch, epochs)`) trains no epoch twice.
 """
 
 from __future__ import annotations
@@ -60,14 +62,18 @@ class ShardLoader:
         order = shard_indices(self.num_samples, 0, 1, s.cfg.seed, pos["epoch"])
         shard = s._shard_index()
         b = self.batch_size
-        while pos["index"] < self.steps_per_epoch:
+        while True:
             shares = s._shares()  # the same on every rank
             first = pos["index"] * self.total * b + sum(shares[:shard]) * b
             pos["index"] += 1
+            last = pos["index"] >= self.steps_per_epoch
+            if last:  # the epoch's last step: a checkpoint of it resumes at the next epoch (`Session.epoch`)
+                pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
             n = shares[shard]
             for i in range(n):
                 idx = order[first + i * b: first + (i + 1) * b]
                 s._micro = (i, n)
                 yield self._collate([self.dataset[int(j)] for j in idx])
             s._micro = (0, 1)
-        pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
+            if last:
+                return
