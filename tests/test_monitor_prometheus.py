@@ -58,7 +58,11 @@ def test_monitor_up_scrapes_node_and_ranks_then_down(tmp_path, monkeypatch):
         cfg = TrainConfig(nodes=2, max_steps=100000, time_budget_s=30, eval_every=100000, checkpoint_every=100000,
                           threads_per_rank=1, run_dir=str(tmp_path / "runs" / "mon-run"))
         done: dict = {}
-        worker = threading.Thread(target=lambda: done.setdefault("report", train(cfg)), daemon=True)
+        # As the CLI does: monitoring subscribes to the launch's events (the launcher imports no monitoring).
+        from vpscluster.monitor.targets import run_targets
+
+        targets = run_targets(local_cluster(), "mon-run", print)
+        worker = threading.Thread(target=lambda: done.setdefault("report", train(cfg, on_event=targets)), daemon=True)
         worker.start()
 
         def ranks_up():

@@ -239,7 +239,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     with ProgressView(json_mode=args.json, console=out) as view:
         say = _warnings_only(view.log_line) if prepared.local else view.log_line
-        report = train.launch_training(prepared, say=say, on_event=view.handle)
+        from vpscluster.monitor.targets import chain, run_targets
+
+        targets = run_targets(prepared.cluster, prepared.run_dir.name, say)
+        report = train.launch_training(prepared, say=say, on_event=chain(view.handle, targets))
     html_report = _html_report(prepared.run_dir, out)  # --json prints report.json exactly; the file is beside it
     if args.json:
         emit_json(report)

@@ -27,6 +27,12 @@ from vpscluster.launch.commands import (
 from vpscluster.launch.preflight import NodeState
 
 
+# The event a launcher hands its `on_event` after each launch ends, whatever the outcome (rank 0's
+# own events come from the nodes: train/events.py). Subscribers such as monitoring's
+# (`monitor/targets.py`) undo there what a launch's "start" made them do.
+LAUNCH_ENDED = "launch_ended"
+
+
 @dataclass
 class SyncItem:
     """A file or folder of the launcher that every node needs, and where it goes under the workdir."""

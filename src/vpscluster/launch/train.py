@@ -38,7 +38,7 @@ from typing import Any, Callable
 from vpscluster.errors import Interrupted, RemoteError, UserError
 from vpscluster.launch.commands import Program
 from vpscluster.launch.logs import LOCAL_LOG
-from vpscluster.launch.pipeline import Job, SyncItem
+from vpscluster.launch.pipeline import LAUNCH_ENDED, Job, SyncItem
 from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir
 from vpscluster.train import rundir
 from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
@@ -405,7 +405,8 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
     fails before it trains is relaunched again without the nodes at fault, and a node that is
     ready again is taken back; the report lists each in `recoveries`. What is `train`'s own is
     here: the run dir created once pre-flight passed, the metrics of launches on different
-    heads merged, the exporters published to Prometheus."""
+    heads merged. Each launch's end is an event (`LAUNCH_ENDED`) for the caller's subscribers
+    (monitoring's targets: monitor/targets.py)."""
     from vpscluster.launch.supervisor import Supervisor
 
     created: list[bool] = []
@@ -430,15 +431,9 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
                      continue_with=f"vpscluster train --resume {run.run_dir} --cluster <a file of the nodes that answer>",
                      min_nodes_given=bool(run.cfg.recovery.min_nodes), say=say, failed=TrainingFailed)
 
-    def with_monitor(event: dict) -> None:
-        if event.get("event") == "start" and event.get("exporters"):
-            _publish_targets(run, event["exporters"], say)
-        if on_event is not None:
-            on_event(event)
-
     def make_job(cluster, resume: bool) -> Job:
         job = training_job(run.cfg, run.run_dir, cluster, resume=resume, force=run.force,
-                           say=say, on_event=with_monitor, prediction=run.prediction)
+                           say=say, on_event=on_event, prediction=run.prediction)
         job.create_run = create_run
         return job
 
@@ -446,7 +441,8 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
         nonlocal history
         if not run.local:
             history = _merge_metrics(run.run_dir / rundir.METRICS, history, result.fetched, resumed_from)
-        _clear_targets(run, say)
+        if on_event is not None:  # subscribers (monitoring's targets) undo what the launch's start made them do
+            on_event({"event": LAUNCH_ENDED})
 
     result = sup.run(make_job, after_launch)
     if result.interrupted:  # every process on every node has been stopped
@@ -488,38 +484,6 @@ def _raise_failed(run: TrainingRun, result) -> None:
         raise TrainingFailed(f"training failed: {outcome.first_error}; logs in {logs}")
     where = f" on {run.cfg.cluster}" if run.cfg.cluster else ""
     raise TrainingFailed(f"training{where} failed: {result.error}; logs in {logs}")
-
-
-def _publish_targets(run: TrainingRun, exporters: list[dict], say: Say) -> None:
-    """Tell the cluster's Prometheus (if `monitor up` runs) where this run's exporters are.
-
-    On a thread: the launch's event loop calls this and must not wait on a node."""
-    import threading
-
-    from vpscluster.monitor.server import load_record, publish_run_targets
-
-    if load_record(run.cluster) is None:
-        return
-
-    def publish() -> None:
-        try:
-            where = publish_run_targets(run.cluster, run.run_dir.name, exporters)
-            say(f"monitoring: the run's {len(exporters)} rank exporters added to Prometheus ({where})")
-        except Exception as e:  # monitoring must never stop a run
-            say(f"monitoring: could not add the run's exporters to Prometheus: {e}")
-
-    threading.Thread(target=publish, name="vpsc-monitor-targets", daemon=True).start()
-
-
-def _clear_targets(run: TrainingRun, say: Say) -> None:
-    from vpscluster.monitor.server import load_record, publish_run_targets
-
-    if load_record(run.cluster) is None:
-        return
-    try:
-        publish_run_targets(run.cluster, run.run_dir.name, [])
-    except Exception as e:  # the run's outcome matters more than stale targets
-        say(f"monitoring: could not remove the finished run's exporters from Prometheus: {e}")
 
 
 def train(cfg, *, resume_dir: str | os.PathLike | None = None, force: bool = False,
