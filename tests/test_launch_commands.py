@@ -121,8 +121,8 @@ def test_dry_run_cli_snapshot(tmp_path, cli):
     doc = json.loads(r.stdout)
     check_snapshot("launch_dry_run.json", doc)
     assert [n["name"] for n in doc["nodes"]] == ["node-a", "node-b"]
-    assert doc["nodes"][1]["head"] and doc["nodes"][1]["cwd"] == "~/vpsc/code/scripts"
-    assert doc["nodes"][0]["command"].startswith("cd /srv/vpscluster/code/scripts && exec env ")
+    assert doc["nodes"][1]["head"] and doc["nodes"][1]["cwd"] == "~/vpsc/code/run/scripts"
+    assert doc["nodes"][0]["command"].startswith("cd /srv/vpscluster/code/run/scripts && exec env ")
 
 
 def test_dry_run_text_names_every_node(tmp_path, cli):

@@ -1,7 +1,7 @@
 """`vpscluster run`: any torchrun-compatible script, unchanged, on every node of a cluster.
 
 The script's directory (the current one, or `--sync DIR`) is synced to each node's workdir
-under `code/<folder name>` (less caches and likely secrets: see `launch.sync`), the script runs from there with the node's own interpreter, and
+under `code/run/<folder name>` (less caches and likely secrets: see `launch.sync`), the script runs from there with the node's own interpreter, and
 torchrun gives it RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as usual, so a
 script written for `torchrun` on one machine (env:// init, DistributedSampler, DDP) needs no
 change. Without a cluster file (`--nodes N`) the script runs as N processes here, from its
@@ -105,7 +105,8 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         threads = threads_per_rank(None, nproc_per_node or 1)  # the ranks share this machine's CPUs, as train's
     else:
         name = os.path.basename(root.rstrip("/")) or "root"
-        syncs = [SyncItem("code", root, f"code/{name}")]
+        # code/run/<name>: beside the package's code/src/vpscluster (a folder named "src" must not land on it)
+        syncs = [SyncItem("code", root, f"code/run/{name}")]
         if not here:  # nodes elsewhere need this package for `from vpscluster import session`
             syncs.append(SyncItem("vpscluster", package_dir(), PACKAGE_ON_NODE))
         cwd_key, run_dir_on_node = "code", None
