@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume is not None and not args.dry_run:  # one launcher per run: refused before any planning
         from vpscluster.launch import detached
 
-        detached.check_free(args.resume)
+        detached.check_free(args.resume, controller=args.controller if args.detach else None)
     # Everything is checked (the cluster file loaded, the data read) before anything is created.
     prepared = train.prepare_training(cfg, resume_dir=args.resume, force=bool(args.force),
                                       accept_new_host_keys=bool(args.accept_new_host_keys),
@@ -239,7 +239,13 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     with ProgressView(json_mode=args.json, console=out) as view:
         say = _warnings_only(view.log_line) if prepared.local else view.log_line
-        report = train.launch_training(prepared, say=say, on_event=view.handle)
+        on_event = view.handle
+        if args.detached_child:  # rank 0's progress, readable while the run goes (`vpscluster report`)
+            from vpscluster.launch.detached import progress_sink
+
+            sink = progress_sink(prepared.run_dir)
+            on_event = lambda event: (sink(event), view.handle(event))  # noqa: E731
+        report = train.launch_training(prepared, say=say, on_event=on_event)
     html_report = _html_report(prepared.run_dir, out)  # --json prints report.json exactly; the file is beside it
     if args.json:
         emit_json(report)
