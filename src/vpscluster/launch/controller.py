@@ -190,6 +190,8 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
             raise RemoteError("cannot add the controller key on " + "; ".join(bad) + " — fix the node or remove it from the cluster file")
         if not prepared.resume:
             await decide_balance(prepared, executors, say)
+        else:
+            await gather_history(prepared, [e for e in executors if e.node.name not in silent])
         run_name = prepared.run_dir.name
         support = posixpath.join(workdir, "controller", run_name)
         remote_run = posixpath.join(workdir, "controller-runs", run_name)
@@ -241,6 +243,44 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
         except ValueError:
             raise RemoteError(f"controller node {node.name}: the launcher printed no JSON: {r.stdout[-300:]!r}") from None
         return {**where, "pid": started["pid"], "remote_log": started["log"], "host": node.host}
+
+
+async def gather_history(prepared, executors) -> None:
+    """The run's metrics so far, into the local metrics.jsonl: what is here, and each node's copy
+    (rank 0 wrote its lines on whichever node it ran, launch by launch; the controller that died
+    fetched none of them). A step's line is taken from the first copy that has it; the new
+    launcher replaces those past the checkpoint it resumes from (train/metrics.py merge_launch)."""
+    from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.train import rundir
+    from vpscluster.train.metrics import read_metrics, write_metrics
+
+    path = Path(prepared.run_dir) / rundir.METRICS
+    lines = read_metrics(path)
+    try:
+        workdirs = await resolve_workdirs(executors, CONNECT_TIMEOUT_S)
+    except RemoteError:
+        return  # one stopped answering since: the history here is what there is
+    name = rundir.node_name(prepared.run_dir, prepared.cfg.run_uid)
+
+    def key(line: dict[str, Any]) -> tuple[int, bool]:
+        return int(line.get("step", 0)), "val_loss" in line
+
+    kept = {key(x): x for x in lines}
+    with tempfile.TemporaryDirectory(prefix="vpsc-ctl-") as tmp:
+        for ex in executors:
+            remote = posixpath.join(workdirs[ex.node.name], "runs", name, rundir.METRICS)
+            r = await ex.run(["test", "-f", remote], timeout_s=CONNECT_TIMEOUT_S)
+            if not r.ok:
+                continue
+            local = Path(tmp) / ex.node.name
+            try:
+                await ex.get(remote, str(local), timeout_s=SYNC_TIMEOUT_S)
+            except Exception:
+                continue  # a copy we cannot read adds nothing; the others still count
+            for x in read_metrics(local):
+                kept.setdefault(key(x), x)
+    if kept:
+        write_metrics(path, [kept[k] for k in sorted(kept)])
 
 
 async def decide_balance(prepared, executors, say: Callable[[str], None]) -> None:
