@@ -161,6 +161,8 @@ def test_the_run_outlives_its_controller_node(tmp_path):
         gone = run_cli("attach", str(run), timeout=120)
         assert gone.returncode != 0
         assert f"vpscluster train --resume {run} --detach --controller {head.name}" in gone.stderr, gone.stderr[-2000:]
+        halt = run_cli("stop", str(run), timeout=120)
+        assert halt.returncode == 2 and f"its launcher on {head.name} is gone" in halt.stderr, halt.stderr
         still = run_cli("train", "--resume", str(run), "--detach", timeout=60)  # no controller: refused, says how
         assert still.returncode == 2 and "--controller NODE" in still.stderr, still.stderr
 
@@ -192,6 +194,9 @@ def test_the_run_outlives_its_controller_node(tmp_path):
         assert f"controller node {other.name}" in lines[0] and "does not answer" in lines[0]
         assert f"--resume {run} --detach --controller NODE" in lines[0]
         assert time.monotonic() - t0 < 60
+        late = run_cli("report", str(run), timeout=120)
+        assert late.returncode == 2 and len(late.stderr.strip().splitlines()) == 1, late.stderr
+        assert "does not answer" in late.stderr
         faults.clear(info.name)
     finally:
         factory.close()
