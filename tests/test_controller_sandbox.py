@@ -157,6 +157,7 @@ def test_the_run_outlives_its_controller_node(tmp_path):
         assert f"in progress on {head.name}: step " in mid.stdout and f"of {steps}" in mid.stdout, mid.stdout
         assert "last checkpoint at step" in mid.stdout, mid.stdout
 
+        killed_at = time.time()
         faults.inject(info.name, head.name, "kill")  # the controller's node: its launcher and rank(s) gone
         gone = run_cli("attach", str(run), timeout=120)
         assert gone.returncode != 0
@@ -166,8 +167,10 @@ def test_the_run_outlives_its_controller_node(tmp_path):
         still = run_cli("train", "--resume", str(run), "--detach", timeout=60)  # no controller: refused, says how
         assert still.returncode == 2 and "--controller NODE" in still.stderr, still.stderr
 
+        t_resume = time.monotonic()
         again = run_cli("train", "--resume", str(run), "--detach", "--controller", other.name, "--json", timeout=240)
         assert again.returncode == 0, again.stderr[-3000:]
+        t_resume = time.monotonic() - t_resume
         moved = json.loads((run / "launcher.json").read_text())
         assert moved["controller"] == other.name and moved["previous_controllers"][0]["controller"] == head.name
         twice = run_cli("train", "--resume", str(run), "--detach", "--controller", head.name, timeout=120)
@@ -183,7 +186,11 @@ def test_the_run_outlives_its_controller_node(tmp_path):
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert {m["step"] for m in metrics if "loss" in m} >= set(range(1, steps + 1))  # the whole history
         resumed = [json.loads(x) for x in (run / "progress.jsonl").read_text().splitlines()]
-        assert any(e["event"] == "resume" and e.get("step", 0) >= 10 for e in resumed), resumed
+        at = next(i for i, e in enumerate(resumed) if e["event"] == "resume")
+        assert resumed[at].get("step", 0) >= 10, resumed
+        first = next(e for e in resumed[at:] if e["event"] == "step")
+        print(f"resume on {other.name}: the command {t_resume:.1f} s; from the kill to the first step there "
+              f"{first['t'] - killed_at:.1f} s (step {first['step']}, from the checkpoint of step {resumed[at]['step']})")
 
         # A controller that does not answer: one line, naming it and the way on.
         faults.inject(info.name, other.name, "link-down", seconds=40)
