@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import pid_alive, processes_mentioning, run_cli
-from sandbox_fixtures import SandboxFactory
+from sandbox_fixtures import SandboxFactory, node_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,3 +115,95 @@ def test_unreachable_controller_is_one_line(tmp_path):
     assert local.returncode == 2 and "--controller needs a cluster file" in local.stderr
     plain = run_cli("train", "--nodes", "2", "--controller", "head", "--run-dir", str(run), timeout=120)
     assert plain.returncode == 2 and "goes with --detach" in plain.stderr
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_the_run_outlives_its_controller_node(tmp_path):
+    """Two uneven nodes (a third of a core against one): the split is balanced here before the
+    run is shipped (the head starts it as a resume, which keeps the stored split); `report` shows
+    the progress mid-run; the head (the controller, and a worker node) is killed; `attach` says so
+    and how to go on; `train --resume RUN --detach --controller node-2` continues from the nodes'
+    newest checkpoint and the run finishes with its whole history; a controller whose link is
+    down is one line."""
+    from vpscluster.cluster.sandbox import faults
+
+    factory = SandboxFactory(kind="ctk-")
+    try:
+        info = factory(nodes=2, bandwidth="1gbit", cpu="1,0.34")
+        head, other = info.nodes
+        corpus = tmp_path / "corpus.txt"
+        with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
+            corpus.write_text(f.read(100_000))
+        run, steps = tmp_path / "run", 30
+        r = run_cli("train", "--cluster", info.cluster_file, "--preset", "tiny", "--strategy", "ddp", "--data", str(corpus),
+                    "--batch-size", "4", "--max-steps", str(steps), "--eval-every", "10", "--checkpoint-every", "10",
+                    "--threads-per-rank", "1", "--detach", "--controller", "head", "--run-dir", str(run), timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "balance" in r.stdout, r.stdout  # said here, where it was decided
+        state = json.loads((run / "launcher.json").read_text())
+        local = yaml.safe_load((run / "config.yaml").read_text())["strategy"]
+        shipped = yaml.safe_load((Path(state["remote_run_dir"]) / "config.yaml").read_text())["strategy"]
+        assert local["balance"] is True and local["micro_batches"] and local == shipped
+
+        # Mid-run: the progress so far, from the controller's record of rank 0's events.
+        ckpts = [node_run_dir(n, run) / "checkpoints" for n in (head, other)]
+        deadline = time.monotonic() + 180
+        while not any(c.glob("step-*/manifest.json") for c in ckpts if c.is_dir()):
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.5)
+        mid = run_cli("report", str(run), timeout=120)
+        assert mid.returncode == 0, mid.stderr[-2000:]
+        assert f"in progress on {head.name}: step " in mid.stdout and f"of {steps}" in mid.stdout, mid.stdout
+        assert "last checkpoint at step" in mid.stdout, mid.stdout
+
+        killed_at = time.time()
+        faults.inject(info.name, head.name, "kill")  # the controller's node: its launcher and rank(s) gone
+        gone = run_cli("attach", str(run), timeout=120)
+        assert gone.returncode != 0
+        assert f"vpscluster train --resume {run} --detach --controller {head.name}" in gone.stderr, gone.stderr[-2000:]
+        halt = run_cli("stop", str(run), timeout=120)
+        assert halt.returncode == 2 and f"its launcher on {head.name} is gone" in halt.stderr, halt.stderr
+        still = run_cli("train", "--resume", str(run), "--detach", timeout=60)  # no controller: refused, says how
+        assert still.returncode == 2 and "--controller NODE" in still.stderr, still.stderr
+
+        t_resume = time.monotonic()
+        again = run_cli("train", "--resume", str(run), "--detach", "--controller", other.name, "--json", timeout=240)
+        assert again.returncode == 0, again.stderr[-3000:]
+        t_resume = time.monotonic() - t_resume
+        moved = json.loads((run / "launcher.json").read_text())
+        assert moved["controller"] == other.name and moved["previous_controllers"][0]["controller"] == head.name
+        twice = run_cli("train", "--resume", str(run), "--detach", "--controller", head.name, timeout=120)
+        assert twice.returncode == 2 and f"still runs on {other.name}" in twice.stderr, twice.stderr
+
+        done = run_cli("attach", str(run), timeout=240)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+        assert f"step {steps}: validation loss" in done.stdout, done.stdout[-2000:]
+        rep = run_cli("report", str(run), timeout=120)
+        assert rep.returncode == 0, rep.stderr[-2000:]
+        report = json.loads((run / "report.json").read_text())
+        assert report["steps"] == steps and report["stopped_by"] == "max_steps" and report["world_size"] == 2
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert {m["step"] for m in metrics if "loss" in m} >= set(range(1, steps + 1))  # the whole history
+        resumed = [json.loads(x) for x in (run / "progress.jsonl").read_text().splitlines()]
+        at = next(i for i, e in enumerate(resumed) if e["event"] == "resume")
+        assert resumed[at].get("step", 0) >= 10, resumed
+        first = next(e for e in resumed[at:] if e["event"] == "step")
+        print(f"resume on {other.name}: the command {t_resume:.1f} s; from the kill to the first step there "
+              f"{first['t'] - killed_at:.1f} s (step {first['step']}, from the checkpoint of step {resumed[at]['step']})")
+
+        # A controller that does not answer: one line, naming it and the way on.
+        faults.inject(info.name, other.name, "link-down", seconds=40)
+        t0 = time.monotonic()
+        lost = run_cli("attach", str(run), timeout=120)
+        lines = lost.stderr.strip().splitlines()
+        assert lost.returncode == 2 and len(lines) == 1, lost.stderr
+        assert f"controller node {other.name}" in lines[0] and "does not answer" in lines[0]
+        assert f"--resume {run} --detach --controller NODE" in lines[0]
+        assert time.monotonic() - t0 < 60
+        late = run_cli("report", str(run), timeout=120)
+        assert late.returncode == 2 and len(late.stderr.strip().splitlines()) == 1, late.stderr
+        assert "does not answer" in late.stderr
+        faults.clear(info.name)
+    finally:
+        factory.close()

@@ -91,3 +91,54 @@ def test_authorize_is_idempotent_in_the_file_sshd_names(tmp_path):
         subprocess.run(["sh", "-c", controller._authorize_command(pub)], env=env, check=True, timeout=30)
     assert keys.read_text().splitlines() == ["ssh-ed25519 AAAAother user@laptop", pub]
     assert oct(keys.stat().st_mode & 0o777) == "0o600"
+
+
+def test_cluster_file_without_the_nodes_that_do_not_answer(cluster, tmp_path):
+    """A resume on another controller leaves out the nodes that do not answer; the head moves."""
+    support = tmp_path / "support"
+    support.mkdir()
+    (support / "id_ed25519").write_text("k")
+    doc = controller.node_cluster_doc(cluster, str(support), without=["a"])
+    seen = cluster_from_mapping(doc, "shipped", base_dir=support)
+    assert [n.name for n in seen.nodes] == ["b"] and seen.head == "b"
+
+
+def test_no_answer_is_one_line_naming_the_way_on():
+    e = controller.no_answer({"controller": "n1", "host": "10.0.0.1", "run_dir": "runs/x"}, "connection refused.")
+    text = str(e)
+    assert "\n" not in text and text.startswith("controller node n1 (10.0.0.1) does not answer: connection refused;")
+    assert text.endswith("vpscluster train --resume runs/x --detach --controller NODE")
+
+
+def test_progress_so_far_from_the_launchers_record(tmp_path):
+    """The detached launcher's record of rank 0's events, and the one line `report` prints mid-run."""
+    from vpscluster.launch import detached
+
+    assert detached.progress_line(tmp_path) is None
+    sink = detached.progress_sink(tmp_path)
+    sink({"event": "start", "world_size": 2})
+    sink({"event": "rebalance", "step": 3})  # not recorded: not progress
+    for step in (1, 2, 3):
+        sink({"event": "step", "step": step, "max_steps": 30, "loss": 5.0 - step, "tokens_per_s": 1000.0})
+    sink({"event": "eval", "step": 2, "val_loss": 4.25})
+    sink({"event": "checkpoint", "step": 2})
+    sink({"event": "end", "report": {"big": "x" * 1000}})
+    with (tmp_path / detached.PROGRESS).open("a") as f:
+        f.write('{"event": "step", "st')  # a line cut short by a killed launcher
+    lines = (tmp_path / detached.PROGRESS).read_text().splitlines()
+    assert len(lines) == 8 and "big" not in lines[-2]
+    line = detached.progress_line(tmp_path)
+    assert line.startswith("step 3 of 30, loss 2.0000, 1000 tokens/s; validation loss 4.2500 at step 2; "
+                           "last checkpoint at step 2; updated "), line
+
+
+def test_a_controller_run_is_continued_on_a_controller(tmp_path):
+    """`train --resume` of a run whose launcher is on a node: refused without --controller,
+    saying how; with one, left to the controller's own check (launch/controller.py resume)."""
+    from vpscluster import fsutil
+    from vpscluster.launch import detached
+
+    fsutil.write_json(tmp_path / detached.STATE, {"controller": "n1", "remote_run_dir": "/w/controller-runs/r"})
+    with pytest.raises(UserError, match=rf"launcher on node n1.*vpscluster train --resume {tmp_path} --detach --controller NODE"):
+        detached.check_free(tmp_path)
+    detached.check_free(tmp_path, controller="n2")

@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
         from vpscluster.launch import controller
 
         try:
-            return controller.remote_cli(state, ["attach", state["remote_run_dir"]], timeout_s=FOLLOW_S)
+            status = controller.remote_cli(state, ["attach", state["remote_run_dir"]], timeout_s=FOLLOW_S)
+            if status != 0:  # the lines above name the run dir there; from here it goes on with:
+                print(f"continue it from its newest checkpoint: vpscluster train --resume {run_dir} --detach "
+                      f"--controller {state['controller']} (or another node)", file=sys.stderr)
+            return status
         except KeyboardInterrupt:
             print(f"detached; the run goes on on {state['controller']} (vpscluster stop {run_dir} stops it)", file=sys.stderr)
             return 0

@@ -81,10 +81,9 @@ def start_on_controller(args: argparse.Namespace, prepared, out) -> int:
 
     if args.dry_run:
         raise UserError("--detach and --dry-run do not go together; drop one")
-    if prepared.resume:
-        raise UserError("--controller starts a new run; resuming on a controller is not supported yet: drop --controller")
     say = (lambda _line: None) if args.json else (lambda line: out.print(line, markup=False, soft_wrap=True))
-    state = controller.start(prepared, args.controller, list(args._argv), say=say)
+    begin = controller.resume if prepared.resume else controller.start
+    state = begin(prepared, args.controller, list(args._argv), say=say)
     run_dir = prepared.run_dir
     doc = {"run_id": Path(run_dir).name, "run_dir": str(run_dir), "controller": state["controller"],
            "remote_run_dir": state["remote_run_dir"], "pid": state["pid"], "log": state["remote_log"]}

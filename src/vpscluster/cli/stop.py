@@ -33,6 +33,13 @@ def run(args: argparse.Namespace) -> int:
     if state.get("controller"):  # the launcher runs on a node: stop it there (SIGTERM, as here)
         from vpscluster.launch import controller
 
+        where = controller.launcher_state(state)
+        if where not in ("running", "gone"):
+            raise controller.no_answer(state, where)
+        if where == "gone":
+            raise UserError(f"run {run_dir} is not running: its launcher on {state['controller']} is gone (vpscluster "
+                            f"attach {run_dir} shows how it ended); continue it with: vpscluster train --resume {run_dir} "
+                            f"--detach --controller {state['controller']} (or another node)")
         argv = ["stop", state["remote_run_dir"], "--timeout", f"{timeout:g}"] + (["--json"] if args.json else [])
         return controller.remote_cli(state, argv, timeout_s=timeout + 60.0)
     if not detached.running(state):

@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume is not None and not args.dry_run:  # one launcher per run: refused before any planning
         from vpscluster.launch import detached
 
-        detached.check_free(args.resume)
+        detached.check_free(args.resume, controller=args.controller if args.detach else None)
     # Everything is checked (the cluster file loaded, the data read) before anything is created.
     prepared = train.prepare_training(cfg, resume_dir=args.resume, force=bool(args.force),
                                       accept_new_host_keys=bool(args.accept_new_host_keys),
@@ -241,8 +241,13 @@ def _run(args: argparse.Namespace) -> int:
         say = _warnings_only(view.log_line) if prepared.local else view.log_line
         from vpscluster.monitor.targets import chain, run_targets
 
+        sink = None
+        if args.detached_child:  # rank 0's progress, readable while the run goes (`vpscluster report`)
+            from vpscluster.launch.detached import progress_sink
+
+            sink = progress_sink(prepared.run_dir)
         targets = run_targets(prepared.cluster, prepared.run_dir.name, say)
-        report = train.launch_training(prepared, say=say, on_event=chain(view.handle, targets))
+        report = train.launch_training(prepared, say=say, on_event=chain(sink, view.handle, targets))
     html_report = _html_report(prepared.run_dir, out)  # --json prints report.json exactly; the file is beside it
     if args.json:
         emit_json(report)

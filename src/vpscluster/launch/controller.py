@@ -124,11 +124,12 @@ def known_hosts_text(cluster) -> str:
     return "\n".join(lines) + "\n"
 
 
-def node_cluster_doc(cluster, support: str) -> dict[str, Any]:
+def node_cluster_doc(cluster, support: str, without: list[str] = ()) -> dict[str, Any]:
     """The cluster file as the controller node uses it: the user's own file, with every node
     reached with the controller key and checked against the shipped known_hosts, and `python` as
     resolved here (a provisioned venv's record stays here). `queue:` is left out: its secret
-    files stay on this machine (training does not use the queue)."""
+    files stay on this machine (training does not use the queue). The nodes `without` are left
+    out (the head moves to the first node left when it is one of them)."""
     from vpscluster.config import load_yaml
 
     doc = dict(load_yaml(cluster.source, what="cluster file"))
@@ -138,7 +139,10 @@ def node_cluster_doc(cluster, support: str) -> dict[str, Any]:
                insecure_network=bool(cluster.insecure_network), head=cluster.head)
     doc["defaults"] = {**(doc.get("defaults") or {}), "identity_file": key}
     python = {n.name: n.python for n in cluster.nodes}
-    doc["nodes"] = [{**entry, "identity_file": key, "python": python[entry["name"]]} for entry in doc["nodes"]]
+    doc["nodes"] = [{**entry, "identity_file": key, "python": python[entry["name"]]} for entry in doc["nodes"]
+                    if entry["name"] not in without]
+    if doc["head"] in without:
+        doc["head"] = doc["nodes"][0]["name"]
     return doc
 
 
@@ -154,7 +158,12 @@ def _unreachable(node, why: str) -> UserError:
 
 
 async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str, Any]:
-    """Everything the launcher needs on `node`, then the launcher itself; its launcher.json there."""
+    """Everything the launcher needs on `node`, then the launcher itself; its launcher.json there.
+
+    A new run whose split is still open is balanced here first, from the probe pre-flight would
+    take (`decide_balance`): NODE starts it as a resume, which keeps the stored split. A resumed run (`prepared.resume`) leaves out the
+    nodes that do not answer now (the controller's own node must), and takes the run's metrics so
+    far (the local metrics.jsonl) along, so its history stays whole."""
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.preflight import resolve_workdirs
     from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
@@ -170,9 +179,18 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
         hosts = known_hosts_text(cluster)
         say(f"controller {node.name}: adding the cluster's controller key to every node's authorized_keys")
         results = await asyncio.gather(*(e.run(_authorize_command(pub), timeout_s=CONNECT_TIMEOUT_S) for e in executors))
+        silent = [r.node for r in results if (r.error or r.timed_out) and r.node != node.name] if prepared.resume else []
+        if silent:  # a resume goes on without them, as a relaunch would (the run's --min-nodes holds)
+            say(f"controller {node.name}: {', '.join(silent)} do{'es' if len(silent) == 1 else ''} not answer; "
+                "the run goes on without them (a later --resume takes them back)")
+            results = [r for r in results if r.node not in silent]
         bad = [f"{r.node}: {r.reason()}" for r in results if not r.ok]
         if bad:
             raise RemoteError("cannot add the controller key on " + "; ".join(bad) + " — fix the node or remove it from the cluster file")
+        if not prepared.resume:
+            await decide_balance(prepared, executors, say)
+        else:
+            await gather_history(prepared, [e for e in executors if e.node.name not in silent])
         run_name = prepared.run_dir.name
         support = posixpath.join(workdir, "controller", run_name)
         remote_run = posixpath.join(workdir, "controller-runs", run_name)
@@ -198,11 +216,14 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
 
             t = Path(tmp)
             (t / "known_hosts").write_text(hosts)
-            (t / "cluster.yaml").write_text(yaml.safe_dump(node_cluster_doc(cluster, support), sort_keys=False))
+            (t / "cluster.yaml").write_text(yaml.safe_dump(node_cluster_doc(cluster, support, silent), sort_keys=False))
             rundir.write_config(cfg, t)
             for name, src in (("id_ed25519", key), ("known_hosts", t / "known_hosts"), ("cluster.yaml", t / "cluster.yaml")):
                 await ex.put(str(src), posixpath.join(support, name), timeout_s=CONNECT_TIMEOUT_S)
             await ex.put(str(t / rundir.CONFIG), posixpath.join(remote_run, rundir.CONFIG), timeout_s=CONNECT_TIMEOUT_S)
+            history = Path(prepared.run_dir) / rundir.METRICS
+            if prepared.resume and history.is_file():
+                await ex.put(str(history), posixpath.join(remote_run, rundir.METRICS), timeout_s=SYNC_TIMEOUT_S)
         r = await ex.run(f"chmod 600 {shlex.quote(posixpath.join(support, 'id_ed25519'))}", timeout_s=CONNECT_TIMEOUT_S)
         if not r.ok:
             raise RemoteError(f"controller node {node.name}: cannot protect the controller key: {r.reason()}")
@@ -220,6 +241,65 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
         except ValueError:
             raise RemoteError(f"controller node {node.name}: the launcher printed no JSON: {r.stdout[-300:]!r}") from None
         return {**where, "pid": started["pid"], "remote_log": started["log"], "host": node.host}
+
+
+async def gather_history(prepared, executors) -> None:
+    """The run's metrics so far, into the local metrics.jsonl: what is here, and each node's copy
+    (rank 0 wrote its lines on whichever node it ran, launch by launch; the controller that died
+    fetched none of them). A step's line is taken from the first copy that has it; the new
+    launcher replaces those past the checkpoint it resumes from (train/metrics.py merge_launch)."""
+    from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.train import rundir
+    from vpscluster.train.metrics import read_metrics, write_metrics
+
+    path = Path(prepared.run_dir) / rundir.METRICS
+    lines = read_metrics(path)
+    try:
+        workdirs = await resolve_workdirs(executors, CONNECT_TIMEOUT_S)
+    except RemoteError:
+        return  # one stopped answering since: the history here is what there is
+    name = rundir.node_name(prepared.run_dir, prepared.cfg.run_uid)
+
+    def key(line: dict[str, Any]) -> tuple[int, bool]:
+        return int(line.get("step", 0)), "val_loss" in line
+
+    kept = {key(x): x for x in lines}
+    with tempfile.TemporaryDirectory(prefix="vpsc-ctl-") as tmp:
+        for ex in executors:
+            remote = posixpath.join(workdirs[ex.node.name], "runs", name, rundir.METRICS)
+            r = await ex.run(["test", "-f", remote], timeout_s=CONNECT_TIMEOUT_S)
+            if not r.ok:
+                continue
+            local = Path(tmp) / ex.node.name
+            try:
+                await ex.get(remote, str(local), timeout_s=SYNC_TIMEOUT_S)
+            except Exception:
+                continue  # a copy we cannot read adds nothing; the others still count
+            for x in read_metrics(local):
+                kept.setdefault(key(x), x)
+    if kept:
+        write_metrics(path, [kept[k] for k in sorted(kept)])
+
+
+async def decide_balance(prepared, executors, say: Callable[[str], None]) -> None:
+    """Balancing by default (launch/balance.py) for a new run the saved probe left undecided:
+    decided here from a fresh probe (a quick one when none is fresh, saved as pre-flight saves it),
+    as pre-flight decides it on a run launched from here; `prepared.cfg` changes in place."""
+    from vpscluster.launch.balance import apply_default_balance, undecided
+    from vpscluster.launch.preflight import probe_facts
+    from vpscluster.launch.train import _probe_gpus, check_speeds_count, ranks_per_node
+
+    cfg, cluster = prepared.cfg, prepared.cluster
+    if not undecided(cfg):
+        return
+    facts = await probe_facts(cluster, executors, prepared.force, say)
+    probe = {"nodes": [{**f, "name": name} for name, f in facts.items()]}
+    ranks = ranks_per_node(cfg, cluster, _probe_gpus(probe))
+    line = apply_default_balance(cfg, probe, ranks)
+    if line:
+        cfg.validate()
+        say(line)
+    check_speeds_count(cfg, ranks)
 
 
 def remote_command(where: dict[str, Any], argv: list[str]) -> str:
@@ -245,9 +325,80 @@ def start(prepared, node_name: str, argv: list[str], say: Callable[[str], None] 
     where = asyncio.run(_ship(cluster, node, prepared, say))
     rundir.create(run_dir)
     rundir.write_config(prepared.cfg, run_dir)
-    state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time()}
+    state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time(),
+             "run_dir": str(run_dir)}
     fsutil.write_json(run_dir / detached.STATE, state)
     return state
+
+
+def resume(prepared, node_name: str, argv: list[str], say: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
+    """Continue `prepared` (a resume) with its launcher on node `node_name`, from the newest
+    checkpoint the nodes hold: after its controller node died or its launcher was stopped or
+    killed (or for a run launched from here). Refused while its launcher still runs. The metrics
+    the previous controller holds come here first (when it answers), then go along."""
+    from vpscluster.launch import detached
+    from vpscluster.train import rundir
+
+    cluster = prepared.cluster
+    node = resolve_node(cluster, node_name)
+    run_dir = Path(prepared.run_dir)
+    old = detached.read_state(run_dir) or {}
+    previous = list(old.get("previous_controllers") or [])
+    if is_remote(old):
+        where = launcher_state(old)
+        if where == "running":
+            raise UserError(f"run {run_dir}: its launcher still runs on {old['controller']}; stop it first "
+                            f"(vpscluster stop {run_dir}) or follow it (vpscluster attach {run_dir})")
+        if where == "gone":
+            try:
+                fetch(run_dir, old, names=(rundir.METRICS,))
+            except UserError:
+                pass  # it answered a moment ago; the local copy is what we have
+        else:
+            say(f"controller {old['controller']} does not answer ({where}); continuing the run on {node.name} "
+                "(should its launcher still run, the nodes refuse the second launch of the run)")
+        previous.append({k: old.get(k) for k in ("controller", "remote_run_dir", "started")})
+    where = asyncio.run(_ship(cluster, node, prepared, say))
+    state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time(),
+             "run_dir": str(run_dir), "previous_controllers": previous}
+    fsutil.write_json(run_dir / detached.STATE, state)
+    return state
+
+
+_LAUNCHER_CHECK = ("import sys; from vpscluster.launch import detached, runlock; d = sys.argv[1]; "
+                   "s = detached.read_state(d) or {}; "
+                   "print('running' if runlock.holder(d) or (s.get('exit_status') is None and detached.running(s)) else 'gone')")
+
+
+def launcher_state(state: dict[str, Any], timeout_s: float = CONNECT_TIMEOUT_S) -> str:
+    """Whether the run's launcher on its controller node runs: "running", "gone", or why the node
+    could not tell (it does not answer)."""
+
+    async def go() -> str:
+        ex = _executor(state)
+        try:
+            cmd = (f"cd {shlex.quote(state['remote_cwd'])} && PYTHONPATH={shlex.quote(state['remote_pythonpath'])} "
+                   f"exec {shlex.quote(state['remote_python'])} -c {shlex.quote(_LAUNCHER_CHECK)} "
+                   f"{shlex.quote(state['remote_run_dir'])}")
+            r = await ex.run(cmd, timeout_s=timeout_s)
+        finally:
+            await ex.close()
+        if r.error or r.timed_out:
+            return r.reason()
+        answer = r.stdout.strip().splitlines()[-1:] if r.ok else []
+        return answer[0] if answer and answer[0] in ("running", "gone") else f"cannot tell: {r.reason()}"
+
+    return asyncio.run(go())
+
+
+def no_answer(state: dict[str, Any], why: str) -> UserError:
+    """The one line for a controller node that does not answer: the run goes on there if the node
+    does; if the node is gone, how to continue the run on another one."""
+    run = state.get("run_dir") or "RUN_DIR"
+    node = state["controller"]
+    return UserError(f"controller node {node} ({state.get('host', '?')}) does not answer: {why.rstrip(' .;')}; the run goes on "
+                     f"there if the node does: try again later; if {node} is gone, continue the run from its newest "
+                     f"checkpoint on another node: vpscluster train --resume {run} --detach --controller NODE")
 
 
 def _executor(state: dict[str, Any]):
@@ -278,9 +429,7 @@ def remote_cli(state: dict[str, Any], argv: list[str], timeout_s: float,
         finally:
             await ex.close()
         if r.error or r.timed_out:
-            node = ex.node
-            raise UserError(f"controller node {node.name} ({node.host}) unreachable: {r.reason()}; the run goes on there "
-                            "if the node does: try again once it answers")
+            raise no_answer(state, r.reason())
         return int(r.exit_status or 0)
 
     return asyncio.run(go())
@@ -296,8 +445,8 @@ def fetch(run_dir: Path, state: dict[str, Any], names=FETCHED, timeout_s: float 
             for name in names:
                 remote = posixpath.join(state["remote_run_dir"], name)
                 r = await ex.run(["test", "-f", remote], timeout_s=timeout_s)
-                if r.error:
-                    raise UserError(f"controller node {ex.node.name} ({ex.node.host}) unreachable: {r.error}")
+                if r.error or r.timed_out:
+                    raise no_answer(state, r.reason())
                 if r.ok:
                     await ex.get(remote, str(Path(run_dir) / name), timeout_s=timeout_s)
                     got.append(name)

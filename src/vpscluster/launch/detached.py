@@ -59,19 +59,21 @@ def start(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     return state
 
 
-def check_free(run_dir: Path) -> None:
+def check_free(run_dir: Path, controller: str | None = None) -> None:
     """Refuse (one line) when a launcher already runs this run: it holds the run's lock, or
-    launcher.json names a launcher that is alive. A dead launcher's leftovers do not count."""
+    launcher.json names a launcher that is alive. A dead launcher's leftovers do not count.
+    A run whose launcher is on a controller node is continued only on a controller
+    (`controller`: the node asked for; launch/controller.py `resume` asks the old one)."""
     from vpscluster.launch import runlock
 
     held = runlock.holder(run_dir)
     if held is not None:
         raise runlock.refusal(Path(run_dir), held)
     state = read_state(run_dir)
-    if state is not None and state.get("controller"):
+    if state is not None and state.get("controller") and not controller:
         raise UserError(f"run {run_dir} has its launcher on node {state['controller']}: follow it with vpscluster attach "
-                        f"{run_dir}, stop it with vpscluster stop {run_dir}; to continue it, run vpscluster train --resume "
-                        f"{state.get('remote_run_dir')} --detach on {state['controller']}")
+                        f"{run_dir}, stop it with vpscluster stop {run_dir}; to continue it once its launcher is gone, run "
+                        f"vpscluster train --resume {run_dir} --detach --controller NODE")
     if state is not None and state.get("pid") != os.getpid() and running(state):
         import socket
 
@@ -188,3 +190,56 @@ def _ended(state: dict[str, Any]) -> str:
 
 def describe_end(state: dict[str, Any]) -> str:
     return _ended(state)
+
+
+PROGRESS = "progress.jsonl"
+_PROGRESS_KINDS = ("start", "resume", "step", "eval", "checkpoint", "end", "error")
+
+
+def progress_sink(run_dir: Path):
+    """The detached launcher's record of rank 0's events as they arrive (RUN_DIR/progress.jsonl,
+    one JSON line each, with the time `t`): the run's progress is readable while it goes, where
+    metrics.jsonl and report.json reach the run dir only at the end (`report` shows it)."""
+    path = Path(run_dir) / PROGRESS
+
+    def sink(event: dict[str, Any]) -> None:
+        if event.get("event") not in _PROGRESS_KINDS:
+            return
+        doc = {k: v for k, v in event.items() if k != "report"} | {"t": round(time.time(), 2)}
+        try:
+            with path.open("a") as f:
+                f.write(json.dumps(doc, default=str, separators=(",", ":")) + "\n")
+        except OSError:
+            pass  # a full or gone disk must not stop the run; the progress view is only late
+
+    return sink
+
+
+def progress_line(run_dir: Path) -> str | None:
+    """One line of the run's progress so far (from RUN_DIR/progress.jsonl), or None without one."""
+    try:
+        lines = (Path(run_dir) / PROGRESS).read_text().splitlines()
+    except OSError:
+        return None
+    last: dict[str, dict[str, Any]] = {}
+    for raw in lines:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            continue  # a line cut short by a killed launcher
+        if isinstance(doc, dict):
+            last[str(doc.get("event"))] = doc
+    if not last:
+        return None
+    parts = []
+    step = last.get("step")
+    if step:
+        parts.append(f"step {step.get('step')} of {step.get('max_steps')}, loss {float(step.get('loss') or 0):.4f}, "
+                     f"{float(step.get('tokens_per_s') or 0):.0f} tokens/s")
+    if "eval" in last:
+        parts.append(f"validation loss {float(last['eval'].get('val_loss') or 0):.4f} at step {last['eval'].get('step')}")
+    if "checkpoint" in last:
+        parts.append(f"last checkpoint at step {last['checkpoint'].get('step')}")
+    t = max(float(d.get("t") or 0) for d in last.values())
+    parts.append(f"updated {max(0.0, time.time() - t):.0f} s ago")
+    return "; ".join(parts)
