@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vpscluster import fsutil
 from vpscluster.errors import UserError
+from vpscluster.queue.client import InFlight
 from vpscluster.vertical import data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, loss_fn
 
@@ -62,6 +63,7 @@ def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_
     sched = data.schedule_for(spec, ids, train=False)
     fusion.eval()
     lines, right, labelled = [], 0, 0
+    pending = InFlight(limit=8 * len(spec.towers), timeout_s=spec.train.timeout_s)
     with torch.no_grad():
         for batch in sched.eval_batches(sorted(ids)):
             embs, msgs = join("eval", batch)
@@ -74,7 +76,8 @@ def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_
                     labelled += 1
                     right += int(p == labels[i])
             for m in msgs:
-                m.ack()
+                pending.add(m.ack_nowait(), f"ack of eval batch {batch.step}")
+    pending.wait()
     out_path = Path(out_dir) / "predictions.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_atomic(out_path, "".join(lines))
@@ -101,6 +104,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
     towers = list(spec.towers)
     inboxes, join = _inboxes(spec, run_id, queue)
+    # publishes and acks are confirmed off the critical path, at most this many unconfirmed at once
+    pending = InFlight(limit=4 * (K + 2) * len(towers), timeout_s=timeout_s)
 
     counts: dict[int, Counter] = {}
     losses: list[float] = []
@@ -120,14 +125,16 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         opt.step()
         for t, leaf in zip(towers, leaves):
             payload, headers = wire.encode(leaf.grad, batch.step, batch.epoch, "train", batch.ids)
-            queue.publish(wire.grad_subject(run_id, t), payload, headers, timeout_s=timeout_s)
+            pending.add(queue.publish_nowait(wire.grad_subject(run_id, t), payload, headers, timeout_s=timeout_s),
+                        f"publish of tower {t}'s gradient {batch.step}")
             grad_bytes += wire.message_bytes(payload, headers)
         for m in msgs:
-            m.ack()
+            pending.add(m.ack_nowait(timeout_s), f"ack of train batch {batch.step}")
         losses.append(float(loss.detach()))
         if (batch.step + 1) % every == 0 or batch.step + 1 == sched.steps or time.monotonic() - said > 10.0:
             said = time.monotonic()
             say(f"step {batch.step + 1}/{sched.steps} epoch {batch.epoch} loss {losses[-1]:.4f}")
+    pending.wait()
     train_s = time.monotonic() - t_first
     train_bytes = sum(i.bytes for i in inboxes.values()) + grad_bytes
 
@@ -144,7 +151,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
             right += c or 0
             seen += len(batch.ids)
             for m in msgs:
-                m.ack()
+                pending.add(m.ack_nowait(timeout_s), f"ack of eval batch {batch.step}")
+    pending.wait()
 
     epochs = []
     scheduled: dict[int, list[int]] = {}
