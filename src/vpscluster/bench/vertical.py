@@ -24,7 +24,8 @@ from vpscluster.bench import table
 
 COLUMNS = [("staleness", "K", "{}"), ("samples_per_s", "samples/s", "{:.0f}"), ("speedup", "vs K=0", "{:.2f}x"),
            ("bytes_per_sample", "queue B/sample", "{:.0f}"), ("val_accuracy", "val accuracy", "{:.3f}"),
-           ("final_train_loss", "final train loss", "{:.4f}"), ("exactly_once", "each sample once", "{}")]
+           ("final_train_loss", "final train loss", "{:.4f}"), ("head_wait_share", "head waits", "{:.0%}"),
+           ("exactly_once", "each sample once", "{}")]
 
 
 @dataclass
@@ -35,6 +36,9 @@ class VerticalBenchSettings:
     latency_ms: float = 0.0
     rows: int = 2000
     epochs: int = 4
+    dim: int = 16  # each tower's embedding width
+    image_hidden: int = 32  # the image tower's hidden width ...
+    image_depth: int = 1  # ... and its hidden layers: a bigger tower, to see what pipelining hides
     local: bool = False  # this machine's processes and a private nats-server, no sandbox
     name: str = "vertical-bench"
     out: str | None = None
@@ -59,9 +63,11 @@ def run_vertical_bench(settings: VerticalBenchSettings, say: Callable[[str], Non
         for k in ks:
             say(f"K={k}: {s.rows} rows, {s.epochs} epochs")
             doc = example.run("products", cluster, out / f"k{k}", staleness=k, rows=s.rows, epochs=s.epochs,
-                              baselines=False, say=lambda line: None)
+                              baselines=False, say=lambda line: None,
+                              dim=s.dim, image_hidden=s.image_hidden, image_depth=s.image_depth)
             rows.append({key: doc.get(key) for key in ("staleness", "steps", "samples_per_s", "bytes_per_sample",
-                                                       "val_accuracy", "final_train_loss", "exactly_once", "train_seconds")})
+                                                       "val_accuracy", "final_train_loss", "exactly_once", "train_seconds",
+                                                       "head_wait_share")})
             say(f"  {doc['samples_per_s']:.0f} samples/s, val accuracy {doc['val_accuracy']:.3f}")
     finally:
         close()

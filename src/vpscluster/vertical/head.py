@@ -113,10 +113,14 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     t0 = t_first = time.monotonic()
     every = max(1, sched.steps // 10)
     said = t0
+    waited = 0.0  # time the head waited for the towers' embeddings (after the first batch)
     for batch in sched.train_batches():
+        t_ask = time.monotonic()
         embs, msgs = join("train", batch)
         if batch.step == 0:
             t_first = time.monotonic()  # the towers' start-up is not throughput
+        else:
+            waited += time.monotonic() - t_ask
         counts.setdefault(batch.epoch, Counter()).update(batch.ids)
         leaves = [e.requires_grad_(True) for e in embs]
         loss = loss_of(fusion(*leaves), label_tensor(spec, [labels[i] for i in batch.ids]))
@@ -171,6 +175,9 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         "val_accuracy": right / seen if seen and spec.head.loss != "mse" else None,
         "train_seconds": train_s, "wall_seconds": time.monotonic() - t0,
         "samples_per_s": samples / train_s if train_s > 0 else None,
+        # the share of the training time the head waited on the towers (the rest: its own work);
+        # near 1 the towers or the queue limit, near 0 the head does
+        "head_wait_share": waited / train_s if train_s > 0 else None,
         "queue_bytes": train_bytes, "bytes_per_sample": train_bytes / samples if samples else None,
     }
     out = Path(out_dir)
