@@ -119,6 +119,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         embs, msgs = join("train", batch)
         if batch.step == 0:
             t_first = time.monotonic()  # the towers' start-up is not throughput
+            cpu_first = time.process_time()
         else:
             waited += time.monotonic() - t_ask
         counts.setdefault(batch.epoch, Counter()).update(batch.ids)
@@ -140,6 +141,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
             say(f"step {batch.step + 1}/{sched.steps} epoch {batch.epoch} loss {losses[-1]:.4f}")
     pending.wait()
     train_s = time.monotonic() - t_first
+    train_cpu_s = time.process_time() - cpu_first if sched.steps else 0.0
     train_bytes = sum(i.bytes for i in inboxes.values()) + grad_bytes
 
     fusion.eval()
@@ -178,6 +180,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         # the share of the training time the head waited on the towers (the rest: its own work);
         # near 1 the towers or the queue limit, near 0 the head does
         "head_wait_share": waited / train_s if train_s > 0 else None,
+        "head_cpu_share": train_cpu_s / train_s if train_s > 0 else None,  # its CPU time (all threads) / wall
         "queue_bytes": train_bytes, "bytes_per_sample": train_bytes / samples if samples else None,
     }
     out = Path(out_dir)
