@@ -3,6 +3,12 @@
 It holds the only copy of the labels. Every batch's sample ids must be the schedule's, the same
 from every tower; per epoch it counts them, and the report says whether each sample was trained
 exactly once. After training it scores the validation ids the towers send (phase `eval`).
+
+The embeddings are pulled in the background (up to K + 1 per tower, the consumers' max_pending),
+and the gradients' publishes and the embeddings' acks are confirmed later (queue.client.InFlight,
+all confirmed before the report): a step is the fusion's work plus the wait for a batch that has
+not come, not a chain of queue round trips. The report's `head_wait_share` (the head waited on
+the towers) and `head_cpu_share` (its CPU time over the training time) say where the limit is.
 """
 
 from __future__ import annotations

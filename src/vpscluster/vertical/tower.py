@@ -6,6 +6,11 @@ K + 1 batches are in flight. Each in-flight batch keeps the weights it was run w
 through `torch.func.functional_call`), and its gradient is taken with those weights, then applied
 to the current ones. K = 0 is exactly synchronous: the copy equals the weights, and the steps are
 those of one process training the whole model on the same batches.
+
+Nothing on the queue is waited for in the critical path unless it is needed: the gradients are
+pulled in the background (wire.Inbox), and the embeddings' publishes and the gradients' acks are
+confirmed later (queue.client.InFlight), so with K >= 1 the forward of the next batches overlaps
+the head's work and the round trips of the batches in flight.
 """
 
 from __future__ import annotations
