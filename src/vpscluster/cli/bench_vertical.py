@@ -11,7 +11,9 @@ from vpscluster.cli.output import add_json_flag
 
 HELPS = {"staleness": "the K of each run, comma-separated", "nodes": "sandbox nodes",
          "bandwidth": "each sandbox node's link (tc rate)", "latency_ms": "added one-way latency (ms)",
-         "rows": "generated products", "epochs": "epochs per run", "name": "the sandbox's name",
+         "rows": "generated products", "epochs": "epochs per run",
+         "dim": "each tower's embedding width", "image_hidden": "the image tower's hidden width",
+         "image_depth": "the image tower's hidden layers", "name": "the sandbox's name",
          "out": "results folder (default bench/results/vertical-<time>)"}
 
 

@@ -8,6 +8,13 @@
         ...; m.ack()                         # unacked (or m.nak()) -> delivered again
     q.close()
 
+Pipelined use (nothing waits on a round trip in the caller's critical path):
+
+    c.prefetch()                             # a background pull keeps up to max_pending ahead of fetch()
+    w = InFlight(limit=32)                   # calls sent, confirmations checked later (in order)
+    w.add(q.publish_nowait("acts.text", b"..."), "publish"); w.add(m.ack_nowait(), "ack")
+    w.wait()                                 # every confirmation, or the first failure as QueueError
+
 Every call has a time-out (QueueError when it passes); callers never see asyncio: one event loop
 runs in a daemon thread per `Queue`, and each call waits on it with its time-out. nats-py is
 imported when connecting, so importing this module is cheap.
@@ -23,8 +30,12 @@ often at most.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
+import queue as _queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +87,11 @@ class Message:
         """Acknowledge and wait for the server to confirm it (double ack): it will not come again."""
         self._queue._call(self._msg.ack_sync(timeout=timeout_s or self._queue.timeout_s), timeout_s, "ack")
 
+    def ack_nowait(self, timeout_s: float | None = None) -> concurrent.futures.Future:
+        """`ack` without waiting: the server's confirmation comes to the returned future (see InFlight)."""
+        t = timeout_s or self._queue.timeout_s
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._msg.ack_sync(timeout=t), t + 1.0), self._queue._loop)
+
     def nak(self, delay_s: float | None = None, timeout_s: float | None = None) -> None:
         """Give it back now (or after `delay_s`): it is delivered again."""
         self._queue._call(self._msg.nak(delay=delay_s), timeout_s, "nak")
@@ -88,12 +104,53 @@ class Message:
 class Consumer:
     def __init__(self, queue: Queue, sub, subject: str, durable: str):
         self._queue, self._sub, self.subject, self.durable = queue, sub, subject, durable
+        self._ahead: _queue.Queue | None = None
+        self.pump_error: str | None = None  # the background pull's last failure (it retries)
+
+    def prefetch(self) -> None:
+        """Keep pulling in the background, so `fetch` takes what already came instead of making a round
+        trip. The server hands out at most max_pending unacked messages: that bounds how far ahead
+        the pull gets. One message per request: a lingering pull for several returns only when all
+        came or it expires, which would hold back the first."""
+        import nats.errors
+
+        if self._ahead is not None:
+            return
+        self._ahead = _queue.Queue()
+
+        async def pump():
+            while True:
+                try:
+                    msgs = await self._sub.fetch(1, timeout=5.0)
+                except nats.errors.TimeoutError:
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # a server restart, a lost connection: pull again once it is back
+                    self.pump_error = str(e).strip() or type(e).__name__
+                    await asyncio.sleep(0.2)
+                    continue
+                for m in msgs:
+                    self._ahead.put(m)
+
+        asyncio.run_coroutine_threadsafe(pump(), self._queue._loop)
 
     def fetch(self, n: int = 1, timeout_s: float | None = None) -> list[Message]:
         """Up to `n` messages, waiting at most `timeout_s` for the first; [] when none came."""
         import nats.errors
 
         t = timeout_s or self._queue.timeout_s
+        if self._ahead is not None:
+            try:
+                msgs = [self._ahead.get(timeout=t)]
+            except _queue.Empty:
+                return []
+            while len(msgs) < n:
+                try:
+                    msgs.append(self._ahead.get_nowait())
+                except _queue.Empty:
+                    break
+            return [self._wrap(m) for m in msgs]
 
         async def go():
             try:
@@ -102,8 +159,11 @@ class Consumer:
                 return []
 
         msgs = self._queue._call(go(), t + 5.0, f"fetch from {self.subject}")
-        return [Message(m.subject, m.data, dict(m.headers or {}), m.metadata.sequence.stream, m.metadata.num_delivered, m,
-                        self._queue) for m in msgs]
+        return [self._wrap(m) for m in msgs]
+
+    def _wrap(self, m) -> Message:
+        return Message(m.subject, m.data, dict(m.headers or {}), m.metadata.sequence.stream, m.metadata.num_delivered, m,
+                       self._queue)
 
     def info(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The server's view: num_pending (lag: stored, not yet delivered), num_ack_pending, num_redelivered."""
@@ -220,6 +280,13 @@ class Queue:
         ack = self._call(self._js.publish(subject, data, timeout=t, headers=headers), t + 1.0, f"publish to {subject}")
         return ack.seq
 
+    def publish_nowait(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
+                       timeout_s: float | None = None) -> concurrent.futures.Future:
+        """`publish` without waiting: sent in call order on this connection; the stream sequence (or
+        the failure) comes to the returned future once the server has stored it (see InFlight)."""
+        t = timeout_s or self.timeout_s
+        return asyncio.run_coroutine_threadsafe(self._js.publish(subject, data, timeout=t, headers=headers), self._loop)
+
     def consume(self, subject: str, durable: str, max_pending: int = 64, ack_wait_s: float = 30.0,
                 max_deliver: int = -1, timeout_s: float | None = None) -> Consumer:
         """A durable pull consumer of `subject` (created, or bound again after a restart)."""
@@ -275,6 +342,40 @@ class Queue:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class InFlight:
+    """Queue calls sent without waiting (`publish_nowait`, `ack_nowait`), at most `limit` unconfirmed:
+    adding one more waits for the oldest. A failure is raised (QueueError, one line) by the `add` or
+    `wait` that meets it, so nothing fails silently; `wait()` at the end confirms every call."""
+
+    def __init__(self, limit: int = 64, timeout_s: float = TIMEOUT_S):
+        self.limit, self.timeout_s = max(1, limit), timeout_s
+        self._calls: deque[tuple[concurrent.futures.Future, str, float]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def add(self, fut: concurrent.futures.Future, what: str) -> None:
+        self._calls.append((fut, what, time.monotonic()))
+        while self._calls and (len(self._calls) > self.limit or self._calls[0][0].done()):
+            self._settle(*self._calls.popleft())
+
+    def wait(self) -> None:
+        while self._calls:
+            self._settle(*self._calls.popleft())
+
+    def _settle(self, fut: concurrent.futures.Future, what: str, since: float) -> None:
+        left = self.timeout_s + 2.0 - (time.monotonic() - since)
+        try:
+            fut.result(timeout=max(0.1, left))
+        except (TimeoutError, concurrent.futures.TimeoutError, asyncio.TimeoutError):
+            fut.cancel()
+            raise QueueError(f"queue: {what} was not confirmed within {self.timeout_s:.0f} s") from None
+        except concurrent.futures.CancelledError:
+            raise QueueError(f"queue: {what} was cancelled (the connection closed)") from None
+        except Exception as e:
+            raise QueueError(f"queue: {what} failed: {str(e).strip() or type(e).__name__}") from None
 
 
 def connect(cluster=None, *, creds: Credentials | None = None, timeout_s: float = TIMEOUT_S) -> Queue:

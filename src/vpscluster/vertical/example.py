@@ -16,7 +16,8 @@ EXAMPLES = ("products",)
 
 
 def run(name: str, cluster=None, run_dir: str | Path | None = None, staleness: int = 0, rows: int = 2000,
-        epochs: int = 8, baselines: bool = True, say: Callable[[str], None] = print) -> dict:
+        epochs: int = 8, baselines: bool = True, say: Callable[[str], None] = print, **size) -> dict:
+    """`size`: products.spec_doc's model sizes (dim, image_hidden, image_depth); default the example's."""
     from vpscluster.errors import UserError
     from vpscluster.cluster.inventory import local_cluster
     from vpscluster.vertical import launch, products, reference, spec as spec_mod
@@ -32,7 +33,7 @@ def run(name: str, cluster=None, run_dir: str | Path | None = None, staleness: i
     table = products.generate(rows)
     data_path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in table))
     spec = spec_mod.from_dict(products.spec_doc(str(data_path), [n.name for n in cluster.nodes], cluster.head,
-                                                staleness=staleness, epochs=epochs), "example products")
+                                                staleness=staleness, epochs=epochs, **size), "example products")
     say(f"products: {rows} generated rows (text + 8x8 image, label = premium XOR top) in {data_path}")
     report = launch.train(spec, cluster, run_dir / "split", say=say)
     doc = {"example": name, **report}

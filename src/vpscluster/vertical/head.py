@@ -3,6 +3,12 @@
 It holds the only copy of the labels. Every batch's sample ids must be the schedule's, the same
 from every tower; per epoch it counts them, and the report says whether each sample was trained
 exactly once. After training it scores the validation ids the towers send (phase `eval`).
+
+The embeddings are pulled in the background (up to K + 1 per tower, the consumers' max_pending),
+and the gradients' publishes and the embeddings' acks are confirmed later (queue.client.InFlight,
+all confirmed before the report): a step is the fusion's work plus the wait for a batch that has
+not come, not a chain of queue round trips. The report's `head_wait_share` (the head waited on
+the towers) and `head_cpu_share` (its CPU time over the training time) say where the limit is.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from pathlib import Path
 
 from vpscluster import fsutil
 from vpscluster.errors import UserError
+from vpscluster.queue.client import InFlight
 from vpscluster.vertical import data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, loss_fn
 
@@ -62,6 +69,7 @@ def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_
     sched = data.schedule_for(spec, ids, train=False)
     fusion.eval()
     lines, right, labelled = [], 0, 0
+    pending = InFlight(limit=8 * len(spec.towers), timeout_s=spec.train.timeout_s)
     with torch.no_grad():
         for batch in sched.eval_batches(sorted(ids)):
             embs, msgs = join("eval", batch)
@@ -74,7 +82,8 @@ def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_
                     labelled += 1
                     right += int(p == labels[i])
             for m in msgs:
-                m.ack()
+                pending.add(m.ack_nowait(), f"ack of eval batch {batch.step}")
+    pending.wait()
     out_path = Path(out_dir) / "predictions.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_atomic(out_path, "".join(lines))
@@ -101,6 +110,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
     towers = list(spec.towers)
     inboxes, join = _inboxes(spec, run_id, queue)
+    # publishes and acks are confirmed off the critical path, at most this many unconfirmed at once
+    pending = InFlight(limit=4 * (K + 2) * len(towers), timeout_s=timeout_s)
 
     counts: dict[int, Counter] = {}
     losses: list[float] = []
@@ -108,10 +119,15 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     t0 = t_first = time.monotonic()
     every = max(1, sched.steps // 10)
     said = t0
+    waited = 0.0  # time the head waited for the towers' embeddings (after the first batch)
     for batch in sched.train_batches():
+        t_ask = time.monotonic()
         embs, msgs = join("train", batch)
         if batch.step == 0:
             t_first = time.monotonic()  # the towers' start-up is not throughput
+            cpu_first = time.process_time()
+        else:
+            waited += time.monotonic() - t_ask
         counts.setdefault(batch.epoch, Counter()).update(batch.ids)
         leaves = [e.requires_grad_(True) for e in embs]
         loss = loss_of(fusion(*leaves), label_tensor(spec, [labels[i] for i in batch.ids]))
@@ -120,15 +136,18 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         opt.step()
         for t, leaf in zip(towers, leaves):
             payload, headers = wire.encode(leaf.grad, batch.step, batch.epoch, "train", batch.ids)
-            queue.publish(wire.grad_subject(run_id, t), payload, headers, timeout_s=timeout_s)
+            pending.add(queue.publish_nowait(wire.grad_subject(run_id, t), payload, headers, timeout_s=timeout_s),
+                        f"publish of tower {t}'s gradient {batch.step}")
             grad_bytes += wire.message_bytes(payload, headers)
         for m in msgs:
-            m.ack()
+            pending.add(m.ack_nowait(timeout_s), f"ack of train batch {batch.step}")
         losses.append(float(loss.detach()))
         if (batch.step + 1) % every == 0 or batch.step + 1 == sched.steps or time.monotonic() - said > 10.0:
             said = time.monotonic()
             say(f"step {batch.step + 1}/{sched.steps} epoch {batch.epoch} loss {losses[-1]:.4f}")
+    pending.wait()
     train_s = time.monotonic() - t_first
+    train_cpu_s = time.process_time() - cpu_first if sched.steps else 0.0
     train_bytes = sum(i.bytes for i in inboxes.values()) + grad_bytes
 
     fusion.eval()
@@ -144,7 +163,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
             right += c or 0
             seen += len(batch.ids)
             for m in msgs:
-                m.ack()
+                pending.add(m.ack_nowait(timeout_s), f"ack of eval batch {batch.step}")
+    pending.wait()
 
     epochs = []
     scheduled: dict[int, list[int]] = {}
@@ -163,6 +183,10 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         "val_accuracy": right / seen if seen and spec.head.loss != "mse" else None,
         "train_seconds": train_s, "wall_seconds": time.monotonic() - t0,
         "samples_per_s": samples / train_s if train_s > 0 else None,
+        # the share of the training time the head waited on the towers (the rest: its own work);
+        # near 1 the towers or the queue limit, near 0 the head does
+        "head_wait_share": waited / train_s if train_s > 0 else None,
+        "head_cpu_share": train_cpu_s / train_s if train_s > 0 else None,  # its CPU time (all threads) / wall
         "queue_bytes": train_bytes, "bytes_per_sample": train_bytes / samples if samples else None,
     }
     out = Path(out_dir)

@@ -60,10 +60,14 @@ def text_tower(dim: int = 16, hidden: int = 32):
     return nn.Sequential(nn.Linear(VOCAB, hidden), nn.ReLU(), nn.Linear(hidden, dim))
 
 
-def image_tower(dim: int = 16, hidden: int = 32):
+def image_tower(dim: int = 16, hidden: int = 32, depth: int = 1):
+    """`depth` hidden layers of `hidden` units (a bigger tower, for the pipelining benchmark)."""
     import torch.nn as nn
 
-    return nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+    layers = [nn.Flatten(), nn.Linear(SIZE * SIZE, hidden), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(hidden, dim))
 
 
 def fusion_head(dims: tuple[int, ...] = (16, 16), hidden: int = 32, classes: int = 2):
@@ -82,20 +86,21 @@ def fusion_head(dims: tuple[int, ...] = (16, 16), hidden: int = 32, classes: int
     return ConcatMLP()
 
 
-def spec_doc(data_path: str, nodes: list[str], head: str, staleness: int = 0, epochs: int = 8) -> dict[str, Any]:
+def spec_doc(data_path: str, nodes: list[str], head: str, staleness: int = 0, epochs: int = 8, dim: int = 16,
+             image_hidden: int = 32, image_depth: int = 1) -> dict[str, Any]:
     """The example's spec: text tower on the second node, image tower on the third (wrapping round),
-    the head on the cluster's head."""
+    the head on the cluster's head; `dim` each tower's embedding width, `image_*` the image tower's size."""
     pick = lambda k: nodes[k % len(nodes)]  # noqa: E731
     mod = __name__
     return {
         "data": data_path, "id_column": "id",
         "towers": {
             "text": {"module": f"{mod}:text_tower", "features": f"{mod}:text_features", "columns": ["description"],
-                     "nodes": [pick(1)]},
+                     "args": {"dim": dim}, "nodes": [pick(1)]},
             "image": {"module": f"{mod}:image_tower", "features": f"{mod}:image_features", "columns": ["image"],
-                      "nodes": [pick(2)]},
+                      "args": {"dim": dim, "hidden": image_hidden, "depth": image_depth}, "nodes": [pick(2)]},
         },
-        "head": {"module": f"{mod}:fusion_head", "label": "label", "loss": "cross_entropy", "node": head},
+        "head": {"module": f"{mod}:fusion_head", "args": {"dims": [dim, dim]}, "label": "label", "loss": "cross_entropy", "node": head},
         "train": {"batch_size": 64, "epochs": epochs, "staleness": staleness, "seed": 0, "val_fraction": 0.2,
                   "optimizer": {"name": "adam", "lr": 0.01}, "timeout_s": 60},
     }

@@ -6,6 +6,11 @@ K + 1 batches are in flight. Each in-flight batch keeps the weights it was run w
 through `torch.func.functional_call`), and its gradient is taken with those weights, then applied
 to the current ones. K = 0 is exactly synchronous: the copy equals the weights, and the steps are
 those of one process training the whole model on the same batches.
+
+Nothing on the queue is waited for in the critical path unless it is needed: the gradients are
+pulled in the background (wire.Inbox), and the embeddings' publishes and the gradients' acks are
+confirmed later (queue.client.InFlight), so with K >= 1 the forward of the next batches overlaps
+the head's work and the round trips of the batches in flight.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from vpscluster.queue.client import InFlight
 from vpscluster.vertical import data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, featurize
 
@@ -70,6 +76,8 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
     grads = wire.Inbox(queue.consume(wire.grad_subject(run_id, name), durable=f"tower-{name}", max_pending=K + 1,
                                      ack_wait_s=max(30.0, timeout_s)), timeout_s, f"tower {name}")
     emb_subject = wire.emb_subject(run_id, name)
+    # publishes and acks are confirmed off the critical path, at most this many unconfirmed at once
+    pending = InFlight(limit=4 * (K + 2), timeout_s=timeout_s)
     in_flight: dict[int, tuple[dict, torch.Tensor]] = {}
     every = spec.train.checkpoint_every
 
@@ -88,7 +96,7 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
         opt.zero_grad(set_to_none=True)
         if every and (step + 1) % every == 0:
             save_checkpoint(ckpt, model, opt, step + 1)
-        msg.ack()
+        pending.add(msg.ack_nowait(timeout_s), f"ack of gradient {step}")
 
     t0 = time.monotonic()
     sent = 0
@@ -101,7 +109,7 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
         emb = functional_call(model, stash, inputs(batch.ids))
         in_flight[batch.step] = (stash, emb)
         payload, headers = wire.encode(emb, batch.step, batch.epoch, "train", batch.ids)
-        queue.publish(emb_subject, payload, headers, timeout_s=timeout_s)
+        pending.add(queue.publish_nowait(emb_subject, payload, headers, timeout_s=timeout_s), f"publish of batch {batch.step}")
         sent += wire.message_bytes(payload, headers)
     while in_flight:
         apply_oldest()
@@ -110,8 +118,10 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
     with torch.no_grad():
         for batch in sched.eval_batches(sched.val_ids if weights is None else sorted(ids)):
             payload, headers = wire.encode(model(*inputs(batch.ids)), batch.step, -1, "eval", batch.ids)
-            queue.publish(emb_subject, payload, headers, timeout_s=timeout_s)
+            pending.add(queue.publish_nowait(emb_subject, payload, headers, timeout_s=timeout_s),
+                        f"publish of eval batch {batch.step}")
             sent += wire.message_bytes(payload, headers)
+    pending.wait()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if weights is None:

@@ -8,6 +8,9 @@ One JetStream stream per run, `vt_<run>` on `vt.<run>.>`, stored on the queue se
 A message is the tensor's raw bytes (float32, C order); its headers say which batch it is
 (`step`, `epoch`, `phase`: train | eval), which samples (`ids`, comma-separated) and the shape.
 Each consumer is durable with explicit acks and at most K + 1 unacked messages (backpressure).
+Its messages are pulled in the background (`Consumer.prefetch`), and publishes and acks are
+confirmed off the critical path (`queue.client.InFlight`): a stage waits on the queue only for a
+message it needs and has not got, never for a round trip it could overlap with compute.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Inbox:
 
     def __init__(self, consumer, timeout_s: float, what: str):
         self.consumer, self.timeout_s, self.what = consumer, timeout_s, what
+        consumer.prefetch()
         self._held: dict[tuple[str, int], tuple[Any, dict[str, Any], Any]] = {}
         self.bytes = 0
 
@@ -77,9 +81,11 @@ class Inbox:
         while (phase, step) not in self._held:
             left = deadline - time.monotonic()
             if left <= 0:
+                err = getattr(self.consumer, "pump_error", None)
                 raise UserError(f"{self.what}: no {phase} batch {step} within {self.timeout_s:g} s; is the stage that "
-                                "sends it running? (its log says why not; train.timeout_s sets the wait)")
-            for m in self.consumer.fetch(1, timeout_s=min(left, 5.0)):
+                                "sends it running? (its log says why not; train.timeout_s sets the wait)"
+                                + (f"; the queue said: {err}" if err else ""))
+            for m in self.consumer.fetch(64, timeout_s=min(left, 5.0)):
                 tensor, meta = decode(m.data, m.headers)
                 key = (meta["phase"], meta["step"])
                 if key in self._held or (meta["phase"] == phase and meta["step"] < step):
