@@ -148,6 +148,10 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
     else:
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
+    if cfg.strategy.quorum and resume_dir is None:  # the lighthouse's floor is the run's recovery floor
+        from vpscluster.launch.recovery import policy
+
+        cfg.strategy.quorum_min_replicas = policy(cfg.recovery, n, not cfg.cluster).min_nodes
     speeds_note = None
     if resume_dir is None:
         speeds_note = balance_from_saved_probe(cfg, cluster) or starting_speeds(cfg, cluster)
@@ -289,6 +293,11 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
             syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))
     run_dir_on_node = _as_seen_here(run_dir, cluster) if here else None
     nproc = cfg.nodes if cfg.cluster is None else cfg.nproc_per_node
+    quorum = None
+    if cfg.strategy.quorum:  # one replica group per node, one rank each (launch/quorum.py)
+        from vpscluster.launch.quorum import QuorumPlan
+
+        quorum, nproc = QuorumPlan(min_replicas=cfg.strategy.quorum_min_replicas), 1
 
     def check_states(states) -> None:  # after pre-flight, before anything is created or started
         ranks = ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()})
@@ -350,7 +359,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         syncs=syncs, cwd_key=None, nproc_per_node=nproc, fetch=list(FETCHED), fetch_after_failure=[rundir.METRICS],
         join_timeout_s=cfg.timeouts.rendezvous_s, store_timeout_s=cfg.timeouts.startup_collective_s,
         env_for=env_for, prepare=prepare, check_states=check_states, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
-        say=say, on_event=on_event, run_dir_on_node=run_dir_on_node,
+        say=say, on_event=on_event, run_dir_on_node=run_dir_on_node, quorum=quorum,
         log_names={cluster.nodes[0].name: LOCAL_LOG} if cfg.cluster is None and len(cluster.nodes) == 1 else {},
         # Quiet for longer than the workers' own time-outs means a hang they cannot see.
         silence_limits_s=(cfg.timeouts.rendezvous_s + cfg.timeouts.startup_collective_s,
@@ -431,6 +440,7 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
     history = read_metrics(run.run_dir / rundir.METRICS)  # every launch's metrics, merged (see _merge_metrics)
     recoveries: list[dict[str, Any]] = []  # the launcher's record of each relaunch
     last_step = [0]
+    step_seen: list[tuple[float, int]] = []  # (time.monotonic(), step) of rank 0's step events
 
     def with_monitor(event: dict) -> None:
         kind = event.get("event")
@@ -446,7 +456,8 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
             recoveries[-1]["resumed_from_step"] = event.get("step")
         elif kind == "step":
             last_step[0] = int(event.get("step", last_step[0]))
-            if recoveries and "training_again_after_s" not in recoveries[-1]:
+            step_seen.append((time.monotonic(), last_step[0]))
+            if recoveries and "training_again_after_s" not in recoveries[-1] and "_at" in recoveries[-1]:
                 recoveries[-1]["training_again_after_s"] = round(time.monotonic() - recoveries[-1].pop("_at"), 1)
                 recoveries[-1]["training_again_at"] = round(time.time(), 2)
         if on_event is not None:
@@ -526,6 +537,16 @@ def _launch_training(run: TrainingRun, lock, *, say: Say, on_event: OnEvent | No
                 raise Interrupted(f"interrupted; checkpoint saved at step {stop_checkpoint[0]}, "
                                   f"continue with: vpscluster train --resume {run.run_dir}")
             raise Interrupted()
+        if result.lost_nodes:  # the quorum engine: the others trained on without them, no relaunch
+            for node in result.lost_nodes:
+                seen = _seen(result.lost_at.get(node))
+                at = seen.pop("_at")
+                entry = {"kind": "quorum", "out": [node], "nodes": [n for n in current if n not in result.lost_nodes],
+                         "after_step": max((s for t, s in step_seen if t <= at), default=0), **seen}
+                again = next(((t, s) for t, s in step_seen if t > at), None)
+                if again is not None:  # the survivors' next step announced after the loss was seen
+                    entry.update(training_again_after_s=round(again[0] - at, 1), training_again_at_step=again[1])
+                recoveries.append(entry)
         if result.ok:
             break
         if restarts >= plan.max_restarts:

@@ -242,6 +242,10 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
             try:
                 reduced = self._reduce(self.tokens_since_sync[f], delta, self.pg, self.comm)
             except Exception as e:  # a peer died or timed out mid-reduction
+                if e.__context__ is not None and "world group map" in str(e):
+                    # torch's c10d logger, formatting the failure, fails on torchft's group when a
+                    # default group exists (under torchrun) and hides the reason: name the reason.
+                    e = e.__context__
                 why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
                 print(f"warning: replica group {self.replica.index}: outer sync {self.syncs_attempted} failed: {why}",
                       file=sys.stderr, flush=True)
