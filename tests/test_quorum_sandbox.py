@@ -162,3 +162,61 @@ def test_a_killed_node_costs_the_quorum_seconds_and_no_relaunch(sandbox, tmp_pat
                 if any(w in _cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "lighthouse",
                                                     "reap"))]
         assert not left, (node, [_cmdline(p) for p in left])
+
+
+def _lighthouse_pid(sandbox, faults) -> int | None:
+    for p in faults.node_pids(sandbox, sandbox.node("node-1")):
+        words = _cmdline(p).split(" ")
+        if any(w.endswith("torchft_lighthouse") for w in words[:2]) and "--bind" in words:  # the binary, or its entry point
+            return p
+    return None
+
+
+def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, tmp_path):
+    """The lighthouse's failure story: the launcher sees it end, stops the run and relaunches
+    from the last checkpoint with a new lighthouse (the documented fallback); the run finishes."""
+    from vpscluster.cluster.sandbox import faults
+
+    config = tmp_path / "train.yaml"
+    config.write_text(CONFIG.replace("checkpoint_every: 100", "checkpoint_every: 10"))
+    run_dir = tmp_path / "run"
+    max_steps = 30
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox.cluster_file, "--config", str(config),
+         "--quorum", "--preset", "tiny", "--max-steps", str(max_steps), "--run-dir", str(run_dir), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    watch = StepWatch(run_dir / "logs" / "node-1.log")
+    try:
+        deadline = time.monotonic() + 150
+        while watch.last_step() < 12:  # past the checkpoint of step 10
+            assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-40:])
+            time.sleep(0.05)
+        pid = _lighthouse_pid(sandbox, faults)
+        assert pid is not None, "no torchft_lighthouse process on node-1"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while not any("relaunching on 3 nodes" in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < killed + 60, "\n".join(lines[-40:])
+            time.sleep(0.1)
+        print(f"lighthouse killed: the launcher relaunched {time.monotonic() - killed:.1f} s later")
+        proc.wait(timeout=150)
+        out = proc.stdout.read()
+    finally:
+        watch.stop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = "\n".join(lines)
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    assert "the quorum's lighthouse on node-1 ended" in text, text[-3000:]
+    report = json.loads(out)
+    assert report["steps"] == max_steps
+    restart = report["recoveries"][0]
+    assert restart["kind"] == "restart" and restart["resumed_from_step"] >= 10, restart
+    assert restart["nodes"] == ["node-1", "node-2", "node-3"], restart
+    syncs = diloco_sync_hashes(run_dir / "logs")
+    assert all(len(by_hash) == 1 for by_hash in syncs.values()), syncs
+    assert max(k[3] for k in syncs) == max_steps

@@ -399,6 +399,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     # collect: the report and metrics from the node that ran rank 0.
     fetched = []
     rank0 = router.rank0_node or job.cluster.head
+    if watched is not None and rank0 in watched.lost:  # the quorum went on without it: a survivor's files
+        rank0 = next((h.node for h in handles if h.node not in watched.lost and h.returncode == 0), rank0)
     if job.fetch and not was_interrupted and failed is None and silent_s is None:
         fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, timeout_s)
     elif job.fetch and was_interrupted and job.fetch_when_interrupted is not None and job.fetch_when_interrupted():

@@ -135,6 +135,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         self._completed = 0  # the loop's steps done when this round's quorum formed (what a joiner takes)
         self._round_open = False
         self._moved: dict[str, Any] | None = None  # the loop's place taken from a peer, until `moved_to`
+        self._healing = False  # load_state_dict called by a heal, not by a resume
         self.quorums = 0
         self.heals = 0
         self.quorum_wait_seconds = 0.0
@@ -201,6 +202,13 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
                 self._quorum(step)
             self._pre_finalize_state = self._state(include_local=True)
             self._sync(0)
+
+    def lr_scale(self) -> float:
+        """DiLoCo's inner lr factor over the replica groups the job was planned with (each steps on
+        1/count of the global batch), not over this process's group of one."""
+        from vpscluster.train.strategies.diloco import inner_lr_scale
+
+        return inner_lr_scale(self.config.inner_lr_scale, self.replica.count)
 
     def participants(self) -> int:
         return self.manager.num_participants() if self.manager is not None else 1
@@ -271,11 +279,25 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         position["steps"] = self._completed
         return {"diloco": self._state(include_local=False), "position": position}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint resumed (`Session.resume`, after `join`): the Manager's step becomes the
+        checkpoint's outer-step count and the next step asks a new quorum, so replica groups that
+        resumed from different checkpoints (a relaunch: one saved at its stop, another was killed
+        first) line up there: those behind heal from the one ahead, the loop's place included."""
+        super().load_state_dict(state)
+        if getattr(self, "manager", None) is not None and not getattr(self, "_healing", False):
+            self.manager.load_state_dict({"step": self.outer_steps, "batches_committed": self.manager.batches_committed()})
+            self._round_open = False
+
     def _load_heal(self, payload: dict[str, Any]) -> None:
         state = dict(payload["diloco"])
         # θ_r = θ_global: this replica starts the round where the peer's outer step left it.
         state.update(steps_since_sync=[0], tokens_since_sync=[0.0], in_flight=[], sparse_ef=None)
-        self.load_state_dict(state)
+        self._healing = True  # torchft restores the Manager's own step
+        try:
+            self.load_state_dict(state)
+        finally:
+            self._healing = False
         self._write_local(0, self.global_flat[0])
         self._moved = payload.get("position")
         self.heals += 1
