@@ -85,7 +85,7 @@ class ReplicaGroup:
         lighthouse, group = os.environ.get(LIGHTHOUSE_ENV), os.environ.get(REPLICA_ENV, "")
         if not lighthouse:
             raise UserError(f"strategy.quorum needs the lighthouse's address in {LIGHTHOUSE_ENV} (http://HOST:PORT); "
-                            "start the run with `vpscluster run --quorum`, or start a lighthouse and set it")
+                            "start the run with `vpscluster train --quorum --cluster FILE`, or start a lighthouse and set it")
         try:
             index, count = (int(x) for x in group.split("/"))
             if not 0 <= index < count:
