@@ -241,3 +241,29 @@ def test_run_collective_timeout_reaches_the_session_settings(tmp_path):
     assert session_settings(args).timeouts.train_collective_s == 7.0
     args = p.parse_args(["--nodes", "2", "--", "python", "x.py"])
     assert session_settings(args).timeouts.train_collective_s == 180.0
+
+
+def test_train_quorum_dry_run_gives_each_node_its_own_rendezvous_and_replica_group(tmp_path, cli):
+    """`train --quorum`: one torchrun per node (its own store on its own address), the replica
+    group's environment, the lighthouse on the head's address; nothing is contacted."""
+    key = tmp_path / "k"
+    key.write_text("x")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"head: b\ndefaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n"
+                       "  - {name: b, host: 192.0.2.51}\n  - {name: c, host: 192.0.2.52}\n")
+    r = cli("train", "--cluster", str(cluster), "--quorum", "--strategy", "diloco", "--sync-every", "5",
+            "--wire-dtype", "fp32", "--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--dry-run", "--json",
+            timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [n["head"] for n in doc["nodes"]] == [False, True, False]
+    for i, n in enumerate(doc["nodes"]):
+        argv = n["argv"]
+        assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--nproc-per-node") + 1] == "1"
+        assert argv[argv.index("--rdzv-endpoint") + 1].startswith(n["address"] + ":")
+        assert "is_host=1" in argv[argv.index("--rdzv-conf") + 1]
+        assert n["env"]["VPSC_REPLICA_GROUP"] == f"{i}/3" and n["env"]["VPSC_REPLICA_ADDR"] == n["address"]
+        assert n["env"]["TORCHFT_LIGHTHOUSE"] == "http://192.0.2.51:PORT"
+    assert any("torchft's lighthouse on b" in note and "at least 2 replica groups" in note for note in doc["notes"])
+    r = cli("train", "--quorum", "--strategy", "diloco", "--dry-run", timeout=60)
+    assert r.returncode != 0 and "--quorum trains one replica group per node of a cluster file" in r.stderr

@@ -188,8 +188,10 @@ def test_settings_the_quorum_engine_cannot_take_are_refused_in_one_line(monkeypa
         build(SessionConfig, {"strategy": {"name": "ddp", "quorum": True}}, "test")
     with pytest.raises(UserError, match="leave fragments at 1"):
         StrategyConfig(name="diloco", quorum=True, wire_dtype="sparse4")
-    with pytest.raises(UserError, match="built-in `train` does not run on a quorum yet"):
+    with pytest.raises(UserError, match="--quorum trains one replica group per node of a cluster file"):
         TrainConfig(strategy=StrategyConfig(name="diloco", quorum=True))
+    with pytest.raises(UserError, match="--quorum runs one rank per node"):
+        TrainConfig(cluster="c.yaml", nproc_per_node=2, strategy=StrategyConfig(name="diloco", quorum=True))
     with pytest.raises(UserError, match="has no quorum engine yet"):
         get_strategy_class("ddp", quorum=True)
     cls = get_strategy_class("diloco", quorum=True)

@@ -50,6 +50,7 @@ FLAG_KEYS: dict[str, str] = {
     "min_share": "strategy.min_share",
     "max_spread": "strategy.max_spread",
     "rebalance_every": "strategy.rebalance_every",
+    "quorum": "strategy.quorum",
     "max_restarts": "recovery.max_restarts",
     "min_nodes": "recovery.min_nodes",
 }
@@ -104,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strat.add_argument("--inner-lr-scale", type=float, metavar="X", help="diloco: each replica's AdamW runs at lr times X (default: 1/sqrt(replicas), as each steps on 1/M of the global batch that --lr is set for)")
     strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help="diloco: dtype of the pseudo-gradient on the wire (default: from the plan, fp32 on fast links, int8 on slow)")
     strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
+    strat.add_argument("--quorum", action=argparse.BooleanOptionalAction, default=None,
+                       help="diloco on torchft's per-step quorum: a lighthouse on the head, one replica group per "
+                            "node with its own rendezvous; a node that dies is left out at the next sync and the "
+                            "others train on without a relaunch (needs torchft 0.2.0 on the nodes; default off)")
     strat.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire; its update lands TAU steps late (default {s.overlap_steps}, capped at H-1; 0 = blocking)")
 
     uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")

@@ -25,6 +25,8 @@ _STEP_KEYS = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "log_
 def undecided(cfg) -> bool:
     """The user left the split to the launcher and it has not decided yet."""
     s = cfg.strategy
+    if s.quorum:  # uneven shares do not carry over to the quorum engine yet (quorum_diloco.py)
+        return False
     return s.balance is None and not s.micro_batches and s.speeds is None and not s.node_speeds
 
 

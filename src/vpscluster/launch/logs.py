@@ -90,6 +90,7 @@ class LogRouter:
         show: Callable[[str], None] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         file_names: dict[str, str] | None = None,
+        events_from: str | None = None,
     ) -> None:
         from vpscluster.train.events import parse_event
 
@@ -103,6 +104,8 @@ class LogRouter:
         self._files = {n: o.path.open("a", buffering=1) for n, o in self.nodes.items()}
         self._lock = threading.Lock()
         self.rank0_node: str | None = None  # which node runs global rank 0 (the report's writer)
+        # Only this node's rank 0 speaks for the run (the quorum engine: one group per node); None: any.
+        self.events_from = events_from
         self.events: list[dict[str, Any]] = []
         self.last_line_at = time.monotonic()  # for the launcher's silence watchdog
         self.started = False  # rank 0 announced the start of training
@@ -136,7 +139,7 @@ class LogRouter:
             death = worker_death(text) if rank is None else None
             if death:
                 out.deaths.append(death)
-            if rank == 0:
+            if rank == 0 and self.events_from in (None, node):
                 self.rank0_node = node
                 event = self._parse_event(text)
                 if event is not None:

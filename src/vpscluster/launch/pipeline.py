@@ -98,6 +98,9 @@ class Job:
     # Started with the run: when it returns, the run is stopped as by Ctrl-C (SIGTERM to the
     # workers, which checkpoint) and the result says `stopped_by_job` (e.g. a node is back).
     stop_when: Callable[[], Awaitable[Any]] | None = None
+    # The quorum engine (`launch/quorum.py`): a lighthouse on the head, a rendezvous of its own on
+    # every node (one replica group each), and a failed node does not end the launch.
+    quorum: Any = None  # launch.quorum.QuorumPlan
 
     def node_run_dir(self, workdir: str) -> str:
         return posixpath.join(workdir, self.run_dir_on_node or posixpath.join("runs", self.run_id))
@@ -129,6 +132,10 @@ class LaunchResult:
     rank0_node: str | None = None
     wall_seconds: float = 0.0
     fetched: list[str] = field(default_factory=list)
+    # The quorum engine: nodes whose replica group failed while the others trained on, and when
+    # the launcher saw each (time.monotonic()).
+    lost_nodes: list[str] = field(default_factory=list)
+    lost_at: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -160,12 +167,29 @@ def torchelastic_dir(job: Job, workdir: str) -> str:
     return posixpath.join(job.node_run_dir(workdir), "logs", "torchelastic")
 
 
-def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int) -> list[NodeCommand]:
+def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
+                   own_ports: dict[str, int | str] | None = None, lighthouse: str | None = None) -> list[NodeCommand]:
+    """Every node's command. The quorum engine (`job.quorum`): each node a torchrun of its own on
+    `own_ports[node]`, with its replica group's environment (`lighthouse`: the lighthouse's URL)."""
+    import dataclasses
+
     nproc = {n: job.nproc_per_node or max(1, states[n].gpus) for n in states}
     options = LaunchOptions(rdzv_id=rdzv_id, rdzv_port=rdzv_port, join_timeout_s=job.join_timeout_s,
                             store_timeout_s=job.store_timeout_s)
     program = job.program_for(states) if job.program_for else job.program
-    return build_node_commands(node_targets(job, states, synced, nproc), job.cluster.head, program, options)
+    targets = node_targets(job, states, synced, nproc)
+    if job.quorum is None:
+        return build_node_commands(targets, job.cluster.head, program, options)
+    from vpscluster.launch.quorum import replica_env
+
+    commands = []
+    for i, t in enumerate(targets):
+        t = dataclasses.replace(t, env=t.env + tuple(replica_env(i, len(targets), lighthouse, t.address).items()))
+        own = dataclasses.replace(options, rdzv_port=own_ports[t.name])
+        (c,) = build_node_commands([t], t.name, program, own)  # is_host=1: its own store
+        c.is_head = t.name == job.cluster.head  # the lighthouse's node
+        commands.append(c)
+    return commands
 
 
 def dry_run(job: Job) -> dict[str, Any]:
@@ -195,6 +219,17 @@ def dry_run(job: Job) -> dict[str, Any]:
     if job.syncs:
         notes.append("synced files go under each node's workdir; a node that already holds them at the "
                      "launcher's path (shared file system) uses that path instead")
+    if job.quorum is not None:
+        from vpscluster.launch.quorum import lighthouse_url
+
+        head = states[job.cluster.head]
+        notes.append(f"quorum: torchft's lighthouse on {job.cluster.head} ({head.address}, a free port at launch: "
+                     f"PORT; at least {job.quorum.min_replicas} replica groups), each node its own rendezvous "
+                     f"(one replica group; a free port on it at launch, {DEFAULT_RDZV_PORT} shown); a node that "
+                     "fails does not stop the others")
+        commands = build_commands(job, states, synced, job.rdzv_id or "<fresh id per launch>", DEFAULT_RDZV_PORT,
+                                  {n: DEFAULT_RDZV_PORT for n in states}, lighthouse_url(head.address, "PORT"))
+        return render_dry_run(commands, notes)
     if job.rdzv_port is None:
         notes.append(f"rendezvous port: a free port on the head at launch ({DEFAULT_RDZV_PORT} shown)")
     commands = build_commands(job, states, synced, job.rdzv_id or "<fresh id per launch>",
@@ -256,7 +291,11 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     if job.check_states is not None:
         job.check_states(states)
     head = by_name[job.cluster.head]
-    port = job.rdzv_port or await pf.free_port(head, states[head.node.name].address, timeout_s)
+    own_ports = None
+    if job.quorum is None:
+        port = job.rdzv_port or await pf.free_port(head, states[head.node.name].address, timeout_s)
+    else:  # a rendezvous port on every node, and the lighthouse's on the head
+        own_ports, port = await unless_interrupted(_quorum_ports(by_name, states, head, timeout_s), interrupted)
 
     # sync: code and data, by content hash.
     synced: dict[str, dict[str, str]] = {n: {} for n in states}
@@ -289,12 +328,21 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     if job.create_run is not None:
         job.create_run()
     await unless_interrupted(asyncio.gather(*(prepare(ex) for ex in executors)), interrupted)
-    commands = build_commands(job, states, synced, rdzv_id, port)
+    lighthouse_at = None
+    if job.quorum is not None:
+        from vpscluster.launch.quorum import lighthouse_url
+
+        lighthouse_at = lighthouse_url(states[head.node.name].address, port)
+    commands = build_commands(job, states, synced, rdzv_id, port, own_ports, lighthouse_at)
 
     # start + stream.
+    # The quorum engine: every node's process is rank 0 of its own group; the head's (replica
+    # group 0) speaks for the run.
     router = LogRouter(job.run_dir / "logs", list(states), show=job.say, on_event=job.on_event,
-                       file_names=job.log_names)
+                       file_names=job.log_names, events_from=job.cluster.head if job.quorum is not None else None)
     handles = []
+    lighthouse = None  # the quorum engine's lighthouse handle on the head
+    watched = None
     hung = None  # (node, reason) when a node was found hanging after a failure
     error = None
     failed = None
@@ -312,13 +360,26 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             stopper = asyncio.ensure_future(stop_when())
         for c in commands:
             router.note(c.node, "$ " + c.shell())
+        if job.quorum is not None:
+            from vpscluster.launch.quorum import start_lighthouse
+
+            router.note(head.node.name, f"starting the quorum's lighthouse at {lighthouse_at}")
+            lighthouse = await unless_interrupted(start_lighthouse(
+                head, states[head.node.name].address, port, job.quorum, rdzv_id, None, job.stop_grace_s or 5.0,
+                router.for_node(head.node.name)), interrupted)
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
             # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
             # And under the run's node lock: a second launch of this run is refused while this one lives.
             line = guarded(c.argv[0], rdzv_id, c.shell(), grace_s=job.stop_grace_s or 5.0,
                            lock_path=posixpath.join(job.node_run_dir(states[c.node].workdir), NODE_LOCK))
             handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
-        failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
+        if lighthouse is None:
+            failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
+        else:
+            from vpscluster.launch.quorum import watch
+
+            watched = await watch(handles, lighthouse, interrupted, router, job.silence_limits_s, job.say)
+            failed, was_interrupted, silent_s = watched.failed, watched.interrupted, watched.silent_s
         seen_at = time.monotonic()
         if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see
             hung = await find_hung(executors, rdzv_id)
@@ -327,7 +388,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             stopper.cancel()
         if was_interrupted and not by_job:
             job.say("interrupted: stopping every process on every node")
-        reaped = await asyncio.shield(teardown(executors, handles, rdzv_id, grace_s=job.stop_grace_s or 6.0))
+        reaped = await asyncio.shield(teardown(executors, handles + ([lighthouse] if lighthouse else []), rdzv_id,
+                                               grace_s=job.stop_grace_s or 6.0))
         router.close()
     for h in handles:
         outcomes[h.node].exit_status = h.returncode
@@ -343,6 +405,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     # collect: the report and metrics from the node that ran rank 0.
     fetched = []
     rank0 = router.rank0_node or job.cluster.head
+    if watched is not None and rank0 in watched.lost:  # the quorum went on without it: a survivor's files
+        rank0 = next((h.node for h in handles if h.node not in watched.lost and h.returncode == 0), rank0)
     if job.fetch and not was_interrupted and failed is None and silent_s is None:
         fetched = await _fetch(by_name[rank0], job, states[rank0].workdir, timeout_s)
     elif job.fetch and was_interrupted and job.fetch_when_interrupted is not None and job.fetch_when_interrupted():
@@ -357,6 +421,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     elif silent_s is not None:
         error, status = (f"no node printed anything for {silent_s:.0f} s, so the run was stopped "
                          f"(a node or a link hangs); see {job.run_dir / 'logs'}"), 1
+    elif watched is not None and watched.lighthouse_ended:
+        error, status = f"the quorum's lighthouse on {failed} ended", 1
     elif failed is not None:
         failed = _culprit(failed, outcomes)
         o = outcomes[failed]
@@ -372,7 +438,23 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
     return LaunchResult(ok=status == 0, exit_status=status, run_dir=str(job.run_dir), rdzv_id=rdzv_id,
                         nodes=list(outcomes.values()), error=error, interrupted=was_interrupted,
                         stopped_by_job=was_interrupted and bool(by_job), ended_at=seen_at,
-                        failed_node=failed, rank0_node=router.rank0_node, fetched=fetched)
+                        failed_node=failed, rank0_node=router.rank0_node, fetched=fetched,
+                        lost_nodes=list(watched.lost) if watched else [],
+                        lost_at=dict(watched.lost_at) if watched else {})
+
+
+async def _quorum_ports(by_name, states, head, timeout_s: float) -> tuple[dict[str, int], int]:
+    """A free port on every node for its own rendezvous, and another on the head for the lighthouse."""
+    from vpscluster.launch import preflight as pf
+
+    names = list(by_name)
+    found = await asyncio.gather(*(pf.free_port(by_name[n], states[n].address, timeout_s) for n in names))
+    own = dict(zip(names, found))
+    for _ in range(5):  # free when asked, not reserved: not the one just given to the head's rendezvous
+        port = await pf.free_port(head, states[head.node.name].address, timeout_s)
+        if port != own[head.node.name]:
+            return own, port
+    raise RemoteError(f"node {head.node.name}: no second free port for the quorum's lighthouse")
 
 
 async def _watch(handles, interrupted: asyncio.Event, router, silence_limits_s) -> tuple[str | None, bool, float | None]:

@@ -73,6 +73,7 @@ class Supervisor:
         self.stop_checkpoint: int | None = None
         self.retry_without_progress = retry_without_progress
         self.saved = False  # the current launch saved a checkpoint (rank 0's "checkpoint" event)
+        self.step_seen: list[tuple[float, int]] = []  # (time.monotonic(), step) of rank 0's step events
 
     # ---- rank 0's events ------------------------------------------------------------------
     def watch(self, event: dict) -> None:
@@ -81,7 +82,7 @@ class Supervisor:
         if kind == "resume":
             self.resumed_from = int(event.get("step") or 0)
             last = self.recoveries[-1] if self.recoveries else None
-            if last is not None and "resumed_from_step" not in last:
+            if last is not None and "resumed_from_step" not in last and "_at" in last:
                 last["resumed_from_step"] = event.get("step")
                 last["resumed_after_s"] = round(time.monotonic() - last["_at"], 1)  # the checkpoint loaded
         elif kind == "stopping":
@@ -93,8 +94,9 @@ class Supervisor:
                 self.stop_checkpoint = int(event.get("step", -1))
         elif kind == "step":
             self.last_step = int(event.get("step", self.last_step))
+            self.step_seen.append((time.monotonic(), self.last_step))
             last = self.recoveries[-1] if self.recoveries else None
-            if last is not None and "training_again_after_s" not in last:
+            if last is not None and "training_again_after_s" not in last and "_at" in last:
                 last["training_again_after_s"] = round(time.monotonic() - last["_at"], 1)
                 last["training_again_at"] = round(time.time(), 2)
 
@@ -144,6 +146,8 @@ class Supervisor:
             if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
                 self._take_back(out, result.ended_at)
                 continue
+            if getattr(result, "lost_nodes", None) and not result.interrupted:
+                self._record_quorum_losses(result)
             if result.interrupted or result.ok or self.restarts >= self.policy.max_restarts:
                 return result
             # A node that teardown could not reach is out (the watcher takes it back when it answers).
@@ -173,6 +177,19 @@ class Supervisor:
         self.recoveries.append({"kind": "restart", "after_step": self.last_step, "error": error,
                                 "failed_node": failed_node, "nodes": live, "out": out, **_seen(ended_at)})
         self.current, self.resume = live, True
+
+    def _record_quorum_losses(self, result) -> None:
+        """The quorum engine lost nodes and the others trained on without them, no relaunch: one
+        `quorum` entry per node, timed from when the launcher saw it go to rank 0's next step."""
+        for node in result.lost_nodes:
+            seen = _seen(result.lost_at.get(node))
+            at = seen.pop("_at")
+            entry = {"kind": "quorum", "out": [node], "nodes": [n for n in self.current if n not in result.lost_nodes],
+                     "after_step": max((s for t, s in self.step_seen if t <= at), default=0), **seen}
+            again = next(((t, s) for t, s in self.step_seen if t > at), None)
+            if again is not None:  # the survivors' next step announced after the loss was seen
+                entry.update(training_again_after_s=round(again[0] - at, 1), training_again_at_step=again[1])
+            self.recoveries.append(entry)
 
     def _take_back(self, out: list[str], ended_at: float | None) -> None:
         back = asyncio.run(recovery.ready(self.cluster, out))

@@ -149,6 +149,10 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
     else:
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
+    if cfg.strategy.quorum and resume_dir is None:  # the lighthouse's floor is the run's recovery floor
+        from vpscluster.launch.recovery import policy
+
+        cfg.strategy.quorum_min_replicas = policy(cfg.recovery, n, not cfg.cluster).min_nodes
     speeds_note = None
     if resume_dir is None:
         speeds_note = balance_from_saved_probe(cfg, cluster) or starting_speeds(cfg, cluster)
@@ -288,6 +292,11 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
             syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))
     run_dir_on_node = _as_seen_here(run_dir, cluster) if here else None
     nproc = cfg.nodes if cfg.cluster is None else cfg.nproc_per_node
+    quorum = None
+    if cfg.strategy.quorum:  # one replica group per node, one rank each (launch/quorum.py)
+        from vpscluster.launch.quorum import QuorumPlan
+
+        quorum, nproc = QuorumPlan(min_replicas=cfg.strategy.quorum_min_replicas), 1
 
     def check_states(states) -> None:  # after pre-flight, before anything is created or started
         ranks = ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()})
@@ -349,7 +358,7 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
         syncs=syncs, cwd_key=None, nproc_per_node=nproc, fetch=list(FETCHED), fetch_after_failure=[rundir.METRICS],
         join_timeout_s=cfg.timeouts.rendezvous_s, store_timeout_s=cfg.timeouts.startup_collective_s,
         env_for=env_for, prepare=prepare, check_states=check_states, force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port,
-        say=say, on_event=on_event, run_dir_on_node=run_dir_on_node,
+        say=say, on_event=on_event, run_dir_on_node=run_dir_on_node, quorum=quorum,
         log_names={cluster.nodes[0].name: LOCAL_LOG} if cfg.cluster is None and len(cluster.nodes) == 1 else {},
         # Quiet for longer than the workers' own time-outs means a hang they cannot see.
         silence_limits_s=(cfg.timeouts.rendezvous_s + cfg.timeouts.startup_collective_s,

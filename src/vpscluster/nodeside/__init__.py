@@ -16,6 +16,7 @@ vpscluster installed to be probed, synced, torn down or given a port.
     run_module.py  run a module of a package sent as a zip on stdin (calibration: the real model)
     queue_exporter.py  NATS JetStream monitoring as Prometheus metrics (`queue up` starts it on the head)
     torchrun.py    torch.distributed.run with its TCPStore servers bound to their own address
+    lighthouse.py  torchft's lighthouse bound to the head's address (the quorum engine's meeting point)
 
 `command(python, name, *args)` is the argv that runs program `name`: its source travels inside
 the command line (zlib + base64 in a one-line `python -c` bootstrap), so nothing is copied to
@@ -39,7 +40,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 PROGRAMS = ("facts", "links", "allreduce", "reap", "tree_hash", "unpack", "free_port", "run_module", "queue_exporter",
-            "torchrun")
+            "torchrun", "lighthouse")
 
 # The bootstrap puts argv in place as the program expects it (argv[0] = the program's file name).
 _BOOTSTRAP = (

@@ -315,9 +315,12 @@ class TrainConfig:
         shape = get_preset(self.preset)
         if self.max_steps < 1:
             raise UserError(f"max_steps must be at least 1, got {self.max_steps}")
-        if self.strategy.quorum:  # the built-in trainer takes it once it runs on the session API
-            raise UserError("strategy.quorum is for the session API for now (a script of your own under "
-                            "`vpscluster run`); the built-in `train` does not run on a quorum yet")
+        if self.strategy.quorum and not self.cluster:
+            raise UserError("--quorum trains one replica group per node of a cluster file: give --cluster FILE "
+                            "(the local cluster runs every rank in one group), or leave --quorum out")
+        if self.strategy.quorum and self.nproc_per_node > 1:
+            raise UserError(f"--quorum runs one rank per node for now (its replica group); drop --nproc-per-node "
+                            f"{self.nproc_per_node} or leave --quorum out")
         if self.batch_size < 0:
             raise UserError(f"batch_size must be positive, got {self.batch_size}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:

@@ -146,7 +146,9 @@ class Trainer:
                              seed=cfg.seed, run_dir=str(self.run_dir), checkpoint_every=0,
                              keep_checkpoints=cfg.keep_checkpoints, resume=resume, exporters=cfg.exporters)
         self.session = s = Session(scfg, self.backend)
-        s.events = self.events = events.event_writer(s.rank)
+        # Rank 0 speaks for the run; on a quorum every node's rank is rank 0 of its own replica
+        # group, and replica group 0's speaks (the launcher reads the head's: launch/quorum.py).
+        s.events = self.events = events.event_writer(s.strategy.data_shard()[0] if cfg.strategy.quorum else s.rank)
         s.resume_hint = f"vpscluster train --resume {self.run_dir}"
         self.ctx, self.strategy, self.coll = s.ctx, s.strategy, s.coll
         self.metrics, self.exporter = s.metrics, s.exporter

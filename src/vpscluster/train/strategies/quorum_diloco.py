@@ -85,7 +85,7 @@ class ReplicaGroup:
         lighthouse, group = os.environ.get(LIGHTHOUSE_ENV), os.environ.get(REPLICA_ENV, "")
         if not lighthouse:
             raise UserError(f"strategy.quorum needs the lighthouse's address in {LIGHTHOUSE_ENV} (http://HOST:PORT); "
-                            "start the run with `vpscluster run --quorum`, or start a lighthouse and set it")
+                            "start the run with `vpscluster train --quorum --cluster FILE`, or start a lighthouse and set it")
         try:
             index, count = (int(x) for x in group.split("/"))
             if not 0 <= index < count:
@@ -135,6 +135,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         self._completed = 0  # the loop's steps done when this round's quorum formed (what a joiner takes)
         self._round_open = False
         self._moved: dict[str, Any] | None = None  # the loop's place taken from a peer, until `moved_to`
+        self._healing = False  # load_state_dict called by a heal, not by a resume
         self.quorums = 0
         self.heals = 0
         self.quorum_wait_seconds = 0.0
@@ -202,6 +203,13 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
             self._pre_finalize_state = self._state(include_local=True)
             self._sync(0)
 
+    def lr_scale(self) -> float:
+        """DiLoCo's inner lr factor over the replica groups the job was planned with (each steps on
+        1/count of the global batch), not over this process's group of one."""
+        from vpscluster.train.strategies.diloco import inner_lr_scale
+
+        return inner_lr_scale(self.config.inner_lr_scale, self.replica.count)
+
     def participants(self) -> int:
         return self.manager.num_participants() if self.manager is not None else 1
 
@@ -242,6 +250,10 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
             try:
                 reduced = self._reduce(self.tokens_since_sync[f], delta, self.pg, self.comm)
             except Exception as e:  # a peer died or timed out mid-reduction
+                if e.__context__ is not None and "world group map" in str(e):
+                    # torch's c10d logger, formatting the failure, fails on torchft's group when a
+                    # default group exists (under torchrun) and hides the reason: name the reason.
+                    e = e.__context__
                 why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
                 print(f"warning: replica group {self.replica.index}: outer sync {self.syncs_attempted} failed: {why}",
                       file=sys.stderr, flush=True)
@@ -267,11 +279,25 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         position["steps"] = self._completed
         return {"diloco": self._state(include_local=False), "position": position}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint resumed (`Session.resume`, after `join`): the Manager's step becomes the
+        checkpoint's outer-step count and the next step asks a new quorum, so replica groups that
+        resumed from different checkpoints (a relaunch: one saved at its stop, another was killed
+        first) line up there: those behind heal from the one ahead, the loop's place included."""
+        super().load_state_dict(state)
+        if getattr(self, "manager", None) is not None and not getattr(self, "_healing", False):
+            self.manager.load_state_dict({"step": self.outer_steps, "batches_committed": self.manager.batches_committed()})
+            self._round_open = False
+
     def _load_heal(self, payload: dict[str, Any]) -> None:
         state = dict(payload["diloco"])
         # θ_r = θ_global: this replica starts the round where the peer's outer step left it.
         state.update(steps_since_sync=[0], tokens_since_sync=[0.0], in_flight=[], sparse_ef=None)
-        self.load_state_dict(state)
+        self._healing = True  # torchft restores the Manager's own step
+        try:
+            self.load_state_dict(state)
+        finally:
+            self._healing = False
         self._write_local(0, self.global_flat[0])
         self._moved = payload.get("position")
         self.heals += 1
