@@ -269,7 +269,7 @@ def test_run_ships_the_script_but_not_the_secrets_beside_it(sandbox3, tmp_path):
     assert len(said) == 1 and said[0].startswith(f"sync code: {proj}: 1 file (") and \
         said[0].endswith("left out as possible secrets: .env, .ssh/, id_ed25519, key.pem"), lines
     for n, outcome in zip(sandbox3.nodes, result.nodes):
-        assert sorted(os.listdir(Path(n.workdir, "code", proj.name))) == ["show.py"]
+        assert sorted(os.listdir(Path(n.workdir, "code", "run", proj.name))) == ["show.py"]
         assert "FILES ['show.py']" in Path(outcome.log).read_text()
 
 

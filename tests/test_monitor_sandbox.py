@@ -53,11 +53,15 @@ def test_monitor_a_sandbox_run(make_sandbox, tmp_path):
         seen: dict = {}
         done: dict = {}
 
+        # As the CLI does: monitoring subscribes to the launch's events (the launcher imports no monitoring).
+        from vpscluster.monitor.targets import chain, run_targets
+
         def on_event(ev):
             if ev["event"] == "start":
                 seen["exporters"] = ev["exporters"]
 
-        worker = threading.Thread(target=lambda: done.setdefault("report", train(cfg, on_event=on_event)), daemon=True)
+        events = chain(on_event, run_targets(cluster, "mon-run", print))
+        worker = threading.Thread(target=lambda: done.setdefault("report", train(cfg, on_event=events)), daemon=True)
         worker.start()
 
         def ranks_up():
