@@ -154,3 +154,12 @@ def iperf3_mbit(info, src: str, dst: str, port: int = 5201, seconds: float = 3, 
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, words joined by spaces ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

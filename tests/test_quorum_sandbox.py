@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-from sandbox_fixtures import SandboxFactory
-from vpscluster.launch.logs import diloco_sync_hashes
+from sandbox_fixtures import SandboxFactory, cmdline
+from vpscluster.launch.logs import FileTail, diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -64,17 +64,11 @@ class StepWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        offset, tail = 0, ""
+        tail = FileTail(self.path)
         while not self._stop.is_set():
-            if self.path.is_file():
-                with self.path.open(errors="replace") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                    offset = f.tell()
-                lines = (tail + chunk).split("\n")
-                tail = lines.pop()
-                now = time.monotonic()
-                self.seen += [(now, int(m.group(1))) for m in map(STEP_EVENT.search, lines) if m]
+            lines = tail.lines()
+            now = time.monotonic()
+            self.seen += [(now, int(m.group(1))) for m in map(STEP_EVENT.search, lines) if m]
             time.sleep(0.05)
 
     def last_step(self) -> int:
@@ -85,12 +79,15 @@ class StepWatch:
         self._thread.join(timeout=5)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+def _start_train(sandbox, config, run_dir, max_steps: int) -> tuple[subprocess.Popen, list[str]]:
+    """`train --quorum` on the sandbox in the background; its stderr lines gathered as they come."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox.cluster_file, "--config", str(config),
+         "--quorum", "--preset", "tiny", "--max-steps", str(max_steps), "--run-dir", str(run_dir), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    return proc, lines
 
 
 def test_a_killed_node_costs_the_quorum_seconds_and_no_relaunch(sandbox, tmp_path):
@@ -99,13 +96,7 @@ def test_a_killed_node_costs_the_quorum_seconds_and_no_relaunch(sandbox, tmp_pat
     config = tmp_path / "train.yaml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox.cluster_file, "--config", str(config),
-         "--quorum", "--preset", "tiny", "--max-steps", str(MAX_STEPS), "--run-dir", str(run_dir), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
-    reader.start()
+    proc, lines = _start_train(sandbox, config, run_dir, MAX_STEPS)
     watch = StepWatch(run_dir / "logs" / "node-1.log")
     try:
         deadline = time.monotonic() + 150
@@ -159,14 +150,14 @@ def test_a_killed_node_costs_the_quorum_seconds_and_no_relaunch(sandbox, tmp_pat
     # Nothing of the launch left anywhere: workers, agents, guards, the lighthouse.
     for node in ("node-1", "node-2", "node-3"):
         left = [p for p in faults.node_pids(sandbox, sandbox.node(node))
-                if any(w in _cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "lighthouse",
+                if any(w in cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "lighthouse",
                                                     "reap"))]
-        assert not left, (node, [_cmdline(p) for p in left])
+        assert not left, (node, [cmdline(p) for p in left])
 
 
 def _lighthouse_pid(sandbox, faults) -> int | None:
     for p in faults.node_pids(sandbox, sandbox.node("node-1")):
-        words = _cmdline(p).split(" ")
+        words = cmdline(p).split(" ")
         if any(w.endswith("torchft_lighthouse") for w in words[:2]) and "--bind" in words:  # the binary, or its entry point
             return p
     return None
@@ -181,13 +172,7 @@ def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, 
     config.write_text(CONFIG.replace("checkpoint_every: 100", "checkpoint_every: 10"))
     run_dir = tmp_path / "run"
     max_steps = 30
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox.cluster_file, "--config", str(config),
-         "--quorum", "--preset", "tiny", "--max-steps", str(max_steps), "--run-dir", str(run_dir), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
-    reader.start()
+    proc, lines = _start_train(sandbox, config, run_dir, max_steps)
     watch = StepWatch(run_dir / "logs" / "node-1.log")
     try:
         deadline = time.monotonic() + 150

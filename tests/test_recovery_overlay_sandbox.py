@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from sandbox_fixtures import TEST_PREFIX, sandbox_unavailable_reason, ssh_run
+from sandbox_fixtures import TEST_PREFIX, cmdline, sandbox_unavailable_reason, ssh_run
 from test_overlay_sandbox import lend_host_python
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -72,14 +72,6 @@ def overlaid(tmp_path_factory):
         yield info, config
     finally:
         sandbox.down(name)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def train_through(info, config, run_dir, fault, recovery_flags=("--min-nodes", "2", "--max-restarts", "2")) -> tuple[dict, str]:
@@ -167,7 +159,7 @@ def test_a_node_failing_the_relaunch_pre_flight_is_left_out(overlaid, tmp_path):
         from vpscluster.cluster.sandbox import faults
 
         assert ssh_run(info, "node-2", "ip link del vpsc0").returncode == 0
-        ranks = [p for p in faults.node_pids(info, info.node("node-2")) if "vpscluster.train.worker" in _cmdline(p)]
+        ranks = [p for p in faults.node_pids(info, info.node("node-2")) if "vpscluster.train.worker" in cmdline(p)]
         assert ranks
         for pid in ranks:
             os.kill(pid, signal.SIGKILL)

@@ -25,7 +25,7 @@ import time
 import pytest
 
 from fault_helpers import sandbox_name
-from sandbox_fixtures import SandboxFactory
+from sandbox_fixtures import SandboxFactory, cmdline
 from vpscluster.launch.logs import diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -51,14 +51,6 @@ def _wait_for(lines: list[str], text: str, proc, timeout_s: float) -> float:
         assert proc.poll() is None, "\n".join(lines[-30:])
         time.sleep(0.5)
     raise AssertionError(f"no {text!r} within {timeout_s:.0f} s:\n" + "\n".join(lines[-30:]))
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _two_rank_checkpoints(run_dir) -> int:
@@ -146,7 +138,7 @@ def test_diloco_goes_on_without_a_dead_node_and_takes_it_back(tmp_path):
         # Nothing of any launch is left on any node (node-3's first-launch workers included).
         for node in ("node-1", "node-2", "node-3"):
             left = [p for p in faults.node_pids(info, info.node(node))
-                    if any(w in _cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "reap"))]
-            assert not left, (node, [_cmdline(p) for p in left])
+                    if any(w in cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "reap"))]
+            assert not left, (node, [cmdline(p) for p in left])
     finally:
         factory.close()

@@ -146,7 +146,7 @@ class Supervisor:
             if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
                 self._take_back(out, result.ended_at)
                 continue
-            if getattr(result, "lost_nodes", None) and not result.interrupted:
+            if result.lost_nodes and not result.interrupted:
                 self._record_quorum_losses(result)
             if result.interrupted or result.ok or self.restarts >= self.policy.max_restarts:
                 return result
