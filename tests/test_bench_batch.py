@@ -41,7 +41,9 @@ def test_measured_capacity_follows_the_quotas(make_sandbox):
     # 4x the quota, several times the rows: not exactly 4x, as CFS serves a small quota worse
     # (CI measured 6.2x for 0.5 against 0.125: the loss the yardstick exists to capture)
     assert 2.5 < rates[0] / rates[1] < 9.0, rates
-    alone = unthrottled_rate(work=20_000, seconds=3.0)
+    # the best of three, since a noisy neighbour only ever slows the yardstick (CI on 2026-12-07
+    # got 73.5 rows/s from one "unthrottled" run against 56.3 on the half-core node)
+    alone = max(unthrottled_rate(work=20_000, seconds=2.0) for _ in range(3))
     assert rates[0] < 0.75 * alone, (rates, alone)  # the half-core quota is felt
 
 
