@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Annotated
 
 from vpscluster import fsutil
-from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, flag, shorthand, to_dict
+from vpscluster.config import PYDANTIC_CONFIG, Before, Float, Int, build, flag, shorthand, to_dict
 from vpscluster.errors import UserError
-from vpscluster.train.config import StrategyConfig, TimeoutConfig
+from vpscluster.train.config import StrategyConfig, TimeoutConfig, lift_launcher_keys
 from vpscluster.train.strategies import COSTS, costs_for
 
 ENV = "VPSC_SESSION"  # the path of this node's session.json, set by `vpscluster run`
@@ -49,7 +49,7 @@ class AutoInputs:
 class SessionConfig:
     __pydantic_config__ = PYDANTIC_CONFIG
 
-    strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
+    strategy: Annotated[StrategyConfig, shorthand("name"), Before(lift_launcher_keys)] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     # stop, agreed at a sync point, after this much training time
     time_budget_s: Float | None = field(default=None, metadata=flag(

@@ -11,12 +11,13 @@ CLI, the planner and the loader read them there (`strategy_choices`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, comma_floats, flag, load_yaml, merge, shorthand
+from vpscluster.config import PYDANTIC_CONFIG, Before, Float, Int, build, comma_floats, flag, load_yaml, merge, shorthand
 from vpscluster.errors import UserError
 from vpscluster.train.strategies import CHOICES, STRATEGIES, costs_for
 
@@ -51,11 +52,58 @@ class ReplanInputs:
     def __post_init__(self) -> None:
         if self.step_seconds <= 0 or self.bandwidth_bytes_s <= 0 or self.num_params <= 0 or not self.choices \
                 or not self.wires:
-            raise UserError("strategy.replan needs a positive step_seconds, bandwidth_bytes_s and num_params, "
+            raise UserError("strategy.launcher.replan needs a positive step_seconds, bandwidth_bytes_s and num_params, "
                             "and at least one H and wire; leave it to the launcher")
         if any(len(q) != 2 or min(q) <= 0 for q in self.egress_quotas) or self.run_steps < 0 or self.run_seconds < 0:
-            raise UserError("strategy.replan.egress_quotas needs [bytes per rank, period seconds] pairs, both "
+            raise UserError("strategy.launcher.replan.egress_quotas needs [bytes per rank, period seconds] pairs, both "
                             "positive; leave it to the launcher")
+
+
+# The launcher's keys, as runs made before `StrategyConfig.launcher` wrote them: flat in `strategy`.
+LAUNCHER_KEYS = ("planned", "planned_reason", "replan", "node_speeds", "node_regions")
+
+
+@dataclass
+class LauncherChoices:
+    """What the launcher wrote into the run's strategy settings: chosen from the plan or measured
+    on the cluster when the run was launched, read by the ranks; never set by the user (a config
+    file may hold it only as a run's stored config.yaml does)."""
+
+    __pydantic_config__ = PYDANTIC_CONFIG
+
+    # diloco: the strategy keys whose values the launcher chose from the plan
+    # (`train/strategies/sync_rule.py`: every one of sync_every, wire_dtype, outer_lr,
+    # outer_momentum, outer_warmup the user did not set), and its one-line reason; a record, kept
+    # in the run's config and report.
+    planned: list[str] = field(default_factory=list)
+    planned_reason: str | None = None
+    # diloco: the rule's inputs, for the ranks to apply it again on the step time they measure
+    # (`train/replan.py`); set with `planned`, None = the plan stands as it is.
+    replan: ReplanInputs | None = None
+    # Per-rank speed of the ranks on each node, by node name, from the cluster's last probe: what
+    # `train --balance` without `strategy.speeds` starts from; each rank looks up its node.
+    node_speeds: dict[str, Float] | None = None
+    # The region of each node, by node name (the cluster file's labels.region or the probe's
+    # regions), for a strategy by regions without `strategy.regions`; each rank looks up its node.
+    node_regions: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.node_speeds is not None and (not self.node_speeds or any(v <= 0 for v in self.node_speeds.values())):
+            raise UserError(f"strategy.launcher.node_speeds must map node names to positive numbers, got {self.node_speeds}")
+        if self.node_regions is not None and not all(r for r in self.node_regions.values()):
+            raise UserError(f"strategy.launcher.node_regions must map node names to region names, got {self.node_regions}")
+
+
+def lift_launcher_keys(value: Any) -> Any:
+    """A `strategy` mapping written before `launcher` existed (a run dir's config.yaml, so an
+    older run still resumes): its flat launcher keys moved into `launcher`."""
+    if not isinstance(value, dict) or not any(k in value for k in LAUNCHER_KEYS):
+        return value
+    out = {k: v for k, v in value.items() if k not in LAUNCHER_KEYS}
+    launcher = out.get("launcher")
+    out["launcher"] = {**(launcher if isinstance(launcher, dict) else {}),
+                       **{k: value[k] for k in LAUNCHER_KEYS if k in value}}
+    return out
 
 
 @dataclass
@@ -102,14 +150,6 @@ class StrategyConfig:
     inner_lr_scale: Float = field(default=0.0, metadata=flag(
         "--inner-lr-scale", "diloco: each replica's AdamW runs at lr times X (default: 1/sqrt(replicas), as each steps "
         "on 1/M of the global batch that --lr is set for)", "strategy", metavar="X"))
-    # diloco: the keys above whose values the launcher chose from the plan (`train/strategies/sync_rule.py`:
-    # every one of sync_every, wire_dtype, outer_lr, outer_momentum, outer_warmup the user did
-    # not set), and its one-line reason; a record, kept in the run's config and report.
-    planned: list[str] = field(default_factory=list)
-    planned_reason: str | None = None
-    # diloco: the rule's inputs, for the ranks to apply it again on the step time they measure
-    # (`train/replan.py`); set by the launcher with `planned`, None = the plan stands as it is.
-    replan: ReplanInputs | None = None
     # diloco: each outer sync's collectives time out after this (0 = the run's training time-out)
     # and are retried this many times on a fresh process group before the round is skipped.
     sync_timeout_s: Float = 0.0
@@ -137,9 +177,8 @@ class StrategyConfig:
     # probe's or plan's figures; none = even). `balance`: re-measure every `rebalance_every`
     # steps and re-split. `min_share`: micro-batches every rank keeps (0 allowed: such a rank
     # still joins every collective). `max_spread`: speeds are clamped to at least
-    # max(speeds) / max_spread (0 = no rule). `node_speeds`: per-rank speed of the ranks on each
-    # node, by node name - what `train --balance` without `speeds` starts from, filled in by the
-    # launcher from the cluster's last probe (`speeds`, per rank, wins); each rank looks up its node.
+    # max(speeds) / max_spread (0 = no rule). Without `speeds`, `train --balance` starts from
+    # the launcher's `launcher.node_speeds` (`speeds`, per rank, wins).
     # `balance` None (the default): the launcher decides (`launch/balance.py`: on, with a split it
     # chooses, when the probe shows ranks more than 15% apart; else False); --no-balance: False.
     micro_batches: Int = field(default=0, metadata=flag(
@@ -154,7 +193,6 @@ class StrategyConfig:
         "--speeds", "relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last "
         "probe, else even)", "uneven", metavar="S,S,...", parse=comma_floats, commands=("train", "run"),
         helps={"run": "relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step"}))
-    node_speeds: dict[str, Float] | None = None
     min_share: Int = field(default=1, metadata=flag(
         "--min-share", "micro-batches every rank keeps (default {default})", "uneven", metavar="N"))
     max_spread: Float = field(default=8.0, metadata=flag(
@@ -163,12 +201,10 @@ class StrategyConfig:
     rebalance_every: Int = field(default=5, metadata=flag(
         "--rebalance-every", "steps between speed measurements (default {default})", "uneven", metavar="K"))
     # hierarchical (`strategies/hierarchical.py`): the region of each rank, by rank (e.g.
-    # [fra, fra, lax, lax]), or of each node, by node name: the launcher fills `node_regions`
-    # from the cluster file's labels.region or the probe's regions and each rank looks up its
-    # node (`regions`, per rank, wins). Ranks of a region all-reduce gradients every step; the
-    # regions meet in a DiLoCo outer sync every sync_every steps.
+    # [fra, fra, lax, lax]); without it, each rank looks up its node in the launcher's
+    # `launcher.node_regions`. Ranks of a region all-reduce gradients every step; the regions
+    # meet in a DiLoCo outer sync every sync_every steps.
     regions: list[str] | None = None
-    node_regions: dict[str, str] | None = None
     # diloco on a quorum (torchft's Manager, `strategies/quorum_diloco.py`): each replica group
     # (a node) trains on whoever is present; a dead one is dropped at the next sync, a returning
     # or new one heals from a peer. The outer syncs wait for at least `quorum_min_replicas`
@@ -180,9 +216,15 @@ class StrategyConfig:
         "(needs torchft 0.2.0 on the nodes; default off)", "strategy", negatable=True))
     quorum_min_replicas: Int = 2
     quorum_timeout_s: Float = 60.0
+    # What the launcher chose and measured for this run (never the user's settings).
+    launcher: LauncherChoices = field(default_factory=LauncherChoices)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def with_launcher(self, **changes: Any) -> "StrategyConfig":
+        """A copy with these `launcher` fields changed (e.g. planned=[], replan=None)."""
+        return dataclasses.replace(self, launcher=dataclasses.replace(self.launcher, **changes))
 
     def validate(self) -> None:
         if self.sync_timeout_s < 0 or self.sync_retries < 0:
@@ -222,12 +264,8 @@ class StrategyConfig:
             raise UserError(f"strategy.rebalance_every must be at least 1, got {self.rebalance_every}")
         if self.speeds is not None and (not self.speeds or any(v <= 0 for v in self.speeds)):
             raise UserError(f"strategy.speeds must be positive numbers, one per rank, got {self.speeds}")
-        if self.node_speeds is not None and (not self.node_speeds or any(v <= 0 for v in self.node_speeds.values())):
-            raise UserError(f"strategy.node_speeds must map node names to positive numbers, got {self.node_speeds}")
         if self.regions is not None and (not self.regions or not all(isinstance(r, str) and r for r in self.regions)):
             raise UserError(f"strategy.regions must name the region of each rank, got {self.regions}")
-        if self.node_regions is not None and not all(r for r in self.node_regions.values()):
-            raise UserError(f"strategy.node_regions must map node names to region names, got {self.node_regions}")
         if self.micro_batches and self.name in STRATEGIES and not costs_for(self.name).uneven_shares:
             raise UserError(f"uneven shares (--micro-batches) are not supported by --strategy {self.name} yet; "
                             "leave them out or use --strategy diloco")
@@ -382,7 +420,7 @@ class TrainConfig:
     # run's name never picks up that run's checkpoints there. Empty in runs made before it.
     run_uid: str = ""
     # `strategy: diloco` is what users write; it means `strategy: {name: diloco}`.
-    strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
+    strategy: Annotated[StrategyConfig, shorthand("name"), Before(lift_launcher_keys)] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
@@ -489,7 +527,7 @@ def config_keys() -> str:
     """The keys a config file takes, for help texts (read from the classes, never copied)."""
     groups = (("strategy", StrategyConfig), ("timeouts", TimeoutConfig), ("recovery", RecoveryConfig))
     top = [f.name for f in fields(TrainConfig) if f.name not in dict(groups) and f.name != "run_uid"]  # set at creation
-    nested = {n: [f.name for f in fields(c)] for n, c in groups}
+    nested = {n: [f.name for f in fields(c) if f.name != "launcher"] for n, c in groups}  # written by the launcher
     return ", ".join(top) + "; " + "; ".join(f"{n}: {{{', '.join(v)}}}" for n, v in nested.items())
 
 
