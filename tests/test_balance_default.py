@@ -152,7 +152,7 @@ def test_the_decision_lands_in_the_runs_config(uneven_cluster):
     run = prepare_training(cfg)
     c, s = run.cfg, run.cfg.strategy
     assert "6/6/6/2" in run.speeds_note and s.balance is True
-    assert s.node_speeds == {f"node-{i + 1}": pytest.approx(v * 1e11) for i, v in enumerate(ISSUE)}
+    assert s.launcher.node_speeds == {f"node-{i + 1}": pytest.approx(v * 1e11) for i, v in enumerate(ISSUE)}
     # The same inner steps per round and tokens per run: 20 micro-batches of 4, rounds of 2 steps
     # of 5x the tokens, a fifth of the steps on the same LR schedule; the inner lr of 4 replicas.
     assert (c.batch_size, s.micro_batches, s.sync_every, c.max_steps, c.lr_decay_steps) == (4, 20, 2, 40, 40)
@@ -174,7 +174,7 @@ def test_a_strategy_that_keeps_even_shares_is_not_balanced():
     # hierarchical runs DDP inside a region: no uneven shares yet (its companion's uneven_shares)
     hier = TrainConfig(preset="small", strategy=StrategyConfig(name="hierarchical"))
     assert apply_default_balance(hier, probe, ranks) is None
-    assert hier.strategy.balance is False and not hier.strategy.micro_batches and hier.strategy.node_speeds is None
+    assert hier.strategy.balance is False and not hier.strategy.micro_batches and hier.strategy.launcher.node_speeds is None
 
 
 def test_capacity_is_what_a_node_is_given_not_a_share_measured_under_load():
@@ -197,7 +197,7 @@ def test_diloco_moves_the_plans_h_to_one_that_splits_better_and_keeps_the_users(
     # 6/6/7/1 of 20, 10% over exact; H = 8 (k = 4: 5/5/5/1 of 16) comes within 6%.
     from vpscluster.launch.balance import apply_default_balance
     from vpscluster.plan.balance import choose_split_near
-    from vpscluster.train.config import StrategyConfig, TrainConfig
+    from vpscluster.train.config import LauncherChoices, StrategyConfig, TrainConfig
 
     skewed = [0.462, 0.4594, 0.4913, 0.1359]
     h, c = choose_split_near(skewed, 4, 10, min_round_steps=2)
@@ -212,7 +212,8 @@ def test_diloco_moves_the_plans_h_to_one_that_splits_better_and_keeps_the_users(
     probe = {"nodes": [{"name": f"node-{i + 1}", "flops": f * 1e11, "gpus": []} for i, f in enumerate(skewed)]}
     ranks = {f"node-{i + 1}": 1 for i in range(4)}
     planned = TrainConfig(preset="small", max_steps=200,
-                          strategy=StrategyConfig(name="diloco", sync_every=10, overlap_steps=1, planned=["sync_every"]))
+                          strategy=StrategyConfig(name="diloco", sync_every=10, overlap_steps=1,
+                                                  launcher=LauncherChoices(planned=["sync_every"])))
     line = apply_default_balance(planned, probe, ranks)
     assert "H = 8 instead of the plan's 10" in line and planned.strategy.sync_every == 2, line
     assert planned.max_steps == 50  # 200 inner steps in steps of 4x the tokens

@@ -14,7 +14,7 @@ import pytest
 from test_diloco_strategy import batch, digest, flat, run_ranks
 
 from vpscluster.errors import UserError
-from vpscluster.train.config import StrategyConfig
+from vpscluster.train.config import LauncherChoices, StrategyConfig
 from vpscluster.train.strategies.hierarchical import RegionLayout, rank_regions
 
 H = 4
@@ -171,7 +171,7 @@ def test_one_region_is_ddp_and_one_rank_per_region_is_diloco(two):
 
 
 def test_regions_come_from_ranks_or_nodes_and_a_missing_one_is_refused():
-    cfg = StrategyConfig(name="hierarchical", node_regions={"a": "fra", "b": "fra", "c": "lax"})
+    cfg = StrategyConfig(name="hierarchical", launcher=LauncherChoices(node_regions={"a": "fra", "b": "fra", "c": "lax"}))
     assert rank_regions(cfg, 4, lambda: ["a", "b", "c", "c"]) == ["fra", "fra", "lax", "lax"]
     layout = RegionLayout.of(["lax", "fra", "lax", "fra"])
     assert layout.members == ((0, 2), (1, 3)) and layout.leaders == [0, 1]

@@ -195,7 +195,7 @@ def test_plan_diloco_fills_in_every_key_the_user_left_open():
     fast = auto.plan_diloco(cfg, *_inputs(cfg, 10000.0), given=set())
     assert slow.wire_dtype == "int8" and fast.wire_dtype == "fp32"
     assert fast.sync_every == sync_rule.H_MIN <= slow.sync_every and 100 % slow.sync_every == 0
-    assert slow.planned == sorted(sync_rule.KEYS) and slow.planned_reason.startswith(f"H={slow.sync_every} int8")
+    assert slow.launcher.planned == sorted(sync_rule.KEYS) and slow.launcher.planned_reason.startswith(f"H={slow.sync_every} int8")
     assert (slow.outer_lr, slow.outer_momentum) == (sync_rule.outer_lr_for(slow.sync_every), 0.9)
     assert (fast.outer_lr, fast.outer_momentum) == (0.5, 0.9)  # H = 10
     assert slow.outer_warmup == sync_rule.outer_warmup_for(slow.sync_every) >= 1
@@ -207,13 +207,13 @@ def test_what_the_user_set_wins_over_the_plan():
     cfg = _diloco_cfg(sync_every=50, wire_dtype="fp32", outer_lr=0.5)
     s = auto.plan_diloco(cfg, *_inputs(cfg, 100.0), given={"sync_every", "wire_dtype", "outer_lr"})
     assert (s.sync_every, s.wire_dtype, s.outer_lr) == (50, "fp32", 0.5)
-    assert s.planned == ["outer_momentum", "outer_warmup"] and s.outer_warmup == 2
-    assert "as set: outer_lr, sync_every, wire_dtype" in s.planned_reason
+    assert s.launcher.planned == ["outer_momentum", "outer_warmup"] and s.outer_warmup == 2
+    assert "as set: outer_lr, sync_every, wire_dtype" in s.launcher.planned_reason
     # A StrategyConfig built in Python carries no record: values off the defaults count as set.
     assert auto.given_keys(cfg.strategy) == {"sync_every", "outer_lr"}
     everything = auto.plan_diloco(cfg, *_inputs(cfg, 100.0), given={"sync_every", "wire_dtype", "outer_lr",
                                                                      "outer_momentum", "outer_warmup"})
-    assert everything.planned == [] and everything.outer_warmup == 0
+    assert everything.launcher.planned == [] and everything.outer_warmup == 0
 
 
 def test_auto_choosing_diloco_uses_the_sync_rule():
@@ -227,8 +227,8 @@ def test_auto_choosing_diloco_uses_the_sync_rule():
     assert strategy.name == "diloco" and strategy.fragments == 1
     assert (strategy.sync_every, strategy.wire_dtype, strategy.outer_warmup) == (
         expected.sync_every, expected.wire_dtype, expected.outer_warmup)
-    assert reason.startswith(f"diloco H={strategy.sync_every} {strategy.wire_dtype}") and expected.planned_reason in reason
-    assert strategy.planned_reason == reason
+    assert reason.startswith(f"diloco H={strategy.sync_every} {strategy.wire_dtype}") and expected.launcher.planned_reason in reason
+    assert strategy.launcher.planned_reason == reason
 
 
 def test_an_egress_quota_in_the_cluster_file_bounds_the_plan():
@@ -246,14 +246,14 @@ def test_an_egress_quota_in_the_cluster_file_bounds_the_plan():
     model, res, eff = auto.plan_inputs(cfg, cluster_of(quota=(quota, month)), probe_doc(bandwidth_mbit=1000.0))
     capped = auto.plan_diloco(cfg, model, res, eff.value, given=set())
     assert (free.sync_every, free.wire_dtype) == (10, "fp32")
-    assert (capped.sync_every, capped.wire_dtype) == (50, "int8") and "egress quota allows" in capped.planned_reason
+    assert (capped.sync_every, capped.wire_dtype) == (50, "int8") and "egress quota allows" in capped.launcher.planned_reason
     assert capped.outer_lr == sync_rule.outer_lr_for(50)
     # `plan`'s own check agrees: over the run, H = 50 int8 keeps the quota and H = 25 does not.
     tokens = cfg.max_steps * tokens_per_rank_step(model) * 4
     assert not predict(model, res, Settings("diloco", sync_every=50, wire_dtype="int8"), tokens, eff.value).quota_exceeded
     assert predict(model, res, Settings("diloco", sync_every=25, wire_dtype="int8"), tokens, eff.value).quota_exceeded
     # The ranks re-plan within the same quota (train/replan.py).
-    r = capped.replan
+    r = capped.launcher.replan
     assert r.egress_quotas == [[quota, month]] * 4 and r.run_steps == cfg.max_steps
     # auto: plain DDP is faster on 10 Gbit/s links but would use up the quota, so DiLoCo runs.
     auto_cfg = build(TrainConfig, {"preset": "small", "strategy": {"name": "auto"}, "max_steps": 2000,

@@ -15,7 +15,7 @@ from vpscluster.plan import auto, hierarchical
 from vpscluster.plan.predict import Settings, predict
 from vpscluster.plan.resources import LinkMatrix, NodeResources, Resources
 from vpscluster.plan.shapes import load_model
-from vpscluster.train.config import TrainConfig
+from vpscluster.train.config import LauncherChoices, TrainConfig
 from vpscluster.train.strategies.hierarchical_costs import FEWER_REPLICAS
 
 REGIONS = {"n0": "fra", "n1": "fra", "n2": "lax", "n3": "lax"}
@@ -47,7 +47,7 @@ def cluster(labels=True):
 
 def test_cost_is_ddp_inside_each_region_plus_the_leaders_sync_spread_over_h():
     model, res = load_model("small"), two_regions()
-    h = Settings(name="hierarchical", sync_every=50, wire_dtype="int8", node_regions=REGIONS)
+    h = Settings(name="hierarchical", sync_every=50, wire_dtype="int8", launcher=LauncherChoices(node_regions=REGIONS))
     p = predict(model, res, h, TOKENS, 0.5)
     inside = predict(model, hierarchical._subset(res, [0, 1]), Settings(name="ddp"), TOKENS, 0.5)
     flat = predict(model, res, dataclasses.replace(h, name="diloco", overlap_steps=0), TOKENS, 0.5)
@@ -62,7 +62,7 @@ def test_cost_is_ddp_inside_each_region_plus_the_leaders_sync_spread_over_h():
     assert p.quality_risk == flat.quality_risk - FEWER_REPLICAS  # 2 replicas, not 4
     assert p.settings.label() == "hierarchical H=50 int8"
     # One region: ddp, the same prediction.
-    one = predict(model, res, dataclasses.replace(h, node_regions=dict.fromkeys(REGIONS, "fra")), TOKENS, 0.5)
+    one = predict(model, res, h.with_launcher(node_regions=dict.fromkeys(REGIONS, "fra")), TOKENS, 0.5)
     ddp = predict(model, res, Settings(name="ddp"), TOKENS, 0.5)
     assert one.step_seconds == ddp.step_seconds and one.bytes_sent_per_step == ddp.bytes_sent_per_step
 
@@ -84,7 +84,7 @@ def _cfg(name):
 def test_auto_weighs_hierarchical_where_regions_exist_and_takes_it_when_links_inside_are_fast():
     cfg = _cfg("auto")
     strategy, reason = auto.choose_for_training(cfg, cluster(), slow_between(inside_mbit=10000.0), given=set())
-    assert strategy.name == "hierarchical" and strategy.node_regions == REGIONS
+    assert strategy.name == "hierarchical" and strategy.launcher.node_regions == REGIONS
     assert reason.startswith("hierarchical H=") and "2 regions" in reason
     assert strategy.overlap_steps == 0 and 100 % strategy.sync_every == 0
     cfg.strategy = strategy
@@ -100,8 +100,8 @@ def test_train_hierarchical_plans_h_on_the_leaders_and_refuses_without_regions()
     cfg = _cfg("hierarchical")
     model, res, eff = auto.plan_inputs(cfg, cluster(), slow_between())
     s = hierarchical.plan_settings(cfg, model, res, eff.value, REGIONS, given=set())
-    assert s.name == "hierarchical" and "sync_every" in s.planned and s.replan is None
-    assert 100 % s.sync_every == 0 and s.node_regions == REGIONS
+    assert s.name == "hierarchical" and "sync_every" in s.launcher.planned and s.launcher.replan is None
+    assert 100 % s.sync_every == 0 and s.launcher.node_regions == REGIONS
     kept = hierarchical.plan_settings(cfg, model, res, eff.value, REGIONS, given={"sync_every"})
     assert kept.sync_every == cfg.strategy.sync_every
     with pytest.raises(UserError, match="two regions"):

@@ -38,8 +38,8 @@ def test_prepare_training_plans_what_is_open_keeps_what_is_set_and_resume_change
                  "--max-steps", "200", "--run-dir", str(tmp_path / "run"))
     run = prepare_training(resolve_config(args), given=given_strategy_keys(args))
     s = run.cfg.strategy
-    assert s.sync_every == 25 and "sync_every" not in s.planned
-    assert s.planned == ["outer_lr", "outer_momentum", "outer_warmup", "wire_dtype"]
+    assert s.sync_every == 25 and "sync_every" not in s.launcher.planned
+    assert s.launcher.planned == ["outer_lr", "outer_momentum", "outer_warmup", "wire_dtype"]
     assert s.outer_warmup == sync_rule.outer_warmup_for(25) and s.wire_dtype in sync_rule.WIRES
     assert run.strategy_line().startswith("strategy diloco: H=25 ") and "as set: sync_every" in run.strategy_line()
     rundir.write_config(run.cfg, tmp_path)  # the record travels with the run's config
@@ -55,7 +55,7 @@ def test_prepare_training_plans_what_is_open_keeps_what_is_set_and_resume_change
     fixed = prepare_training(resolve_config(args), given=given_strategy_keys(args))
     s = fixed.cfg.strategy
     assert (s.sync_every, s.wire_dtype, s.outer_lr, s.outer_momentum, s.outer_warmup) == (50, "bf16", 0.5, 0.8, 0)
-    assert s.planned == [] and fixed.strategy_line() is None
+    assert s.launcher.planned == [] and fixed.strategy_line() is None
 
 
 def test_checkpoints_fall_on_outer_steps_of_the_planned_h_and_a_set_h_that_misses_is_refused(tmp_path):
@@ -67,7 +67,7 @@ def test_checkpoints_fall_on_outer_steps_of_the_planned_h_and_a_set_h_that_misse
     args = _args("--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--checkpoint-every", "30",
                  "--max-steps", "300", "--run-dir", str(tmp_path / "run"))
     s = prepare_training(resolve_config(args), given=given_strategy_keys(args)).cfg.strategy
-    assert "sync_every" in s.planned and 30 % s.sync_every == 0
+    assert "sync_every" in s.launcher.planned and 30 % s.sync_every == 0
     # H is set and checkpoints would fall between outer steps: refused in one line, naming both.
     args = _args("--nodes", "2", "--preset", "tiny", "--strategy", "diloco", "--checkpoint-every", "30",
                  "--sync-every", "100", "--run-dir", str(tmp_path / "r2"))

@@ -107,13 +107,13 @@ def test_the_launchers_plan_carries_the_rules_inputs(tmp_path, monkeypatch):
     model, res, eff = plan_inputs(cfg, 20.0)
     s = auto.plan_diloco(cfg, model, res, eff, given={"sync_every"})
     step_s, beta, alpha = auto.rule_inputs(model, res, eff)
-    r = s.replan
+    r = s.launcher.replan
     assert (r.step_seconds, r.bandwidth_bytes_s, r.latency_s, r.num_params) == (step_s, beta, alpha, model.num_params())
-    assert r.choices == [50] and r.wires == ["fp32", "bf16", "int8"] and r.keys == s.planned
+    assert r.choices == [50] and r.wires == ["fp32", "bf16", "int8"] and r.keys == s.launcher.planned
     assert r.step_source == "FLOP/s x efficiency"
     everything = auto.plan_diloco(cfg, model, res, eff, given={"sync_every", "wire_dtype", "outer_lr",
                                                                 "outer_momentum", "outer_warmup"})
-    assert everything.replan is None  # nothing left to plan: nothing to re-make
+    assert everything.launcher.replan is None  # nothing left to plan: nothing to re-make
 
 
 # -- through the trainer, 2 gloo ranks -----------------------------------------------------------------
@@ -123,7 +123,7 @@ H0, MAX_STEPS, CKPT = 10, 80, 40
 
 def _rank(rank, world, port, run_dir, max_steps, resume):
     from vpscluster.train import checkpoint
-    from vpscluster.train.config import ReplanInputs, StrategyConfig, TrainConfig
+    from vpscluster.train.config import LauncherChoices, ReplanInputs, StrategyConfig, TrainConfig
     from vpscluster.train.strategies.diloco import DiLoCoStrategy
     from vpscluster.train.trainer import Trainer
 
@@ -145,7 +145,7 @@ def _rank(rank, world, port, run_dir, max_steps, resume):
     cfg = TrainConfig(preset="tiny", max_steps=max_steps, eval_every=10**6, checkpoint_every=CKPT, eval_batches=1,
                       batch_size=2, exporters=False, threads_per_rank=1, lr_decay_steps=MAX_STEPS,
                       strategy=StrategyConfig(name="diloco", sync_every=H0, wire_dtype="fp32", outer_lr=0.5,
-                                              outer_warmup=10, replan=replan))
+                                              outer_warmup=10, launcher=LauncherChoices(replan=replan)))
     trainer = Trainer(cfg, run_dir, backend="gloo")
     try:
         report = trainer.train(resume=resume)

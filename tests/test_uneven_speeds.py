@@ -90,14 +90,14 @@ def test_balance_without_speeds_starts_from_the_probe_or_even(tmp_path, monkeypa
 
     c = cfg()
     note = starting_speeds(c, cluster)
-    assert c.strategy.node_speeds is None and "no probe" in note and "start even" in note
+    assert c.strategy.launcher.node_speeds is None and "no probe" in note and "start even" in note
     _save_probe(path, [_node("n1", 60e9, 2.0), _node("n2", 30e9, 1.0), _node("n3", 15e9, 0.5)])
     c = cfg()
     note = starting_speeds(c, cluster)
-    assert c.strategy.node_speeds == pytest.approx({"n1": 60e9, "n2": 30e9, "n3": 15e9})
+    assert c.strategy.launcher.node_speeds == pytest.approx({"n1": 60e9, "n2": 30e9, "n3": 15e9})
     assert "probe" in note and "n3 0.25" in note
     c = cfg(speeds=[1, 1, 1])  # explicit --speeds wins
-    assert starting_speeds(c, cluster) is None and c.strategy.node_speeds is None
+    assert starting_speeds(c, cluster) is None and c.strategy.launcher.node_speeds is None
     c = resolve(None, {"cluster": str(path), "nproc_per_node": 2, "strategy": {"micro_batches": 12, "balance": True}})
     starting_speeds(c, cluster)
-    assert c.strategy.node_speeds == pytest.approx({"n1": 30e9, "n2": 15e9, "n3": 7.5e9})
+    assert c.strategy.launcher.node_speeds == pytest.approx({"n1": 30e9, "n2": 15e9, "n3": 7.5e9})

@@ -269,3 +269,81 @@ def _type_at(root: type, loc: tuple) -> Any:
         else:
             return None
     return _unwrap(tp)
+
+
+# --- command-line flags from field metadata -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a configuration field is given on the command line: `field(metadata=flag(...))`.
+
+    The CLI (`cli/flags.py`) builds its arguments from these; nothing is copied by hand. The
+    type, choices (a `Literal`) and default come from the field itself. `help` may name
+    `{default}` (the field's default, format spec allowed: `{default:g}`), `{root}` (the
+    command's default configuration, e.g. `{root.warmup_steps}`) and values the command
+    computes (`cli/flags.py: help_values`). `commands`: the commands that offer the flag;
+    `helps`: a command's own help where it differs. `group`: the argument group it is listed
+    in. `resume`: the flag may change on `train --resume`. `parse`: a function from the flag's
+    text to the value (a ValueError's message is the user's error). `negatable`: a bool field
+    takes --X and --no-X (None = not given); `store_false`: the flag sets the field false.
+    """
+
+    name: str
+    help: str
+    group: str
+    metavar: str | None = None
+    commands: tuple[str, ...] = ("train",)
+    helps: tuple[tuple[str, str], ...] = ()
+    resume: bool = False
+    parse: Callable[[str], Any] | None = None
+    negatable: bool = False
+    store_false: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").removeprefix("no-" if self.store_false else "").replace("-", "_")
+
+    def help_for(self, command: str) -> str:
+        return dict(self.helps).get(command, self.help)
+
+
+def flag(name: str, help: str, group: str, *, helps: dict[str, str] | None = None, **kw: Any) -> dict[str, Flag]:
+    """The `metadata` of a field with a command-line flag (see `Flag`)."""
+    return {"flag": Flag(name, help, group, helps=tuple((helps or {}).items()), **kw)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagField:
+    """A flagged field found in a configuration class: its dotted key, flag, type and default."""
+
+    key: str  # e.g. "strategy.sync_every"
+    flag: Flag
+    type: Any  # the declared type, `X | None` and Annotated unwrapped
+    default: Any
+
+
+def flag_fields(cls: type, command: str) -> list[FlagField]:
+    """The fields of `cls` and its nested configuration classes with a flag `command` offers,
+    in declaration order (depth first)."""
+    out: list[FlagField] = []
+    defaults = None  # made when needed: a class without flags may have required fields
+    for name, tp in _fields(cls).items():
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        inner = _unwrap(tp)
+        fl = f.metadata.get("flag")
+        if fl is not None:
+            if command in fl.commands:
+                defaults = cls() if defaults is None else defaults
+                out.append(FlagField(name, fl, inner, getattr(defaults, name)))
+        elif dataclasses.is_dataclass(inner):
+            out += [dataclasses.replace(sub, key=f"{name}.{sub.key}") for sub in flag_fields(inner, command)]
+    return out
+
+
+def comma_floats(text: str) -> list[float]:
+    """`3,1` -> [3.0, 1.0] (a flag's `parse`)."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of numbers (e.g. 3,1)") from None

@@ -1,13 +1,15 @@
 """`vpscluster run --cluster FILE | --nodes N [...] -- python script.py ARGS`: a torchrun script on every node.
 
-The strategy flags (`--strategy`, `--sync-every`, `--wire-dtype`, ...) are `train`'s own: the same
-StrategyConfig keys (`cli.train.FLAG_KEYS`), choices and defaults, resolved into the session
-settings a script's `session.start()` reads (`launch/run.py`).
+The strategy flags (`--strategy`, `--sync-every`, `--wire-dtype`, ...) are `train`'s own: built from
+the same StrategyConfig fields' flag metadata (`config.Flag`, `cli/flags.py`), with their keys,
+choices and defaults, resolved into the session settings a script's `session.start()` reads
+(`launch/run.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -15,14 +17,10 @@ from vpscluster.cli import detach
 from vpscluster.cli.output import add_json_flag
 
 
-# The session's flags: dest -> key, from train's table (one source of settings).
-SESSION_FLAGS = ("strategy", "compress", "sync_every", "wire_dtype", "overlap_steps", "time_budget", "micro_batches",
-                 "speeds")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from vpscluster.cli.train import _speeds
-    from vpscluster.train.config import StrategyConfig, TimeoutConfig, strategy_choices
+    from vpscluster.cli.flags import add_flags
+    from vpscluster.session.config import SessionConfig
+    from vpscluster.train.config import RecoveryConfig
 
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", metavar="FILE", help="the cluster file (cluster.yaml)")
@@ -42,31 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-port", type=int, metavar="PORT", help="rendezvous port on the head (default: a free one)")
     p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="every node must join the rendezvous within this (default 600)")
-    from vpscluster.launch.recovery import default_restarts
-
-    p.add_argument("--max-restarts", type=int, metavar="N",
-                   help=f"after a failure, relaunch the script on the nodes that answer, up to N times; its session "
-                        f"resumes from its newest checkpoint (default on a cluster of two or more nodes: twice the node "
-                        f"count, at least {default_restarts(1)}; with --nodes: 0. 0 turns recovery off)")
-    p.add_argument("--min-nodes", type=int, metavar="N",
-                   help="go on with at least N nodes when some stop answering; a node that answers again takes part "
-                        "again (default: half the nodes, rounded up)")
-    d = StrategyConfig()
+    add_flags(RecoveryConfig, "run", {"where": p})
     g = p.add_argument_group("for scripts that use the session API (vpscluster.session)")
-    g.add_argument("--strategy", choices=strategy_choices("name"),
-                   help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: the session times its first DDP "
-                   f"steps and the sync rule chooses on them and the cluster's links (default {d.name})")
-    g.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {d.compress})")
-    g.add_argument("--sync-every", type=int, metavar="H", help=f"diloco: inner steps between outer syncs (default {d.sync_every})")
-    g.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help=f"diloco: dtype of the pseudo-gradient on the wire (default {d.wire_dtype})")
-    g.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire (default {d.overlap_steps}, capped at H-1; 0 = blocking)")
-    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop every rank after the same step once this much training time is spent")
-    g.add_argument("--micro-batches", type=int, metavar="N", help="diloco: micro-batches per step in all, split among the ranks by --speeds (default: one per rank)")
-    g.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step")
-    g.add_argument("--checkpoint-every", type=int, metavar="N", help="the session saves a checkpoint every N steps (default: only where the script calls save)")
-    g.add_argument("--collective-timeout", type=float, metavar="SECONDS",
-                   help=f"once training runs, a collective waiting this long fails: how fast a dead peer is noticed "
-                        f"(default {TimeoutConfig().train_collective_s:g})")
+    add_flags(SessionConfig, "run", dict.fromkeys(("strategy", "uneven", "what", "timeouts"), g))
     g.add_argument("--resume", metavar="RUN_DIR", help="run again in RUN_DIR; the script's session.resume() continues from its newest checkpoint")
     detach.add_arguments(p, "run (its launcher)")
     add_json_flag(p)
@@ -115,18 +91,23 @@ def print_summary(result, console) -> None:
     console.print(t)
 
 
+@functools.cache
+def session_keys() -> dict[str, str]:
+    """flag dest -> dotted SessionConfig key, read from the fields' flag metadata (train's own for the strategy)."""
+    from vpscluster.config import flag_fields
+    from vpscluster.session.config import SessionConfig
+
+    return {ff.flag.dest: ff.key for ff in flag_fields(SessionConfig, "run")}
+
+
 def session_settings(args: argparse.Namespace):
-    """The SessionConfig of the flags given (train's keys, `cli.train.FLAG_KEYS`); defaults elsewhere."""
-    from vpscluster.cli.train import _nest
+    """The SessionConfig of the flags given (`session_keys`); defaults elsewhere."""
+    from vpscluster.cli.flags import given, nest
     from vpscluster.config import build
     from vpscluster.session.config import SessionConfig
 
-    given = {dest: getattr(args, dest) for dest in SESSION_FLAGS if getattr(args, dest, None) is not None}
-    doc = _nest(given)  # e.g. {"strategy": {"name": "diloco", "sync_every": 8}, "time_budget_s": 60.0}
-    if args.checkpoint_every is not None:
-        doc["checkpoint_every"] = args.checkpoint_every
-    if args.collective_timeout is not None:
-        doc["timeouts"] = {"train_collective_s": args.collective_timeout}
+    # e.g. {"strategy": {"name": "diloco", "sync_every": 8}, "time_budget_s": 60.0}
+    doc = nest(given(args, session_keys()), session_keys())
     if args.resume:
         doc["resume"] = True
     return build(SessionConfig, doc, "flags")

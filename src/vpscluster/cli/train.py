@@ -11,125 +11,50 @@ written to the run directory, which the workers read.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 from vpscluster.cli import detach
+from vpscluster.cli.flags import given, nest
 from vpscluster.cli.output import add_json_flag
 
-# flag dest -> dotted TrainConfig key
-FLAG_KEYS: dict[str, str] = {
-    "cluster": "cluster",
-    "nodes": "nodes",
-    "preset": "preset",
-    "strategy": "strategy.name",
-    "max_steps": "max_steps",
-    "time_budget": "time_budget_s",
-    "run_dir": "run_dir",
-    "data": "data",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "seed": "seed",
-    "eval_every": "eval_every",
-    "checkpoint_every": "checkpoint_every",
-    "nproc_per_node": "nproc_per_node",
-    "threads_per_rank": "threads_per_rank",
-    "exporters": "exporters",
-    "compress": "strategy.compress",
-    "powersgd_rank": "strategy.powersgd_rank",
-    "sync_every": "strategy.sync_every",
-    "outer_lr": "strategy.outer_lr",
-    "outer_momentum": "strategy.outer_momentum",
-    "outer_warmup": "strategy.outer_warmup",
-    "inner_lr_scale": "strategy.inner_lr_scale",
-    "wire_dtype": "strategy.wire_dtype",
-    "fragments": "strategy.fragments",
-    "overlap_steps": "strategy.overlap_steps",
-    "micro_batches": "strategy.micro_batches",
-    "balance": "strategy.balance",
-    "speeds": "strategy.speeds",
-    "min_share": "strategy.min_share",
-    "max_spread": "strategy.max_spread",
-    "rebalance_every": "strategy.rebalance_every",
-    "quorum": "strategy.quorum",
-    "max_restarts": "recovery.max_restarts",
-    "min_nodes": "recovery.min_nodes",
-}
-RESUME_FLAGS = ("max_steps", "time_budget", "cluster", "nodes", "nproc_per_node", "max_restarts", "min_nodes")
+@functools.cache
+def flag_keys() -> dict[str, str]:
+    """flag dest -> dotted TrainConfig key, read from the fields' flag metadata (`config.Flag`)."""
+    from vpscluster.config import flag_fields
+    from vpscluster.train.config import TrainConfig
+
+    return {ff.flag.dest: ff.key for ff in flag_fields(TrainConfig, "train")}
+
+
+@functools.cache
+def resume_flags() -> tuple[str, ...]:
+    """The dests of the flags `--resume` accepts (`resume=True` in their metadata)."""
+    from vpscluster.cli.flags import resume_dests
+    from vpscluster.train.config import TrainConfig
+
+    return resume_dests(TrainConfig, "train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # light: no torch, no pydantic. Defaults, keys and choices are read from the typed config and
-    # the strategy registry: help shows the real ones, never a copy of them.
-    from vpscluster.train.config import TrainConfig, config_keys, strategy_choices
-    from vpscluster.launch.recovery import default_restarts
-    from vpscluster.train.presets import preset_lrs_text
+    # light: no torch, no pydantic. The config flags, their defaults, keys and choices are read
+    # from the typed config's field metadata and the strategy registry: never a copy of them.
+    from vpscluster.cli.flags import add_flags
+    from vpscluster.train.config import TrainConfig, config_keys
 
-    d = TrainConfig()
-    s = d.strategy
-    preset_lrs = preset_lrs_text()
     parser.epilog = f"--config FILE.yaml takes these keys: {config_keys()}. Precedence: defaults < --config < flags."
     where = parser.add_argument_group("where to train")
-    g = where.add_mutually_exclusive_group()
-    g.add_argument("--cluster", metavar="FILE", help="cluster.yaml: train across its nodes over SSH (default: this machine)")
-    g.add_argument("--nodes", type=int, metavar="N", help=f"number of local worker processes when there is no cluster file (default {d.nodes})")
-    where.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per cluster node (default: one per GPU, else one)")
-    where.add_argument("--max-restarts", type=int, metavar="N",
-                       help=f"after a failure, relaunch from the last checkpoint on the nodes that answer, up to N times "
-                            f"(default on a cluster of two or more nodes: twice the node count, at least {default_restarts(1)}; "
-                            "on this machine's local cluster: 0. 0 turns recovery off: the first failure ends the run)")
-    where.add_argument("--min-nodes", type=int, metavar="N",
-                       help="go on with at least N nodes when some stop answering; a node that answers again takes part "
-                            "again (default: half the nodes, rounded up; each node holds a whole replica, so fewer "
-                            "nodes need no more memory per node)")
-    where.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (default: the CPUs the node really grants, cgroup quota included, divided among its ranks)")
-
-    what = parser.add_argument_group("what to train")
-    what.add_argument("--preset", metavar="NAME", help=f"model shape: tiny (~1M), small (~10M); bigger ones are for `plan` (default {d.preset})")
-    what.add_argument("--data", metavar="PATH", help="a text file or a folder of text files (default: the bundled King James Bible)")
-    what.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps to train (default {d.max_steps})")
-    what.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly, with a checkpoint, after this much training time (per session)")
-    what.add_argument("--batch-size", type=int, metavar="N", help="sequences per rank per step (default: the preset's)")
-    what.add_argument("--lr", type=float, help=f"peak learning rate (default: the preset's, {preset_lrs}; {d.warmup_steps} warm-up steps, then cosine decay)")
-    what.add_argument("--seed", type=int, help=f"seed for weights and data order (default {d.seed})")
-    what.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps (default {d.eval_every})")
-    what.add_argument("--checkpoint-every", type=int, metavar="N", help=f"checkpoint every N steps (default {d.checkpoint_every}; always one at the end)")
-
-    strat = parser.add_argument_group("how ranks synchronise")
-    strat.add_argument("--strategy", choices=strategy_choices("name"), help=f"ddp: all-reduce every step; diloco: sync every H steps; auto: let the planner choose (default {s.name})")
-    strat.add_argument("--compress", choices=strategy_choices("compress"), help=f"ddp gradient compression on the wire (default {s.compress})")
-    strat.add_argument("--powersgd-rank", type=int, metavar="R", help=f"rank of PowerSGD's low-rank factors (default {s.powersgd_rank})")
-    strat.add_argument("--sync-every", type=int, metavar="H", help="diloco: inner steps between outer syncs (default: from the plan, see train/strategies/sync_rule.py)")
-    strat.add_argument("--outer-lr", type=float, help=f"diloco: outer Nesterov learning rate (default {s.outer_lr}, the plan's)")
-    strat.add_argument("--outer-momentum", type=float, help=f"diloco: outer Nesterov momentum (default {s.outer_momentum}, the plan's)")
-    strat.add_argument("--outer-warmup", type=int, metavar="SYNCS", help="diloco: outer syncs from plain averaging to the outer optimizer (default: about 100 steps' worth; 0 = none)")
-    strat.add_argument("--inner-lr-scale", type=float, metavar="X", help="diloco: each replica's AdamW runs at lr times X (default: 1/sqrt(replicas), as each steps on 1/M of the global batch that --lr is set for)")
-    strat.add_argument("--wire-dtype", choices=strategy_choices("wire_dtype"), help="diloco: dtype of the pseudo-gradient on the wire (default: from the plan, fp32 on fast links, int8 on slow)")
-    strat.add_argument("--fragments", type=int, metavar="N", help=f"streaming diloco: fragments synced at staggered steps (default {s.fragments})")
-    strat.add_argument("--quorum", action=argparse.BooleanOptionalAction, default=None,
-                       help="diloco on torchft's per-step quorum: a lighthouse on the head, one replica group per "
-                            "node with its own rendezvous; a node that dies is left out at the next sync and the "
-                            "others train on without a relaunch (needs torchft 0.2.0 on the nodes; default off)")
-    strat.add_argument("--overlap-steps", type=int, metavar="TAU", help=f"diloco: inner steps computed while an outer sync is on the wire; its update lands TAU steps late (default {s.overlap_steps}, capped at H-1; 0 = blocking)")
-
-    uneven = parser.add_argument_group("uneven nodes (shares of the global batch)")
-    uneven.add_argument("--micro-batches", type=int, metavar="N", help="micro-batches of --batch-size sequences per step in all, split among the ranks by speed (default: one per rank)")
-    uneven.add_argument("--balance", action=argparse.BooleanOptionalAction, default=None,
-                        help="measure each rank's speed as it trains and re-split the micro-batches when it changes "
-                             "(default: on, with a split chosen from the probe, when the nodes' speeds differ by more "
-                             "than 15%%; --no-balance: the even split, every rank waits for the slowest)")
-    uneven.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last probe, else even)")
-    uneven.add_argument("--min-share", type=int, metavar="N", help=f"micro-batches every rank keeps (default {s.min_share})")
-    uneven.add_argument("--max-spread", type=float, metavar="X", help=f"treat no rank as more than X times slower than the fastest (default {s.max_spread:g}; 0 = no bound)")
-    uneven.add_argument("--rebalance-every", type=int, metavar="K", help=f"steps between speed measurements (default {s.rebalance_every})")
-
-    run = parser.add_argument_group("run directory and configuration")
-    run.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<UTC time>-<random>)")
+    groups = {"where": where, "where_one": where.add_mutually_exclusive_group(),
+              "what": parser.add_argument_group("what to train"),
+              "strategy": parser.add_argument_group("how ranks synchronise"),
+              "uneven": parser.add_argument_group("uneven nodes (shares of the global batch)"),
+              "run": parser.add_argument_group("run directory and configuration")}
+    add_flags(TrainConfig, "train", groups)
+    run = groups["run"]
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest valid checkpoint (only --max-steps, --time-budget and --cluster/--nodes/--nproc-per-node may change; on fewer or more ranks the checkpoint is re-cut)")
     run.add_argument("--config", metavar="FILE.yaml", help="TrainConfig keys in YAML; flags override them")
     run.add_argument("--force", action="store_true", default=None, help="cluster: start even when the pre-flight checks report problems")
     run.add_argument("--accept-new-host-keys", action="store_true", default=None, help="cluster: trust SSH host keys seen for the first time")
-    run.add_argument("--no-exporters", dest="exporters", action="store_false", default=None,
-                     help="serve no Prometheus metrics from the ranks and nodes (see `vpscluster monitor`)")
     run.add_argument("--insecure-network", action="store_true", default=None,
                      help="cluster: launch even over public addresses without an overlay (the rendezvous store and gloo are unauthenticated)")
     run.add_argument("--dry-run", action="store_true", help="print each node's exact command and environment; run and create nothing")
@@ -137,26 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_flag(parser)
 
 
-def _speeds(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 3,1)") from None
-
-
 def _given(args: argparse.Namespace) -> dict[str, Any]:
-    return {dest: getattr(args, dest) for dest in FLAG_KEYS if getattr(args, dest, None) is not None}
+    return given(args, flag_keys())
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for dest, value in flat.items():
-        *parents, leaf = FLAG_KEYS[dest].split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
+    return nest(flat, flag_keys())
 
 
 def resolve_config(args: argparse.Namespace):
@@ -174,7 +85,7 @@ def given_strategy_keys(args: argparse.Namespace) -> set[str]:
     """The `strategy.*` keys the user set, by flag or in --config: the planner fills in the rest."""
     from vpscluster.config import load_yaml
 
-    keys = {FLAG_KEYS[d].split(".", 1)[1] for d in _given(args) if FLAG_KEYS[d].startswith("strategy.")}
+    keys = {flag_keys()[d].split(".", 1)[1] for d in _given(args) if flag_keys()[d].startswith("strategy.")}
     if args.config:
         section = load_yaml(args.config, "--config").get("strategy")
         if isinstance(section, dict):
@@ -188,13 +99,13 @@ def resolve_resume(args: argparse.Namespace):
     from vpscluster.train.config import TrainConfig
     from vpscluster.train.rundir import read_config
 
-    extra = sorted(d for d in _given(args) if d not in RESUME_FLAGS) + (["config"] if args.config else [])
+    extra = sorted(d for d in _given(args) if d not in resume_flags()) + (["config"] if args.config else [])
     if extra:
         flags = ", ".join("--" + d.replace("_", "-") for d in extra)
         raise UserError(f"--resume keeps the run's configuration; drop {flags} (only --max-steps, --time-budget, "
                         "--cluster/--nodes/--nproc-per-node and --max-restarts/--min-nodes may change)")
     cfg = read_config(args.resume)
-    given = {d: v for d, v in _given(args).items() if d in RESUME_FLAGS}
+    given = {d: v for d, v in _given(args).items() if d in resume_flags()}
     if "nodes" in given:
         given["cluster"] = None  # local processes now, whatever the run had
     overrides = _nest(given)

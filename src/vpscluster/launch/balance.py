@@ -4,7 +4,7 @@ A run where the user set none of `--micro-batches`, `--speeds`, `--balance`/`--n
 (`strategy.balance` None) is balanced when the probe's figures say its ranks differ in speed by
 more than `plan.balance.SPREAD`: the split `plan.balance.choose_split` picks (the global batch and
 the inner step kept), runtime rebalancing on (`strategy.balance`: the first steps' measured times
-correct a wrong probe), the starting speeds per node (`strategy.node_speeds`). Otherwise
+correct a wrong probe), the starting speeds per node (`strategy.launcher.node_speeds`). Otherwise
 `strategy.balance` becomes False (decided: even). The decision is made once per run: from the
 cluster's last saved probe when the run is prepared (so `--dry-run` shows it), else from the
 probe pre-flight takes before the first launch. The local cluster (every rank on this machine)
@@ -13,6 +13,7 @@ has no per-node figures and stays even. A resumed run keeps its stored configura
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from vpscluster.plan.balance import balance_line, choose_split, choose_split_near, needs_balance, scaled_steps
@@ -27,7 +28,7 @@ def undecided(cfg) -> bool:
     s = cfg.strategy
     if s.quorum:  # uneven shares do not carry over to the quorum engine yet (quorum_diloco.py)
         return False
-    return s.balance is None and not s.micro_batches and s.speeds is None and not s.node_speeds
+    return s.balance is None and not s.micro_batches and s.speeds is None and not s.launcher.node_speeds
 
 
 def capacities_differ(probe: dict | None, names: list[str]) -> bool:
@@ -87,21 +88,22 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
     round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
     moved = None
-    if steps and "sync_every" in (s.planned or []):  # the plan's H, not the user's: it may move to split better
+    if steps and "sync_every" in (s.launcher.planned or []):  # the plan's H, not the user's: it may move to split better
         h, choice = choose_split_near(per_rank, cfg.micro_batch(), s.sync_every, round_steps, max(1, s.min_share),
                                       s.max_spread)
         if choice is not None and h != s.sync_every:
             moved = f"H = {h} instead of the plan's {s.sync_every}: its rounds split these speeds closer to exact"
             s.sync_every = h
-            if s.planned_reason:
-                s.planned_reason += f"; {moved}"
+            if s.launcher.planned_reason:
+                s.launcher = dataclasses.replace(s.launcher, planned_reason=f"{s.launcher.planned_reason}; {moved}")
     else:
         choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
                               max(1, s.min_share), s.max_spread)
     if choice is None:
         s.balance = False  # decided: the even split is as good
         return None
-    s.micro_batches, s.balance, s.node_speeds = choice.micro_batches, True, speeds
+    s.micro_batches, s.balance = choice.micro_batches, True
+    s.launcher = dataclasses.replace(s.launcher, node_speeds=speeds)
     s.min_share = max(1, s.min_share)
     cfg.batch_size = choice.batch_size
     if choice.steps_per_step > 1:

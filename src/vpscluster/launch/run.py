@@ -83,14 +83,14 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
     here = all(n.local for n in cluster.nodes)
     session = session or SessionConfig()
     s = session.strategy
-    if s.name in STRATEGIES and costs_for(s.name).by_region and s.regions is None and not s.node_regions:
+    if s.name in STRATEGIES and costs_for(s.name).by_region and s.regions is None and not s.launcher.node_regions:
         # Each rank looks up its node's region (`train/strategies/hierarchical.py`): from the
         # cluster file's labels.region, else the last probe's regions.
         from vpscluster.plan.hierarchical import cluster_regions, saved_probe
 
         regions = cluster_regions(cluster, saved_probe(cluster))
         if regions:
-            session = dataclasses.replace(session, strategy=dataclasses.replace(s, node_regions=regions))
+            session = dataclasses.replace(session, strategy=s.with_launcher(node_regions=regions))
     if session.strategy.name == "auto" and session.auto is None:
         session = dataclasses.replace(session, auto=auto_inputs(cluster, nproc_per_node if in_place else 0))
     threads = None

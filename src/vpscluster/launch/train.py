@@ -28,6 +28,7 @@ The run directory is created only once every node passed pre-flight (the pipelin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import posixpath
 import tempfile
@@ -138,14 +139,14 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
 
         cfg.strategy = plan_for_training(cfg, cluster if cfg.cluster else None, given)
         cfg.validate()
-        reason = cfg.strategy.planned_reason
+        reason = cfg.strategy.launcher.planned_reason
     elif costs_for(cfg.strategy.name).planned_keys and resume_dir is None:  # DiLoCo's H and wire
         from vpscluster.plan.auto import given_keys, plan_diloco, plan_inputs
 
         model, res, eff = plan_inputs(cfg, cluster if cfg.cluster else None, None)
         cfg.strategy = plan_diloco(cfg, model, res, eff.value, given_keys(cfg.strategy) if given is None else given)
         cfg.validate()
-        reason = cfg.strategy.planned_reason
+        reason = cfg.strategy.launcher.planned_reason
     else:
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
@@ -220,7 +221,7 @@ def balance_from_saved_probe(cfg, cluster) -> str | None:
 
 def starting_speeds(cfg, cluster) -> str | None:
     """Check `--speeds` against the world size; for `--balance` without `--speeds`, start from
-    the cluster's last probe (`strategy.node_speeds`: each node's FLOP/s, quota included, divided
+    the cluster's last probe (`strategy.launcher.node_speeds`: each node's FLOP/s, quota included, divided
     among its ranks). Returns the one line that says where the starting shares come from."""
     from vpscluster.probe.store import load_probe
     from vpscluster.train.shares import node_speeds_from_probe
@@ -228,18 +229,18 @@ def starting_speeds(cfg, cluster) -> str | None:
     s = cfg.strategy
     if not s.micro_batches:
         return None
-    probe = load_probe(cluster) if (s.speeds is None and s.balance and not s.node_speeds) or \
+    probe = load_probe(cluster) if (s.speeds is None and s.balance and not s.launcher.node_speeds) or \
         (s.speeds is not None and cfg.cluster and not cfg.nproc_per_node) else None
     ranks = ranks_per_node(cfg, cluster, _probe_gpus(probe))
     check_speeds_count(cfg, ranks)
-    if s.speeds is not None or not s.balance or s.node_speeds:
+    if s.speeds is not None or not s.balance or s.launcher.node_speeds:
         return None
     if probe is None:
         return "balance: no probe of this cluster found; shares start even (run `vpscluster probe` to start from measured speeds)"
     speeds = node_speeds_from_probe(probe, ranks) if ranks else None
     if speeds is None:
         return "balance: the last probe does not measure every node's speed; shares start even (run `vpscluster probe` again)"
-    s.node_speeds = speeds
+    s.launcher = dataclasses.replace(s.launcher, node_speeds=speeds)
     top = max(speeds.values())
     rel = ", ".join(f"{name} {v / top:.2f}" for name, v in speeds.items())
     return f"balance: shares start from the probe's speeds per rank ({rel}, relative to the fastest)"

@@ -151,8 +151,8 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
                 given: set[str] | frozenset[str] = frozenset(), strategy: "StrategyConfig | None" = None,
                 ) -> "StrategyConfig":
     """cfg.strategy as DiLoCo with the sync rule's H, wire and outer optimizer (`train/strategies/sync_rule.py`)
-    for every one of those keys not in `given` (what the user set wins); `planned` and
-    `planned_reason` record what was chosen and why. `strategy`: the settings to start from
+    for every one of those keys not in `given` (what the user set wins); `launcher.planned` and
+    `launcher.planned_reason` record what was chosen and why. `strategy`: the settings to start from
     (default cfg.strategy).
 
     H is taken among values that divide `checkpoint_every` (checkpoints must fall on outer steps),
@@ -161,7 +161,7 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
     s = strategy or cfg.strategy
     todo = [k for k in sync_rule.KEYS if k not in given]
     if res.world_size <= 1 or not todo:
-        return dataclasses.replace(s, name="diloco", planned=[], planned_reason=None, replan=None)
+        return dataclasses.replace(s, name="diloco").with_launcher(planned=[], planned_reason=None, replan=None)
     if "sync_every" in given:
         hs = [s.sync_every]
     else:
@@ -188,8 +188,8 @@ def plan_diloco(cfg: "TrainConfig", model: ModelSpec, res: Resources, efficiency
                           choices=list(hs), wires=list(wires), keys=sorted(chosen),
                           egress_quotas=[list(q) for q in egress.quotas] if egress else [],
                           run_steps=cfg.max_steps, run_seconds=cfg.time_budget_s or 0.0)
-    return dataclasses.replace(s, name="diloco", compress="none", **chosen, planned=sorted(chosen),
-                               planned_reason=reason, replan=replan)
+    return dataclasses.replace(s, name="diloco", compress="none", **chosen).with_launcher(
+        planned=sorted(chosen), planned_reason=reason, replan=replan)
 
 
 def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: dict | None,
@@ -216,15 +216,16 @@ def choose_for_training(cfg: "TrainConfig", cluster: "Cluster | None", probe: di
     c = chosen.settings
     if c.name in by_region:
         out = by_region[c.name]
-        reason = f"{reason}; {out.planned_reason}" if out.planned_reason else reason
-        return dataclasses.replace(out, planned_reason=reason), reason
+        reason = f"{reason}; {out.launcher.planned_reason}" if out.launcher.planned_reason else reason
+        return out.with_launcher(planned_reason=reason), reason
     if dl is not None and c.name == dl.name:
         out = dataclasses.replace(dl, name="diloco", compress="none", fragments=1)
-        if out.planned_reason:
-            reason = f"{reason}; {out.planned_reason}"
-            out = dataclasses.replace(out, planned_reason=reason)
+        if out.launcher.planned_reason:
+            reason = f"{reason}; {out.launcher.planned_reason}"
+            out = out.with_launcher(planned_reason=reason)
         return out, reason
-    out = dataclasses.replace(s, name=c.name, compress=c.compress, planned=[], planned_reason=None, replan=None)
+    out = dataclasses.replace(s, name=c.name, compress=c.compress).with_launcher(planned=[], planned_reason=None,
+                                                                                replan=None)
     if out.fragments > out.sync_every:
         out = dataclasses.replace(out, fragments=1)
     return out, reason

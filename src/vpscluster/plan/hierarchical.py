@@ -95,12 +95,12 @@ def _subset(res: Resources, idx: list[int], one_rank: bool = False) -> Resources
 
 def predict_hierarchical(model: "ModelSpec", res: Resources, settings: "Settings", tokens: float,
                          efficiency: float) -> "Prediction":
-    """The prediction of `settings` (a strategy `by_region`, `node_regions` set) on `res`."""
+    """The prediction of `settings` (a strategy `by_region`, `launcher.node_regions` set) on `res`."""
     from vpscluster.plan.predict import NodePrediction, Prediction, _egress, predict
 
     costs = settings.costs
     inner, outer = costs.by_region
-    regions = region_indices(res, settings.node_regions or {})
+    regions = region_indices(res, settings.launcher.node_regions or {})
     if len(regions) < 2:  # one region: the strategy runs the inner one
         p = predict(model, res, dataclasses.replace(settings, name=inner), tokens, efficiency)
         return dataclasses.replace(p, settings=settings)
@@ -161,15 +161,15 @@ def plan_settings(cfg: "TrainConfig", model: "ModelSpec", res: Resources, effici
     from vpscluster.plan.auto import plan_diloco
 
     s = strategy or cfg.strategy
-    s = dataclasses.replace(s, name=name or s.name, overlap_steps=0, fragments=1, node_regions=node_regions)
+    s = dataclasses.replace(s, name=name or s.name, overlap_steps=0, fragments=1).with_launcher(node_regions=node_regions)
     regions = region_indices(res, node_regions)
     if len(regions) < 2:
         inner = costs_for(s.name).by_region[0]
-        return dataclasses.replace(s, planned=[], planned_reason=f"one region: {inner} inside it", replan=None)
+        return s.with_launcher(planned=[], planned_reason=f"one region: {inner} inside it", replan=None)
     leaders = _subset(res, [r[0] for r in regions], one_rank=True)
     planned = plan_diloco(cfg, model, leaders, efficiency, given, strategy=s)
-    reason = planned.planned_reason and f"{len(regions)} regions: {planned.planned_reason}"
-    return dataclasses.replace(planned, name=s.name, compress=s.compress, planned_reason=reason, replan=None)
+    reason = planned.launcher.planned_reason and f"{len(regions)} regions: {planned.launcher.planned_reason}"
+    return dataclasses.replace(planned, name=s.name, compress=s.compress).with_launcher(planned_reason=reason, replan=None)
 
 
 def plan_for_training(cfg: "TrainConfig", cluster: "Cluster | None", given: set[str] | None = None
@@ -183,7 +183,7 @@ def plan_for_training(cfg: "TrainConfig", cluster: "Cluster | None", given: set[
     if s.regions is not None:
         return s
     probe = saved_probe(cluster)
-    regions = s.node_regions or cluster_regions(cluster, probe)
+    regions = s.launcher.node_regions or cluster_regions(cluster, probe)
     if not regions:
         raise UserError(needs_regions(s.name))
     model, res, eff = plan_inputs(cfg, cluster, probe)
@@ -197,7 +197,7 @@ def options_for_auto(cfg: "TrainConfig", model: "ModelSpec", res: Resources, eff
     names = [n for n in region_strategies() if costs_for(n).uneven_shares or not cfg.strategy.micro_batches]
     if not names:
         return {}
-    regions = cfg.strategy.node_regions or cluster_regions(cluster, probe if probe is not None else saved_probe(cluster))
+    regions = cfg.strategy.launcher.node_regions or cluster_regions(cluster, probe if probe is not None else saved_probe(cluster))
     if not regions or len(set(regions.values())) < 2:
         return {}
     return {name: plan_settings(cfg, model, res, efficiency, regions, given, name=name) for name in names}
@@ -222,7 +222,7 @@ def plan_options(model: "ModelSpec", res: Resources, efficiency: float, base: "S
         return {}
     return {name: dataclasses.replace(base, name=name, compress="none", sync_every=rule.sync_every,
                                       wire_dtype=rule.wire_dtype, fragments=1, overlap_steps=0,
-                                      node_regions=node_regions)
+                                      ).with_launcher(node_regions=node_regions)
             for name in region_strategies()}
 
 

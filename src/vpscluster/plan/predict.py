@@ -35,7 +35,8 @@ class Settings(StrategyConfig):
 
     @classmethod
     def of(cls, config: StrategyConfig, **changes) -> "Settings":
-        return cls(**{**dataclasses.asdict(config), **changes})
+        # field by field, not asdict: the nested records (`launcher`) stay records
+        return cls(**{**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, **changes})
 
     @property
     def costs(self) -> StrategyCosts:

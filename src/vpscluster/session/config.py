@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Annotated
 
 from vpscluster import fsutil
-from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, shorthand, to_dict
+from vpscluster.config import PYDANTIC_CONFIG, Before, Float, Int, build, flag, shorthand, to_dict
 from vpscluster.errors import UserError
-from vpscluster.train.config import StrategyConfig, TimeoutConfig
+from vpscluster.train.config import StrategyConfig, TimeoutConfig, lift_launcher_keys
 from vpscluster.train.strategies import COSTS, costs_for
 
 ENV = "VPSC_SESSION"  # the path of this node's session.json, set by `vpscluster run`
@@ -49,14 +49,20 @@ class AutoInputs:
 class SessionConfig:
     __pydantic_config__ = PYDANTIC_CONFIG
 
-    strategy: Annotated[StrategyConfig, shorthand("name")] = field(default_factory=StrategyConfig)
+    strategy: Annotated[StrategyConfig, shorthand("name"), Before(lift_launcher_keys)] = field(default_factory=StrategyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    time_budget_s: Float | None = None  # stop, agreed at a sync point, after this much training time
+    # stop, agreed at a sync point, after this much training time
+    time_budget_s: Float | None = field(default=None, metadata=flag(
+        "--time-budget", "stop every rank after the same step once this much training time is spent", "what",
+        metavar="SECONDS", commands=("run",)))
     seed: Int = 1337  # the data order of `Session.shard` (the same on every rank)
     # Where report.json, metrics.jsonl and checkpoints/ go on this node; None: nowhere (a plain
     # `python script.py` writes no files unless the script names a run dir).
     run_dir: str | None = None
-    checkpoint_every: Int = 0  # steps between checkpoints `Session.step` saves; 0: only `Session.save`
+    # steps between checkpoints `Session.step` saves; 0: only `Session.save`
+    checkpoint_every: Int = field(default=0, metadata=flag(
+        "--checkpoint-every", "the session saves a checkpoint every N steps (default: only where the script calls save)",
+        "what", metavar="N", commands=("run",)))
     keep_checkpoints: Int = 3
     resume: bool = False  # `Session.resume` continues from the newest checkpoint in run_dir
     exporters: bool = False  # Prometheus metrics from every rank while training (train/exporter.py)

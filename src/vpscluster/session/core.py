@@ -84,8 +84,9 @@ class Session:
             from vpscluster.train.shares import ShareController, rank_speeds
 
             speeds = s.speeds
-            if speeds is None and s.node_speeds:  # the probe's figures, by the node each rank runs on
-                speeds = rank_speeds(self.all_gather_object(os.environ.get("VPSC_NODE", "local")), s.node_speeds)
+            if speeds is None and s.launcher.node_speeds:  # the probe's figures, by the node each rank runs on
+                speeds = rank_speeds(self.all_gather_object(os.environ.get("VPSC_NODE", "local")),
+                                     s.launcher.node_speeds)
             self.shares = ShareController.start(self.ctx.world_size, s.micro_batches, speeds, s.min_share,
                                                 s.max_spread, s.balance)
         self.window = [0.0, 0]  # compute seconds, micro-batches since the last rebalancing look

@@ -71,7 +71,7 @@ def replannable(t: Any) -> bool:
     rule inputs from the launcher, on even shares (with uneven ones a loop step is several inner
     steps: the window would not measure one)."""
     s = t.cfg.strategy
-    return s.replan is not None and hasattr(t.strategy, "retune") and not s.micro_batches \
+    return s.launcher.replan is not None and hasattr(t.strategy, "retune") and not s.micro_batches \
         and t.ctx.world_size > 1
 
 
@@ -96,13 +96,13 @@ def window_full(t: Any) -> None:
     s = t.cfg.strategy
     step_s = measured_step(summaries)
     before = {k: getattr(s, k) for k in RETUNABLE}
-    again = plan_again(s.replan, step_s, session.world_size, before, s.overlap_steps)
+    again = plan_again(s.launcher.replan, step_s, session.world_size, before, s.overlap_steps)
     if again is None:
         return
     settings, reason = again
     t.strategy.retune(settings)  # the same figures on every rank: the same settings, this step
     session.look_every = look_every(s.rebalance_every, s.sync_every if t.strategy.micro_batches_are_steps else None)
-    t.replanned = {"step": session.steps, "planned_step_seconds": s.replan.step_seconds,
-                   "planned_from": s.replan.step_source, "measured_step_seconds": step_s,
+    t.replanned = {"step": session.steps, "planned_step_seconds": s.launcher.replan.step_seconds,
+                   "planned_from": s.launcher.replan.step_source, "measured_step_seconds": step_s,
                    "before": before, "after": {k: getattr(s, k) for k in RETUNABLE}, "reason": reason}
     session.events.emit("replan", **t.replanned)

@@ -59,8 +59,8 @@ def build_report(t: Any, val_loss: float | None, stopped_by: str, start_step: in
         "num_params": t.num_params,
         "strategy_details": t.strategy.describe(),
         # DiLoCo's settings the launcher chose from the plan (train/strategies/sync_rule.py) and why.
-        "strategy_planned": ({"keys": list(cfg.strategy.planned), "reason": cfg.strategy.planned_reason}
-                             if cfg.strategy.planned else None),
+        "strategy_planned": ({"keys": list(cfg.strategy.launcher.planned), "reason": cfg.strategy.launcher.planned_reason}
+                             if cfg.strategy.launcher.planned else None),
         # The sync plan re-made on this session's measured step (train/replan.py), or None.
         "strategy_replanned": t.replanned,
         "sync_failure_rate": t.strategy.describe().get("sync_failure_rate"),  # diloco's outer syncs

@@ -60,7 +60,7 @@ class StrategyCosts:
     uneven_shares: ClassVar[bool] = True
     # A strategy that runs on the cluster's regions: (the strategy inside each region, the one
     # among the regions' leaders), e.g. ("ddp", "diloco"). The planner prices it on the regions
-    # (`plan/hierarchical.py`) and the launcher gives it `node_regions`. None: one flat group.
+    # (`plan/hierarchical.py`) and the launcher gives it `launcher.node_regions`. None: one flat group.
     by_region: ClassVar[tuple[str, str] | None] = None
 
     def takes(self, key: str) -> bool:

@@ -83,20 +83,20 @@ class RegionLayout:
 
 
 def rank_regions(config: "StrategyConfig", world_size: int, gather_nodes) -> list[str]:
-    """The region of each rank: `strategy.regions` (per rank), else `strategy.node_regions` by the
+    """The region of each rank: `strategy.regions` (per rank), else `strategy.launcher.node_regions` by the
     node each rank runs on (`gather_nodes()`: every rank's VPSC_NODE, in rank order)."""
     if config.regions is not None:
         if len(config.regions) != world_size:
             raise UserError(f"strategy.regions names {len(config.regions)} regions for {world_size} ranks; "
                             "give one per rank")
         return list(config.regions)
-    if config.node_regions:
+    if config.launcher.node_regions:
         nodes = gather_nodes()
-        missing = sorted({n for n in nodes if n not in config.node_regions})
+        missing = sorted({n for n in nodes if n not in config.launcher.node_regions})
         if missing:
-            raise UserError(f"strategy.node_regions has no region for node(s) {', '.join(missing)}; "
+            raise UserError(f"strategy.launcher.node_regions has no region for node(s) {', '.join(missing)}; "
                             "give every node a labels.region in the cluster file, or run `vpscluster probe` again")
-        return [config.node_regions[n] for n in nodes]
+        return [config.launcher.node_regions[n] for n in nodes]
     if world_size <= 1:
         return ["local"]
     raise UserError("--strategy hierarchical needs the region of every rank: give every node a labels.region in "

@@ -21,7 +21,7 @@ FEWER_REPLICAS = 0.5
 class HierarchicalCosts(DiLoCoCosts):
     name = "hierarchical"
     settings_keys = (*DiLoCoCosts.settings_keys, "compress", "powersgd_rank", "powersgd_start_step", "bucket_mb",
-                     "regions", "node_regions")
+                     "regions")
     micro_batches_are_steps = False  # a rank's micro-batches would be one gradient, as in ddp
     uneven_shares = False  # not supported yet
     by_region = ("ddp", "diloco")
