@@ -49,6 +49,11 @@ class QuorumPlan:
     max_starts: int = 2
 
 
+# After the first replica group finished, how long one started again may still log its first sync
+# (the final one, its line on the way) before it is stopped as one that can no longer join.
+LATE_JOINER_S = 10.0
+
+
 def lighthouse_url(address: str, port: int | str) -> str:
     host = f"[{address}]" if ":" in address else address
     return f"http://{host}:{port}"
@@ -173,6 +178,9 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
     probe: asyncio.Future | None = None  # rejoin.answers(out), under way
     starting: dict[asyncio.Future, str] = {}  # rejoin.start(node), under way
     polled = float("-inf")
+    rejoined: set[asyncio.Future] = set()  # waits of the replica groups started again
+    dropped: dict[asyncio.Future, asyncio.Future] = {}  # such a wait -> its stop, once the run ended without it
+    ended_at: float | None = None  # when the first replica group finished
     try:
         while pending or starting:
             extra = ({probe} if probe else set()) | set(starting)
@@ -210,9 +218,12 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                 f = asyncio.ensure_future(h.wait())
                 waits[f] = h
                 pending.add(f)
+                rejoined.add(f)
             for t in [t for t in done if t in waits]:
                 pending.discard(t)
                 node = waits[t].node
+                if t in dropped:  # stopped on purpose: the run ended before it joined
+                    continue
                 if t.result() == 0:
                     ok.append(node)
                     continue
@@ -225,6 +236,15 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                         f"{'s' if len(pending) != 1 else ''} train on without it (the quorum leaves it out)")
             if ok:
                 out.clear()  # the run is ending: no node starts again
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > LATE_JOINER_S:
+                    # A replica group started again that has not synced yet can no longer join (the
+                    # others are done); left alone it would wait out its quorum timeout.
+                    for f in [f for f in pending if f in rejoined and f not in dropped
+                              and waits[f].node not in w.first_sync_at]:
+                        say(f"node {waits[f].node}: the others finished before its restarted replica group "
+                            "joined: stopping it")
+                        dropped[f] = asyncio.ensure_future(waits[f].stop())
             if out and probe is None and pending and time.monotonic() - polled >= rejoin.poll_s:
                 polled = time.monotonic()
                 probe = asyncio.ensure_future(rejoin.answers(list(out)))
@@ -238,5 +258,5 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
             w.failed = w.lost[0] if w.lost else None
         return w
     finally:
-        for t in (stop, beacon, *pending, *([probe] if probe else []), *starting):
+        for t in (stop, beacon, *pending, *([probe] if probe else []), *starting, *dropped.values()):
             t.cancel()
