@@ -165,8 +165,10 @@ def test_a_killed_node_costs_the_quorum_seconds_and_comes_back_healed(sandbox, t
     for key in two:
         (ranks,) = syncs[key].values()
         assert ranks == {"node-1/0", "node-2/0"}, (key, ranks)
-    rejoined = sorted(k for k in syncs if k[0] == 3 and k[3] > max(k[3] for k in two))
-    assert len(rejoined) >= 3 and rejoined[-1][3] == MAX_STEPS, sorted(syncs)
+    # From node-3's first sync after its return on, every sync is all three's, to the last step
+    # (how many there are depends on how fast node-3 started here: its time is the check above).
+    rejoined = sorted(k for k in syncs if k[3] > max(k[3] for k in two))
+    assert rejoined and rejoined[-1][3] == MAX_STEPS, sorted(syncs)
     for key in rejoined:
         (ranks,) = syncs[key].values()
         assert ranks == {"node-1/0", "node-2/0", "node-3/0"}, (key, ranks)
