@@ -135,12 +135,12 @@ class LaunchResult:
     # The quorum engine: nodes whose replica group failed while the others trained on, and when
     # the launcher saw each (time.monotonic()).
     lost_nodes: list[str] = field(default_factory=list)
-    lost_at: dict[str, float] = field(default_factory=dict)
+    lost_at: list[float] = field(default_factory=list)
     # Lost nodes started again within the launch once they answered (they healed from a peer), when
     # the launcher saw each answer, and when each logged its first outer sync after (time.monotonic()).
     back_nodes: list[str] = field(default_factory=list)
-    back_at: dict[str, float] = field(default_factory=dict)
-    first_sync_at: dict[str, float] = field(default_factory=dict)
+    back_at: list[float] = field(default_factory=list)
+    first_sync_at: list[float | None] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -451,10 +451,10 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
                         stopped_by_job=was_interrupted and bool(by_job), ended_at=seen_at,
                         failed_node=failed, rank0_node=router.rank0_node, fetched=fetched,
                         lost_nodes=list(watched.lost) if watched else [],
-                        lost_at=dict(watched.lost_at) if watched else {},
+                        lost_at=list(watched.lost_at) if watched else [],
                         back_nodes=list(watched.back) if watched else [],
-                        back_at=dict(watched.back_at) if watched else {},
-                        first_sync_at=dict(watched.first_sync_at) if watched else {})
+                        back_at=list(watched.back_at) if watched else [],
+                        first_sync_at=list(watched.first_sync_at) if watched else [])
 
 
 def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, rdzv_id: str, port: int,

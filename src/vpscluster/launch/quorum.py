@@ -132,12 +132,18 @@ class Watched:
     """What `watch` saw: the nodes lost on the way, and why the launch ended."""
 
     lost: list[str] = field(default_factory=list)  # nodes whose replica group failed, in order
-    lost_at: dict[str, float] = field(default_factory=dict)  # node -> time.monotonic() it was seen
+    lost_at: list[float] = field(default_factory=list)  # when each was seen (time.monotonic())
     # Lost nodes started again once they answered (in order), when the launcher saw each answer,
     # and when each restarted replica group logged its first outer sync (it had healed and joined).
     back: list[str] = field(default_factory=list)
-    back_at: dict[str, float] = field(default_factory=dict)
-    first_sync_at: dict[str, float] = field(default_factory=dict)
+    # (Lists in step with `lost` and `back`: a node may go and come back more than once.)
+    back_at: list[float] = field(default_factory=list)
+    first_sync_at: list[float | None] = field(default_factory=list)
+
+    def synced(self, node: str) -> bool:
+        """Whether `node`'s latest start logged its first sync."""
+        i = max((i for i, n in enumerate(self.back) if n == node), default=None)
+        return i is not None and self.first_sync_at[i] is not None
     failed: str | None = None  # the launch failed: the node to blame (the head for the lighthouse)
     lighthouse_ended: bool = False
     interrupted: bool = False
@@ -150,9 +156,11 @@ def first_sync_watch(w: Watched, node: str, on_line):
     from vpscluster.launch.logs import split_rank
     from vpscluster.train.strategies.diloco import parse_sync_hash
 
+    i = max(i for i, n in enumerate(w.back) if n == node)  # this start of it
+
     def line(stream: str, text: str) -> None:
-        if node not in w.first_sync_at and parse_sync_hash(split_rank(text)[1]) is not None:
-            w.first_sync_at[node] = time.monotonic()
+        if w.first_sync_at[i] is None and parse_sync_hash(split_rank(text)[1]) is not None:
+            w.first_sync_at[i] = time.monotonic()
         on_line(stream, text)
 
     return line
@@ -201,8 +209,8 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                     out.remove(node)
                     starts[node] = starts.get(node, 0) + 1
                     w.back.append(node)
-                    w.back_at[node] = time.monotonic()
-                    w.first_sync_at.pop(node, None)
+                    w.back_at.append(time.monotonic())
+                    w.first_sync_at.append(None)
                     say(f"node {node} answers again: starting its replica group again (it heals from a peer "
                         f"and joins at the next sync; start {starts[node]} of {rejoin.max_starts})")
                     starting[asyncio.ensure_future(rejoin.start(node))] = node
@@ -228,7 +236,7 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                     ok.append(node)
                     continue
                 w.lost.append(node)
-                w.lost_at[node] = time.monotonic()
+                w.lost_at.append(time.monotonic())
                 if rejoin is not None and starts.get(node, 0) < rejoin.max_starts and not ok:
                     out.append(node)
                 if pending:
@@ -241,7 +249,7 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                     # A replica group started again that has not synced yet can no longer join (the
                     # others are done); left alone it would wait out its quorum timeout.
                     for f in [f for f in pending if f in rejoined and f not in dropped
-                              and waits[f].node not in w.first_sync_at]:
+                              and not w.synced(waits[f].node)]:
                         say(f"node {waits[f].node}: the others finished before its restarted replica group "
                             "joined: stopping it")
                         dropped[f] = asyncio.ensure_future(waits[f].stop())
