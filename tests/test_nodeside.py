@@ -210,6 +210,25 @@ def test_reap_stops_only_the_launch_ids_processes():
             p.wait(timeout=10)
 
 
+def test_reap_of_one_node_spares_the_launchs_processes_of_the_others():
+    """VAR2=VALUE2: a node started again within a launch (the quorum engine) gets its own
+    leftovers stopped; the same launch's processes of other nodes sharing the /proc live on."""
+    var, mine = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}"
+    node3 = [_sleeper({var: mine, "VPSC_NODE": "node-3"})]
+    others = [_sleeper({var: mine, "VPSC_NODE": "node-1"}), _sleeper({var: mine}),
+              _sleeper({var: f"nsd-{uuid.uuid4().hex}", "VPSC_NODE": "node-3"})]
+    try:
+        doc = json.loads(run("reap", var, mine, "5", "3", "VPSC_NODE=node-3").stdout)
+        assert doc == {"found": [node3[0].pid], "left": []}, doc
+        node3[0].wait(timeout=10)
+        assert all(pid_alive(p.pid) for p in others)
+    finally:
+        for p in node3 + others:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
 def test_reap_kills_what_ignores_sigterm():
     var, mine = "VPSC_TEST_LAUNCH_ID", f"nsd-{uuid.uuid4().hex}"
     code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"

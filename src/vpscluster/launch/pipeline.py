@@ -135,7 +135,12 @@ class LaunchResult:
     # The quorum engine: nodes whose replica group failed while the others trained on, and when
     # the launcher saw each (time.monotonic()).
     lost_nodes: list[str] = field(default_factory=list)
-    lost_at: dict[str, float] = field(default_factory=dict)
+    lost_at: list[float] = field(default_factory=list)
+    # Lost nodes started again within the launch once they answered (they healed from a peer), when
+    # the launcher saw each answer, and when each logged its first outer sync after (time.monotonic()).
+    back_nodes: list[str] = field(default_factory=list)
+    back_at: list[float] = field(default_factory=list)
+    first_sync_at: list[float | None] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -367,18 +372,24 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             lighthouse = await unless_interrupted(start_lighthouse(
                 head, states[head.node.name].address, port, job.quorum, rdzv_id, None, job.stop_grace_s or 5.0,
                 router.for_node(head.node.name)), interrupted)
-        for c in commands:  # one by one into `handles`, so a failed start still stops the started
+        async def start(c: NodeCommand, on_line):
             # Under the node-side guard: a launcher that dies (even by SIGKILL) leaves nothing running.
             # And under the run's node lock: a second launch of this run is refused while this one lives.
             line = guarded(c.argv[0], rdzv_id, c.shell(), grace_s=job.stop_grace_s or 5.0,
                            lock_path=posixpath.join(job.node_run_dir(states[c.node].workdir), NODE_LOCK))
-            handles.append(await by_name[c.node].start(line, on_line=router.for_node(c.node)))
+            return await by_name[c.node].start(line, on_line=on_line)
+
+        for c in commands:  # one by one into `handles`, so a failed start still stops the started
+            handles.append(await start(c, router.for_node(c.node)))
         if lighthouse is None:
             failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
         else:
-            from vpscluster.launch.quorum import watch
+            from vpscluster.launch.quorum import Watched, watch
 
-            watched = await watch(handles, lighthouse, interrupted, router, job.silence_limits_s, job.say)
+            watched = Watched()
+            rejoin = _quorum_rejoin(job, executors, by_name, states, synced, rdzv_id, port, own_ports, lighthouse_at,
+                                    router, watched, start, timeout_s)
+            await watch(handles, lighthouse, interrupted, router, job.silence_limits_s, job.say, rejoin, watched)
             failed, was_interrupted, silent_s = watched.failed, watched.interrupted, watched.silent_s
         seen_at = time.monotonic()
         if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see
@@ -440,7 +451,48 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
                         stopped_by_job=was_interrupted and bool(by_job), ended_at=seen_at,
                         failed_node=failed, rank0_node=router.rank0_node, fetched=fetched,
                         lost_nodes=list(watched.lost) if watched else [],
-                        lost_at=dict(watched.lost_at) if watched else {})
+                        lost_at=list(watched.lost_at) if watched else [],
+                        back_nodes=list(watched.back) if watched else [],
+                        back_at=list(watched.back_at) if watched else [],
+                        first_sync_at=list(watched.first_sync_at) if watched else [])
+
+
+def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, rdzv_id: str, port: int,
+                   own_ports: dict[str, int], lighthouse_at: str, router, watched, start, timeout_s: float):
+    """The quorum engine's `Rejoin` for this launch (None when `job.quorum.max_starts` is 0): a lost
+    node that answers again gets what this launch left there for it reaped (its workers, by
+    launch id and VPSC_NODE; the head's lighthouse stays), a fresh rendezvous port, and its
+    command started again."""
+    from vpscluster.cluster.inventory import executor_for
+    from vpscluster.launch import preflight as pf
+    from vpscluster.launch.quorum import Rejoin, first_sync_watch
+    from vpscluster.launch.recovery import ready
+    from vpscluster.launch.teardown import reap_node
+
+    if job.quorum.max_starts <= 0:
+        return None
+
+    async def answers(nodes: list[str]) -> list[str]:
+        return await ready(job.cluster, nodes)
+
+    async def start_again(node: str):
+        ex = by_name[node]
+        if getattr(ex, "dark", lambda: False)():  # cut off earlier: every call would fail at once
+            fresh = executor_for(ex.node, job.cluster)
+            executors[executors.index(ex)] = by_name[node] = fresh  # closed and torn down with the rest
+            ex = fresh
+        # A node cut off (not rebooted) may still run its old workers: stop them first.
+        reaped = await reap_node(ex, rdzv_id, grace_s=job.stop_grace_s or 6.0, this_node_only=True)
+        if not reaped.clean:
+            raise RemoteError(f"what this launch left there is still running ({reaped.error or f'pids {reaped.left}'})")
+        own_ports[node] = await pf.free_port(ex, states[node].address, timeout_s)
+        (c,) = [c for c in build_commands(job, states, synced, rdzv_id, port, own_ports, lighthouse_at)
+                if c.node == node]
+        router.note(node, "answers again: starting its replica group again (it heals from a peer)")
+        router.note(node, "$ " + c.shell())
+        return await start(c, first_sync_watch(watched, node, router.for_node(node)))
+
+    return Rejoin(answers, start_again, job.quorum.rejoin_poll_s, job.quorum.max_starts)
 
 
 async def _quorum_ports(by_name, states, head, timeout_s: float) -> tuple[dict[str, int], int]:

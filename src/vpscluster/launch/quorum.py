@@ -16,7 +16,12 @@ one torchrun job over every node:
   dead one out at their next sync, and the launch ends when they finish. Only when none
   finished (too few replicas left: their next quorum fails within `quorum_timeout_s`) or when
   the lighthouse ends does the launch fail, and the launcher's relaunch path (launch/recovery.py)
-  takes over, as documented for the lighthouse's loss in `launch/lighthouse.py`.
+  takes over, as documented for the lighthouse's loss in `launch/lighthouse.py`;
+- a lost node that answers again (`recovery.ready`: SSH, and the overlay's interface where there
+  is one; asked every `recovery.rejoin_poll_s`) is started again within the launch (`Rejoin`):
+  what the launch left there is reaped, its torchrun gets a fresh port and the same replica
+  group, and its first quorum finds it behind, so it heals from a peer and takes part from the
+  next sync. No relaunch, no checkpoint; at most `max_starts` times per node.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
 from vpscluster.errors import RemoteError
 
@@ -37,6 +43,15 @@ class QuorumPlan:
     # Long on purpose (`launch/lighthouse.py`): a slow node that still heartbeats is waited for.
     join_timeout_ms: int = 60000
     ready_timeout_s: float = 40.0  # the head's Python start plus the binary's (nodeside waits 20 s)
+    # A lost node that answers again (`recovery.ready`, asked every rejoin_poll_s) is started again
+    # within the launch, at most max_starts times per node; 0: it stays out until a relaunch.
+    rejoin_poll_s: float = 10.0
+    max_starts: int = 2
+
+
+# After the first replica group finished, how long one started again may still log its first sync
+# (the final one, its line on the way) before it is stopped as one that can no longer join.
+LATE_JOINER_S = 10.0
 
 
 def lighthouse_url(address: str, port: int | str) -> str:
@@ -100,29 +115,85 @@ async def start_lighthouse(ex, address: str, port: int, plan: QuorumPlan, launch
 
 
 @dataclass
+class Rejoin:
+    """How `watch` starts a lost replica group again: `answers(nodes)` -> those that answer now
+    (`recovery.ready`), `start(node)` -> its new handle (the pipeline: what this launch left there
+    reaped, a fresh port, the same command under the guard), asked every `poll_s` seconds while a
+    node is out, at most `max_starts` times per node (a node that keeps failing stays out)."""
+
+    answers: Callable[[list[str]], Awaitable[list[str]]]
+    start: Callable[[str], Awaitable[Any]]
+    poll_s: float
+    max_starts: int = 2
+
+
+@dataclass
 class Watched:
     """What `watch` saw: the nodes lost on the way, and why the launch ended."""
 
     lost: list[str] = field(default_factory=list)  # nodes whose replica group failed, in order
-    lost_at: dict[str, float] = field(default_factory=dict)  # node -> time.monotonic() it was seen
+    lost_at: list[float] = field(default_factory=list)  # when each was seen (time.monotonic())
+    # Lost nodes started again once they answered (in order), when the launcher saw each answer,
+    # and when each restarted replica group logged its first outer sync (it had healed and joined).
+    back: list[str] = field(default_factory=list)
+    # (Lists in step with `lost` and `back`: a node may go and come back more than once.)
+    back_at: list[float] = field(default_factory=list)
+    first_sync_at: list[float | None] = field(default_factory=list)
+
+    def synced(self, node: str) -> bool:
+        """Whether `node`'s latest start logged its first sync."""
+        i = max((i for i, n in enumerate(self.back) if n == node), default=None)
+        return i is not None and self.first_sync_at[i] is not None
     failed: str | None = None  # the launch failed: the node to blame (the head for the lighthouse)
     lighthouse_ended: bool = False
     interrupted: bool = False
     silent_s: float | None = None
 
 
-async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence_limits_s, say) -> Watched:
+def first_sync_watch(w: Watched, node: str, on_line):
+    """`on_line` for a restarted node's output that also notes its first outer sync's hash line
+    (`strategy.sync_hashes`) in `w.first_sync_at`: from then on it trains in the quorum."""
+    from vpscluster.launch.logs import split_rank
+    from vpscluster.train.strategies.diloco import parse_sync_hash
+
+    i = max(i for i, n in enumerate(w.back) if n == node)  # this start of it
+
+    def line(stream: str, text: str) -> None:
+        if w.first_sync_at[i] is None and parse_sync_hash(split_rank(text)[1]) is not None:
+            w.first_sync_at[i] = time.monotonic()
+        on_line(stream, text)
+
+    return line
+
+
+async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence_limits_s, say,
+                rejoin: Rejoin | None = None, watched: Watched | None = None) -> Watched:
     """Wait until every replica group ended, going on past the ones that fail; return early on an
-    interrupt, a long silence, or the lighthouse ending (the relaunch path's cue)."""
-    w = Watched()
+    interrupt, a long silence, or the lighthouse ending (the relaunch path's cue).
+
+    With `rejoin`, a lost node that answers again while the others train is started again: a
+    fresh process whose first quorum finds it behind, so it heals from a peer (θ_global, outer
+    momentum, the loop's place) and takes part from the next sync. Its new handle joins `handles`
+    (teardown stops it with the rest). Not once a replica group has finished: the run is ending."""
+    w = watched if watched is not None else Watched()
     waits = {asyncio.ensure_future(h.wait()): h for h in handles}
     beacon = asyncio.ensure_future(lighthouse.wait())
     stop = asyncio.ensure_future(interrupted.wait())
     pending = set(waits)
-    ok = []
+    ok: list[str] = []
+    out: list[str] = []  # lost, to be started again once they answer
+    starts: dict[str, int] = {}
+    probe: asyncio.Future | None = None  # rejoin.answers(out), under way
+    starting: dict[asyncio.Future, str] = {}  # rejoin.start(node), under way
+    polled = float("-inf")
+    rejoined: set[asyncio.Future] = set()  # waits of the replica groups started again
+    dropped: dict[asyncio.Future, asyncio.Future] = {}  # such a wait -> its stop, once the run ended without it
+    ended_at: float | None = None  # when the first replica group finished
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending | {stop, beacon}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        while pending or starting:
+            extra = ({probe} if probe else set()) | set(starting)
+            done, _ = await asyncio.wait(pending | extra | {stop, beacon}, timeout=1.0,
+                                         return_when=asyncio.FIRST_COMPLETED)
             if stop in done:
                 w.interrupted = True
                 return w
@@ -131,17 +202,60 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                 say(f"the quorum's lighthouse on {lighthouse.node} ended (exit status {lighthouse.returncode}): "
                     "stopping the run; the relaunch path takes over")
                 return w
-            for t in done:
+            if probe is not None and probe in done:
+                back = probe.result() if probe.exception() is None else []
+                probe = None
+                for node in (n for n in back if n in out and not ok):
+                    out.remove(node)
+                    starts[node] = starts.get(node, 0) + 1
+                    w.back.append(node)
+                    w.back_at.append(time.monotonic())
+                    w.first_sync_at.append(None)
+                    say(f"node {node} answers again: starting its replica group again (it heals from a peer "
+                        f"and joins at the next sync; start {starts[node]} of {rejoin.max_starts})")
+                    starting[asyncio.ensure_future(rejoin.start(node))] = node
+            for t in [t for t in done if t in starting]:
+                node = starting.pop(t)
+                if t.exception() is not None:
+                    say(f"node {node}: could not start its replica group again: {t.exception()}")
+                    if starts[node] < rejoin.max_starts:
+                        out.append(node)
+                    continue
+                h = t.result()
+                handles.append(h)
+                f = asyncio.ensure_future(h.wait())
+                waits[f] = h
+                pending.add(f)
+                rejoined.add(f)
+            for t in [t for t in done if t in waits]:
                 pending.discard(t)
                 node = waits[t].node
+                if t in dropped:  # stopped on purpose: the run ended before it joined
+                    continue
                 if t.result() == 0:
                     ok.append(node)
                     continue
                 w.lost.append(node)
-                w.lost_at[node] = time.monotonic()
+                w.lost_at.append(time.monotonic())
+                if rejoin is not None and starts.get(node, 0) < rejoin.max_starts and not ok:
+                    out.append(node)
                 if pending:
                     say(f"node {node} failed (exit status {t.result()}); the {len(pending)} other replica group"
                         f"{'s' if len(pending) != 1 else ''} train on without it (the quorum leaves it out)")
+            if ok:
+                out.clear()  # the run is ending: no node starts again
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > LATE_JOINER_S:
+                    # A replica group started again that has not synced yet can no longer join (the
+                    # others are done); left alone it would wait out its quorum timeout.
+                    for f in [f for f in pending if f in rejoined and f not in dropped
+                              and not w.synced(waits[f].node)]:
+                        say(f"node {waits[f].node}: the others finished before its restarted replica group "
+                            "joined: stopping it")
+                        dropped[f] = asyncio.ensure_future(waits[f].stop())
+            if out and probe is None and pending and time.monotonic() - polled >= rejoin.poll_s:
+                polled = time.monotonic()
+                probe = asyncio.ensure_future(rejoin.answers(list(out)))
             if silence_limits_s is not None and pending:
                 limit = silence_limits_s[1] if router.started else silence_limits_s[0]
                 silent = time.monotonic() - router.last_line_at
@@ -152,5 +266,5 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
             w.failed = w.lost[0] if w.lost else None
         return w
     finally:
-        for t in (stop, beacon, *pending):
+        for t in (stop, beacon, *pending, *([probe] if probe else []), *starting, *dropped.values()):
             t.cancel()

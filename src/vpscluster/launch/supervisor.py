@@ -180,15 +180,24 @@ class Supervisor:
 
     def _record_quorum_losses(self, result) -> None:
         """The quorum engine lost nodes and the others trained on without them, no relaunch: one
-        `quorum` entry per node, timed from when the launcher saw it go to rank 0's next step."""
-        for node in result.lost_nodes:
-            seen = _seen(result.lost_at.get(node))
+        `quorum` entry per node, timed from when the launcher saw it go to rank 0's next step, and
+        one `quorum_rejoin` per node started again, timed from its answer to its first sync."""
+        for node, at in zip(result.lost_nodes, result.lost_at):
+            seen = _seen(at)
             at = seen.pop("_at")
             entry = {"kind": "quorum", "out": [node], "nodes": [n for n in self.current if n not in result.lost_nodes],
                      "after_step": max((s for t, s in self.step_seen if t <= at), default=0), **seen}
             again = next(((t, s) for t, s in self.step_seen if t > at), None)
             if again is not None:  # the survivors' next step announced after the loss was seen
                 entry.update(training_again_after_s=round(again[0] - at, 1), training_again_at_step=again[1])
+            self.recoveries.append(entry)
+        for node, at, synced in zip(result.back_nodes, result.back_at, result.first_sync_at):  # healed from a peer
+            seen = _seen(at)
+            at = seen.pop("_at")
+            entry = {"kind": "quorum_rejoin", "back": [node],
+                     "after_step": max((s for t, s in self.step_seen if t <= at), default=0), **seen}
+            if synced is not None:  # its first outer sync with the others, from when it answered again
+                entry.update(first_sync_after_s=round(synced - at, 1))
             self.recoveries.append(entry)
 
     def _take_back(self, out: list[str], ended_at: float | None) -> None:

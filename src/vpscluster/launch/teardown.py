@@ -49,11 +49,14 @@ class ReapResult:
 
 
 async def reap_node(executor, launch_id: str, grace_s: float = 6.0, kill_wait_s: float = 3.0,
-                    timeout_s: float | None = None) -> ReapResult:
+                    timeout_s: float | None = None, this_node_only: bool = False) -> ReapResult:
+    """Stop the launch's processes on the node. `this_node_only`: those started for this node alone
+    (their VPSC_NODE), where nodes may share a /proc (a sandbox) and the others' must live on."""
     node = executor.node
     timeout_s = timeout_s if timeout_s is not None else grace_s + kill_wait_s + 25.0
+    also = [f"VPSC_NODE={node.name}"] if this_node_only else []
     result = await executor.run(
-        nodeside.command(node.python, "reap", LAUNCH_ID_ENV, launch_id, str(grace_s), str(kill_wait_s)),
+        nodeside.command(node.python, "reap", LAUNCH_ID_ENV, launch_id, str(grace_s), str(kill_wait_s), *also),
         timeout_s=timeout_s,
     )
     if not result.ok:

@@ -297,7 +297,8 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
     if cfg.strategy.quorum:  # one replica group per node, one rank each (launch/quorum.py)
         from vpscluster.launch.quorum import QuorumPlan
 
-        quorum, nproc = QuorumPlan(min_replicas=cfg.strategy.quorum_min_replicas), 1
+        quorum, nproc = QuorumPlan(min_replicas=cfg.strategy.quorum_min_replicas,
+                                   rejoin_poll_s=cfg.recovery.rejoin_poll_s), 1
 
     def check_states(states) -> None:  # after pre-flight, before anything is created or started
         ranks = ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()})

@@ -6,8 +6,10 @@ inherit it), so the processes are found in /proc whatever the process tree: SIGT
 period, SIGKILL for the rest, a wait for them to go. Processes without the exact tag are never
 touched. Standard library only; run with the node's own Python (see `vpscluster.nodeside`).
 
-Usage: python reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S
+Usage: python reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S [VAR2=VALUE2]
 Prints {"found": [pids tagged at the start], "left": [pids still alive at the end, must be []]}.
+VAR2=VALUE2: only the tagged processes whose environment holds that entry too (the launch's
+processes of one node, `VPSC_NODE=NAME`, where nodes share one /proc: a sandbox).
 
 Usage: python reap.py guard VAR LAUNCH_ID GRACE_S COMMAND...
 Every node command of a launch runs under the guard. It starts COMMAND as its child and waits
@@ -50,8 +52,9 @@ LOCK_WAIT_S = 5.0
 LOCKED = 75  # EX_TEMPFAIL: another launch of this run holds the node
 
 
-def tagged(tag, me=None):
-    """Pids (not zombies, not `me`) whose environment holds the exact entry `tag` (bytes)."""
+def tagged(tag, me=None, also=None):
+    """Pids (not zombies, not `me`) whose environment holds the exact entry `tag` (bytes), and
+    `also` (bytes) when given."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == me:
@@ -63,7 +66,7 @@ def tagged(tag, me=None):
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if tag in env and state != "Z":
+        if tag in env and (also is None or also in env) and state != "Z":
             out.append(int(d))
     return out
 
@@ -78,11 +81,11 @@ def is_agent(pid):
     return any(m in arg for arg in argv[:6] for m in AGENT_MARKERS)
 
 
-def reap(tag, grace_s, kill_wait_s):
+def reap(tag, grace_s, kill_wait_s, also=None):
     me = os.getpid()
 
     def signal_all(sig):
-        for p in tagged(tag, me):
+        for p in tagged(tag, me, also):
             try:
                 os.kill(p, sig)
             except OSError:
@@ -90,7 +93,7 @@ def reap(tag, grace_s, kill_wait_s):
 
     def wait_gone(seconds):
         end = time.time() + seconds
-        while time.time() < end and tagged(tag, me):
+        while time.time() < end and tagged(tag, me, also):
             time.sleep(0.2)
 
     def wait_workers_gone(seconds):
@@ -99,7 +102,7 @@ def reap(tag, grace_s, kill_wait_s):
         end = time.time() + seconds
         agents_only_since = None
         while time.time() < end:
-            left = tagged(tag, me)
+            left = tagged(tag, me, also)
             if not left:
                 return
             if all(is_agent(p) for p in left):
@@ -110,14 +113,14 @@ def reap(tag, grace_s, kill_wait_s):
                 agents_only_since = None
             time.sleep(0.2)
 
-    found = tagged(tag, me)
+    found = tagged(tag, me, also)
     if found:
         signal_all(signal.SIGTERM)
         signal_all(signal.SIGCONT)  # a stopped process (SIGSTOP) acts on SIGTERM only once it runs
         wait_workers_gone(grace_s)
         signal_all(signal.SIGKILL)
         wait_gone(kill_wait_s)
-    return {"found": found, "left": tagged(tag, me)}
+    return {"found": found, "left": tagged(tag, me, also)}
 
 
 def take_lock(path, var, launch_id):
@@ -210,12 +213,13 @@ def main(argv):
         if argv[5] == "--lock" and len(argv) >= 8:
             return guard(tag, float(argv[4]), argv[7:], lock=(argv[6], argv[2], argv[3]))
         return guard(tag, float(argv[4]), argv[5:])
+    also = argv.pop(5).encode() if len(argv) == 6 and "=" in argv[5] else None
     if len(argv) != 5 or not argv[1] or not argv[2]:
-        print("usage: reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S | reap.py guard VAR LAUNCH_ID GRACE_S [--lock PATH] COMMAND...",
+        print("usage: reap.py VAR LAUNCH_ID GRACE_S KILL_WAIT_S [VAR2=VALUE2] | reap.py guard VAR LAUNCH_ID GRACE_S [--lock PATH] COMMAND...",
               file=sys.stderr)
         return 2
     tag = ("%s=%s" % (argv[1], argv[2])).encode()
-    print(json.dumps(reap(tag, float(argv[3]), float(argv[4]))), flush=True)
+    print(json.dumps(reap(tag, float(argv[3]), float(argv[4]), also)), flush=True)
     return 0
 
 

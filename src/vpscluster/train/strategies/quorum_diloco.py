@@ -171,6 +171,9 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
 
     def moved_to(self) -> dict | None:
         moved, self._moved = self._moved, None
+        if moved is not None and moved.get("steps"):  # a heal into a running job (not the start's init_sync)
+            print(f"replica group {self.replica.index}: healed from a peer (outer step {self.outer_steps}); "
+                  f"going on after step {moved.get('steps')}", file=sys.stderr, flush=True)
         return moved
 
     def data_shard(self) -> tuple[int, int]:
