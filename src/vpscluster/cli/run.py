@@ -17,7 +17,7 @@ from vpscluster.cli.output import add_json_flag
 
 # The session's flags: dest -> key, from train's table (one source of settings).
 SESSION_FLAGS = ("strategy", "compress", "sync_every", "wire_dtype", "overlap_steps", "time_budget", "micro_batches",
-                 "speeds")
+                 "speeds", "balance")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop every rank after the same step once this much training time is spent")
     g.add_argument("--micro-batches", type=int, metavar="N", help="diloco: micro-batches per step in all, split among the ranks by --speeds (default: one per rank)")
     g.add_argument("--speeds", type=_speeds, metavar="S,S,...", help="relative speed of each rank (e.g. 3,1): the faster reads more micro-batches per step")
+    g.add_argument("--balance", action=argparse.BooleanOptionalAction, default=None,
+                   help="uneven shares re-split from the measured speeds (default on a cluster whose probe shows "
+                        "nodes of different CPUs or GPUs: diloco gives the faster nodes more inner steps of the "
+                        "script's batch; --no-balance: the even split, every rank waits for the slowest)")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="the session saves a checkpoint every N steps (default: only where the script calls save)")
     g.add_argument("--collective-timeout", type=float, metavar="SECONDS",
                    help=f"once training runs, a collective waiting this long fails: how fast a dead peer is noticed "
