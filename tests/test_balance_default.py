@@ -221,3 +221,69 @@ def test_diloco_moves_the_plans_h_to_one_that_splits_better_and_keeps_the_users(
                         strategy=StrategyConfig(name="diloco", sync_every=10, overlap_steps=1))
     line = apply_default_balance(users, probe, ranks)
     assert "instead of" not in line and users.strategy.sync_every == 2 and users.strategy.micro_batches == 20
+
+
+def _script_job(cluster, tmp_path, session, said):
+    from vpscluster.cluster.inventory import load_cluster
+    from vpscluster.launch.run import script_job
+
+    (tmp_path / "train_me.py").write_text("print('hi')\n")
+    return script_job(load_cluster(str(cluster)), ["python", "train_me.py"], sync=str(tmp_path),
+                      run_dir=str(tmp_path / "runs" / "x"), session=session, say=said.append)
+
+
+def test_run_decides_like_train_for_a_session(uneven_cluster, tmp_path):
+    """`vpscluster run` on the same cluster and saved probe: train's decision, for the session
+    the script starts. diloco: inner steps of the script's batch, 6/6/6/2 of 20 a step, rounds of
+    H / 5 steps (the same inner steps per round); the script's lr untouched; one line."""
+    from vpscluster.session.config import SessionConfig, read, write
+    from vpscluster.train.config import StrategyConfig
+
+    cluster, probe = uneven_cluster
+    said: list[str] = []
+    session = SessionConfig(strategy=StrategyConfig(name="diloco", sync_every=10), checkpoint_every=20)
+    _script_job(cluster, tmp_path, session, said)
+    s = session.strategy
+    assert len(said) == 1 and said[0].startswith("balancing: node-4 is 3.0x slower than node-1; batches 6/6/6/2 "
+                                                 "of 20 a step (each of the script's batch size)"), said
+    assert said[0].endswith("(--no-balance to turn off)")
+    assert (s.balance, s.micro_batches, s.sync_every, session.checkpoint_every) == (True, 20, 2, 4)
+    assert s.launcher.node_speeds == {f"node-{i + 1}": pytest.approx(v * 1e11) for i, v in enumerate(ISSUE)}
+    assert s.inner_lr_scale == 0.0  # the session steps with the script's own lr
+    assert read(write(session, tmp_path)).strategy.micro_batches == 20  # what session.json carries
+    _script_job(cluster, tmp_path, session, said)  # decided once: a relaunch keeps the split, silently
+    assert len(said) == 1 and s.micro_batches == 20
+
+    # --no-balance, and a given split, are left alone.
+    for strategy in (StrategyConfig(name="diloco", balance=False), StrategyConfig(name="diloco", micro_batches=8)):
+        session = SessionConfig(strategy=strategy)
+        before = dict(vars(strategy))
+        _script_job(cluster, tmp_path, session, said)
+        assert vars(session.strategy) == before and len(said) == 1
+
+    # ddp: a session cannot cut the script's batch yet: even, and the line says how to get shares.
+    session = SessionConfig(strategy=StrategyConfig(name="ddp"))
+    _script_job(cluster, tmp_path, session, said)
+    assert session.strategy.balance is False and not session.strategy.micro_batches
+    assert said[-1] == ("balancing: node-4 is 3.0x slower than node-1; a ddp session keeps even shares for now "
+                        "(--strategy diloco gives the faster nodes more inner steps)")
+
+    # The same CPUs everywhere (a FLOP/s spread that is noise): decided even, nothing said.
+    probe([f * 1e11 for f in ISSUE], cpu_shares=[0.45] * 4)
+    session = SessionConfig(strategy=StrategyConfig(name="diloco"))
+    n = len(said)
+    _script_job(cluster, tmp_path, session, said)
+    assert session.strategy.balance is False and not session.strategy.micro_batches and len(said) == n
+
+
+def test_run_flags_balance():
+    import argparse
+
+    from vpscluster.cli.run import add_arguments, session_settings
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--cluster", "c.yaml", "--no-balance", "--", "python", "x.py"])
+    assert session_settings(args).strategy.balance is False
+    args = p.parse_args(["--cluster", "c.yaml", "--", "python", "x.py"])
+    assert session_settings(args).strategy.balance is None  # undecided: the launcher decides

@@ -4,27 +4,41 @@ those the probe's FLOP/s give - about 3:1 of 8 micro-batches, not 4:4. With no f
 run balances by default (3:1 is over 15%): one line, the slow node's rank gets fewer micro-batches
 of the same global batch (decided from pre-flight's probe: the sandbox has none yet). A
 `--speeds` list of the wrong length is refused after pre-flight, before anything is created.
-The sandbox is named "[test prefix]us-...".
+`vpscluster run` of a user's session script on the same nodes balances by default alike (diloco:
+the fast node's rank takes more inner steps a step) and every rank ends with the same weights.
+The sandbox (one for the module) is named "[test prefix]us-...".
 """
 
 from __future__ import annotations
 
 import json
-import secrets
+import time
+from pathlib import Path
 
 import pytest
 
-import sandbox_fixtures
+from sandbox_fixtures import SandboxFactory
 from vpscluster.plan.balance import choose_split
 from vpscluster.train.shares import split
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def uneven2():
+    """Two nodes, three quarters of a core against a quarter."""
+    factory = SandboxFactory(kind="us-")
+    try:
+        yield factory(nodes=2, bandwidth="1gbit", cpu="0.75,0.25")
+    finally:
+        factory.close()
+
 
 @pytest.mark.timeout(600)
-def test_starting_shares_follow_the_probe(make_sandbox, cli, tmp_path):
-    name = f"{getattr(sandbox_fixtures, 'TEST_PREFIX', '')}us-{secrets.token_hex(3)}"
-    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.75,0.25", name=name)
+def test_starting_shares_follow_the_probe(uneven2, cli, tmp_path):
+    info = uneven2
     train = ("train", "--cluster", info.cluster_file, "--max-steps", "2", "--batch-size", "1",
              "--micro-batches", "8", "--eval-every", "1000")
 
@@ -72,4 +86,40 @@ def test_starting_shares_follow_the_probe(make_sandbox, cli, tmp_path):
     assert sorted(report["shares"]) in ([1, 7], [2, 6]), report["shares"]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["shares"] for m in metrics if "shares" in m] == [report["shares"]] * 2
+
+
+
+@pytest.mark.timeout(300)
+def test_run_balances_a_session_script_by_default(uneven2, cli, tmp_path):
+    """A user's script on the session API (examples/image_classifier.py) under `run --strategy
+    diloco` and no balancing flag: the probe (saved, or pre-flight's) shows 3:1 quotas, so the
+    session gets train's split - more inner steps of the script's batch for the fast node's rank,
+    the same rounds of H inner steps on average - said in one line; the shares are in the report
+    and in metrics.jsonl; every rank ends with the same weights. (`--no-balance` and a ddp
+    session, which stays even: tests/test_balance_default.py.)"""
+    info, h, batch = uneven2, 4, 16
+    fast, slow = info.nodes[0].name, info.nodes[1].name
+    t0 = time.monotonic()
+    run_dir = tmp_path / "run"
+    r = cli("run", "--cluster", info.cluster_file, "--run-dir", str(run_dir), "--sync", str(REPO / "examples"),
+            "--strategy", "diloco", "--sync-every", str(h), "--", "python", "image_classifier.py", "--epochs", "1",
+            "--samples", "512", "--batch-size", str(batch), timeout=240)
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    lines = [line for line in out.splitlines() if "balancing: " in line]
+    assert len(lines) == 1 and f"balancing: {slow} is " in lines[0] and f"x slower than {fast}" in lines[0], out
+    report = json.loads((run_dir / "report.json").read_text())  # fetched from rank 0's node
+    shares, total = report["shares"], report["micro_batches"]
+    assert report["strategy"] == "diloco" and report["world_size"] == 2 and sum(shares) == total > 2
+    assert shares[0] > shares[1] >= 1, shares  # rank 0 runs on the fast node (the head)
+    assert report["balance"] is True and report["speeds"][0] > report["speeds"][1]
+    assert f"batches {'/'.join(map(str, shares))} of {total} a step" in lines[0] or report["rebalances"], lines
+    assert report["steps"] == 512 // (total * batch)  # an epoch of the script's batches, cut into steps of total
+    assert [p["model_sha256"] for p in report["per_rank"]] == [report["model_sha256"]] * 2
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["samples"] for m in metrics][-1] == shares[0] * batch  # rank 0's inner steps of the last step
+    print(f"{lines[0]}\nrun balanced by default: shares {shares} of {total}, speeds {report['speeds']} "
+          f"({report['rebalances']} rebalances), {report['steps']} steps, wall {report['wall_seconds']:.1f} s "
+          f"(command {wall:.1f} s)")
 

@@ -9,6 +9,13 @@ correct a wrong probe), the starting speeds per node (`strategy.launcher.node_sp
 cluster's last saved probe when the run is prepared (so `--dry-run` shows it), else from the
 probe pre-flight takes before the first launch. The local cluster (every rank on this machine)
 has no per-node figures and stays even. A resumed run keeps its stored configuration.
+
+One decision for `train` (a TrainConfig: its batch and step counts are known) and for `run` (a
+SessionConfig: the script names its batch in `s.shard(dataset, batch_size=B)`, after the launch).
+A session can split only where the split keeps the batch - micro-batches that are steps of their
+own (diloco: B and the inner lr keep their meaning, a round keeps its H inner steps per rank on
+average); a ddp session's split (B cut into micro-batches of B/k, accumulated) is not supported
+yet, so such a run stays even and the line says so and how to get shares.
 """
 
 from __future__ import annotations
@@ -64,17 +71,26 @@ def _cores(facts: dict) -> float | None:
     return float(share) if number(share) and facts.get("cpu_share_source") != "measured" else None
 
 
+def _batch(cfg) -> int | None:
+    """The micro-batch a train run's split cuts (its sequences per rank); None for a session
+    (`run`): the script names it in `shard()`, after the launch."""
+    micro_batch = getattr(cfg, "micro_batch", None)
+    return micro_batch() if callable(micro_batch) else None
+
+
 def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None) -> str | None:
     """Decide for an `undecided` run from `probe` (a probe document: its nodes' FLOP/s or CPU
-    shares) and `ranks` (ranks per node); change `cfg` in place and return the one line to say
-    (None: nothing to say - already decided, no figures yet, or even enough)."""
+    shares) and `ranks` (ranks per node); change `cfg` (a TrainConfig, or a SessionConfig for
+    `run`) in place and return the one line to say (None: nothing to say - already decided, no
+    figures yet, or even enough)."""
     from vpscluster.train.shares import node_speeds_from_probe
-    from vpscluster.train.strategies import costs_for
+    from vpscluster.train.strategies import STRATEGIES, costs_for
 
     if not undecided(cfg) or not ranks:
         return None
-    if not costs_for(cfg.strategy.name).uneven_shares:
-        cfg.strategy.balance = False  # decided: this strategy keeps even shares
+    name = cfg.strategy.name
+    if name not in STRATEGIES or not costs_for(name).uneven_shares:
+        cfg.strategy.balance = False  # decided: this strategy (or auto, choosing later) keeps even shares
         return None
     speeds = node_speeds_from_probe(probe, ranks)
     if speeds is None:
@@ -83,13 +99,20 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     if not capacities_differ(probe, list(ranks)):
         s.balance = False  # the same CPUs and GPUs everywhere: a spread in the quick FLOP/s is noise
         return None
-    per_rank = [speeds[name] for name, n in ranks.items() for _ in range(n)]
+    per_rank = [speeds[node] for node, n in ranks.items() for _ in range(n)]
     steps = costs_for(s.name).micro_batches_are_steps
+    batch = _batch(cfg)
+    if batch is None and not steps:  # a session: ddp's split would cut the script's batch (not yet)
+        s.balance = False
+        if not needs_balance(per_rank):
+            return None
+        return f"{balance_line(speeds, ranks, None)}; a {s.name} session keeps even shares for now " \
+               f"(--strategy diloco gives the faster nodes more inner steps)"
     # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
     round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
     moved = None
     if steps and "sync_every" in (s.launcher.planned or []):  # the plan's H, not the user's: it may move to split better
-        h, choice = choose_split_near(per_rank, cfg.micro_batch(), s.sync_every, round_steps, max(1, s.min_share),
+        h, choice = choose_split_near(per_rank, batch or 1, s.sync_every, round_steps, max(1, s.min_share),
                                       s.max_spread)
         if choice is not None and h != s.sync_every:
             moved = f"H = {h} instead of the plan's {s.sync_every}: its rounds split these speeds closer to exact"
@@ -97,7 +120,7 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
             if s.launcher.planned_reason:
                 s.launcher = dataclasses.replace(s.launcher, planned_reason=f"{s.launcher.planned_reason}; {moved}")
     else:
-        choice = choose_split(per_rank, cfg.micro_batch(), steps, s.sync_every if steps else None, round_steps,
+        choice = choose_split(per_rank, batch or 1, steps, s.sync_every if steps else None, round_steps,
                               max(1, s.min_share), s.max_spread)
     if choice is None:
         s.balance = False  # decided: the even split is as good
@@ -105,15 +128,17 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     s.micro_batches, s.balance = choice.micro_batches, True
     s.launcher = dataclasses.replace(s.launcher, node_speeds=speeds)
     s.min_share = max(1, s.min_share)
-    cfg.batch_size = choice.batch_size
+    if batch is not None:
+        cfg.batch_size = choice.batch_size
     if choice.steps_per_step > 1:
         k = choice.steps_per_step
-        if not s.inner_lr_scale:  # keep the even run's inner lr: 1/sqrt(M) of its M micro-batches
-            s.inner_lr_scale = 1.0 / math.sqrt(len(per_rank))
+        if batch is not None and not s.inner_lr_scale:  # keep the even run's inner lr: 1/sqrt(M) of its M
+            s.inner_lr_scale = 1.0 / math.sqrt(len(per_rank))  # micro-batches (a session's lr is the script's)
         s.sync_every = choice.sync_every
         for key in _STEP_KEYS:
-            if getattr(cfg, key):
+            if getattr(cfg, key, 0):
                 setattr(cfg, key, scaled_steps(getattr(cfg, key), k))
-        cfg.checkpoint_every = scaled_steps(cfg.checkpoint_every, k, choice.sync_every)
-    line = balance_line(speeds, ranks, choice)
+        if cfg.checkpoint_every:  # a session's 0: only where the script saves
+            cfg.checkpoint_every = scaled_steps(cfg.checkpoint_every, k, choice.sync_every)
+    line = balance_line(speeds, ranks, choice, session=batch is None)
     return f"{line}; {moved}" if moved else line

@@ -81,18 +81,32 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
     if run_dir:
         run_id = Path(run_dir).name
     here = all(n.local for n in cluster.nodes)
-    session = session or SessionConfig()
-    s = session.strategy
-    if s.name in STRATEGIES and costs_for(s.name).by_region and s.regions is None and not s.launcher.node_regions:
-        # Each rank looks up its node's region (`train/strategies/hierarchical.py`): from the
-        # cluster file's labels.region, else the last probe's regions.
-        from vpscluster.plan.hierarchical import cluster_regions, saved_probe
+    given = session or SessionConfig()  # decided in place (balancing by default): a relaunch keeps the split
+    balancing = not in_place and len(cluster.nodes) > 1  # this machine's ranks have no per-node figures
+    if balancing:
+        decide_balance(given, cluster, nproc_per_node, None, say)
 
-        regions = cluster_regions(cluster, saved_probe(cluster))
-        if regions:
-            session = dataclasses.replace(session, strategy=s.with_launcher(node_regions=regions))
-    if session.strategy.name == "auto" and session.auto is None:
-        session = dataclasses.replace(session, auto=auto_inputs(cluster, nproc_per_node if in_place else 0))
+    def resolved(session):
+        s = session.strategy
+        if s.name in STRATEGIES and costs_for(s.name).by_region and s.regions is None and not s.launcher.node_regions:
+            # Each rank looks up its node's region (`train/strategies/hierarchical.py`): from the
+            # cluster file's labels.region, else the last probe's regions.
+            from vpscluster.plan.hierarchical import cluster_regions, saved_probe
+
+            regions = cluster_regions(cluster, saved_probe(cluster))
+            if regions:
+                session = dataclasses.replace(session, strategy=s.with_launcher(node_regions=regions))
+        if session.strategy.name == "auto" and session.auto is None:
+            session = dataclasses.replace(session, auto=auto_inputs(cluster, nproc_per_node if in_place else 0))
+        return session
+
+    session = resolved(given)
+
+    def check_states(states) -> None:  # after pre-flight, before anything is written to the nodes
+        nonlocal session
+        if balancing and decide_balance(given, cluster, nproc_per_node, states, say):
+            session = resolved(given)
+
     threads = None
     if in_place:  # this machine: the script runs from its own folder; nothing is copied
         if not here:
@@ -137,10 +151,41 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         cluster=cluster, program=program, run_dir=local_run_dir, run_id=run_id,
         syncs=syncs, cwd_key=cwd_key, nproc_per_node=nproc_per_node, join_timeout_s=join_timeout_s,
         store_timeout_s=min(300.0, join_timeout_s), force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port, say=say,
-        env_for=env_for, prepare=prepare, run_dir_on_node=run_dir_on_node, fetch=list(SESSION_FETCH), fetch_optional=True,
+        env_for=env_for, prepare=prepare, check_states=check_states, run_dir_on_node=run_dir_on_node, fetch=list(SESSION_FETCH), fetch_optional=True,
         stop_grace_s=session.timeouts.stop_grace_s,  # a session checkpoints before it stops
     )
     return job
+
+
+def decide_balance(session, cluster, nproc_per_node: int, states, say) -> bool:
+    """Balancing by default for a session (`launch/balance.py`, train's decision): from the
+    cluster's last saved probe (`states` None), else from pre-flight's probe of each node
+    (`states`: pre-flight's NodeStates). Changes `session` in place, says the line; True when
+    it decided now."""
+    from vpscluster.launch.balance import apply_default_balance, undecided
+
+    if not undecided(session):
+        return False
+    if states is None:
+        from vpscluster.launch.train import _probe_gpus
+        from vpscluster.probe.store import load_probe
+
+        probe = load_probe(cluster)
+        gpus = _probe_gpus(probe)
+    else:
+        probe = {"nodes": [{**st.facts, "name": n} for n, st in states.items()]}
+        gpus = {n: st.gpus for n, st in states.items()}
+    if nproc_per_node:
+        ranks = {n.name: nproc_per_node for n in cluster.nodes}
+    elif gpus is None or any(n.name not in gpus for n in cluster.nodes):
+        return False  # one rank per GPU, not counted yet: pre-flight decides
+    else:
+        ranks = {n.name: max(1, gpus[n.name]) for n in cluster.nodes}
+    line = apply_default_balance(session, probe, ranks)
+    if line:
+        session.validate()
+        say(line)
+    return not undecided(session)
 
 
 def recovery_policy(cluster, recovery_cfg):

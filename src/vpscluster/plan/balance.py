@@ -120,20 +120,28 @@ def scaled_steps(steps: int, k: int, multiple_of: int = 1) -> int:
     return max(multiple_of, math.ceil(n / multiple_of) * multiple_of)
 
 
-def balance_line(node_speeds: dict[str, float], ranks_per_node: dict[str, int], choice: BalancedSplit) -> str:
+def balance_line(node_speeds: dict[str, float], ranks_per_node: dict[str, int], choice: BalancedSplit | None,
+                 session: bool = False) -> str:
     """The one line a balanced run starts with, e.g. "balancing: node-4 is 3.0x slower than
     node-1; micro-batches 6/6/6/2 of 20 a step (--no-balance to turn off)". `node_speeds`: per
-    rank of each node; the shares are read in the same node order."""
+    rank of each node; the shares are read in the same node order. `session` (`run`): the
+    micro-batches are the script's batches (its `shard(batch_size=B)`), its step counts its own.
+    `choice` None: only the first part (the caller says why there is no split)."""
     slow = min(node_speeds, key=lambda n: node_speeds[n])
     fast = max(node_speeds, key=lambda n: node_speeds[n])
     ratio = node_speeds[fast] / node_speeds[slow]
+    many = sum(ranks_per_node.values()) > len(ranks_per_node)
+    head = f"balancing: {slow} is {ratio:.1f}x slower than {fast}{' per rank' if many else ''}"
+    if choice is None:
+        return head
     shares = "/".join(str(v) for v in choice.shares)
-    how = f"micro-batches {shares} of {choice.micro_batches} a step, {choice.batch_size} sequence" \
-          f"{'s' if choice.batch_size != 1 else ''} each"
+    if session:
+        how = f"batches {shares} of {choice.micro_batches} a step (each of the script's batch size)"
+    else:
+        how = f"micro-batches {shares} of {choice.micro_batches} a step, {choice.batch_size} sequence" \
+              f"{'s' if choice.batch_size != 1 else ''} each"
     if choice.steps_per_step > 1:  # diloco: fewer, larger steps; the rounds keep their inner steps
         how += (f"; a round is {choice.sync_every} step{'s' if choice.sync_every != 1 else ''} of "
-                f"{choice.steps_per_step}x the tokens (the same inner steps), step counts divided by "
-                f"{choice.steps_per_step}")
-    many = sum(ranks_per_node.values()) > len(ranks_per_node)
-    return (f"balancing: {slow} is {ratio:.1f}x slower than {fast}{' per rank' if many else ''}; {how}"
-            f" (--no-balance to turn off)")
+                f"{choice.steps_per_step}x the {'samples' if session else 'tokens'} (the same inner steps)")
+        how += "" if session else f", step counts divided by {choice.steps_per_step}"
+    return f"{head}; {how} (--no-balance to turn off)"

@@ -56,5 +56,7 @@ def build_report(s) -> dict[str, Any]:
                                                  "reason": f"{s.strategy.name}: the run ended before the "
                                                            f"measured steps the choice needs"})}
            if s.auto is not None else {}),
-        **({"micro_batches": s.cfg.strategy.micro_batches, "shares": s._shares()} if s.shares is not None else {}),
+        **({"micro_batches": s.cfg.strategy.micro_batches, "shares": s._shares(), "balance": bool(s.cfg.strategy.balance),
+            "speeds": [round(v, 6) for v in s.shares.speeds], "rebalances": s.shares.rebalances}
+           if s.shares is not None else {}),
     }

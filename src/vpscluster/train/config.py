@@ -188,7 +188,10 @@ class StrategyConfig:
     balance: bool | None = field(default=None, metadata=flag(
         "--balance", "measure each rank's speed as it trains and re-split the micro-batches when it changes (default: "
         "on, with a split chosen from the probe, when the nodes' speeds differ by more than 15%%; --no-balance: the "
-        "even split, every rank waits for the slowest)", "uneven", negatable=True))
+        "even split, every rank waits for the slowest)", "uneven", negatable=True, commands=("train", "run"),
+        helps={"run": "uneven shares re-split from the measured speeds (default on a cluster whose probe shows nodes "
+               "of different CPUs or GPUs: diloco gives the faster nodes more inner steps of the script's batch; "
+               "--no-balance: the even split, every rank waits for the slowest)"}))
     speeds: list[Float] | None = field(default=None, metadata=flag(
         "--speeds", "relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last "
         "probe, else even)", "uneven", metavar="S,S,...", parse=comma_floats, commands=("train", "run"),
