@@ -165,7 +165,9 @@ def _lighthouse_pid(sandbox, faults) -> int | None:
 
 def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, tmp_path):
     """The lighthouse's failure story: the launcher sees it end, stops the run and relaunches
-    from the last checkpoint with a new lighthouse (the documented fallback); the run finishes."""
+    from the last checkpoint with a new lighthouse (the documented fallback); the run finishes,
+    and every outer sync of both launches agrees across the replicas (issue #34: a replica
+    that joined the relaunch's first quorum before loading its checkpoint fell a round behind)."""
     from vpscluster.cluster.sandbox import faults
 
     config = tmp_path / "train.yaml"
@@ -202,10 +204,10 @@ def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, 
     restart = report["recoveries"][0]
     assert restart["kind"] == "restart" and restart["resumed_from_step"] >= 10, restart
     assert restart["nodes"] == ["node-1", "node-2", "node-3"], restart
+    # Every outer sync's weights alike on every replica that logged it, in both launches (a round
+    # redone after the relaunch, from the same checkpoint and data, lands in the same entry).
     syncs = diloco_sync_hashes(run_dir / "logs")
     assert max(k[3] for k in syncs) == max_steps
-    before = {k: v for k, v in syncs.items() if k[3] <= 10}  # the first launch's syncs, up to the checkpoint
-    assert before and all(len(by_hash) == 1 for by_hash in before.values()), before
+    assert any(k[3] <= 10 for k in syncs), sorted(syncs)  # the first launch's syncs are there too
     split = {k: v for k, v in syncs.items() if len(v) > 1}
-    if split:  # a known defect (issue #34), not hidden: after the relaunch a replica that healed can disagree
-        pytest.xfail(f"known defect: after the lighthouse's relaunch the replicas disagreed at {sorted(split)}")
+    assert not split, split
