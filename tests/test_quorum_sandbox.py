@@ -211,3 +211,12 @@ def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, 
     assert any(k[3] <= 10 for k in syncs), sorted(syncs)  # the first launch's syncs are there too
     split = {k: v for k, v in syncs.items() if len(v) > 1}
     assert not split, split
+    # Every outer step at one step: a replica that healed at the relaunch took its peer's place
+    # (a resumed peer's step, not 0) and all end at the same outer step, at the last step.
+    steps_of: dict[tuple[int, int], set[int]] = {}
+    for world, fragment, outer, step in syncs:
+        steps_of.setdefault((fragment, outer), set()).add(step)
+    assert all(len(s) == 1 for s in steps_of.values()), sorted(syncs)
+    last = {rank: max(k[2] for k, v in syncs.items() if any(rank in r for r in v.values()))
+            for rank in ("node-1/0", "node-2/0", "node-3/0")}
+    assert len(set(last.values())) == 1 and steps_of[(0, last["node-1/0"])] == {max_steps}, (last, sorted(syncs))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,11 +157,13 @@ def test_a_killed_replica_costs_the_survivors_seconds_and_heals_back(tmp_path, l
 
 def test_a_relaunch_with_a_late_replica_resumes_aligned(tmp_path, lighthouse):
     """Every replica group resumes from its own checkpoint (step 10), as after the launcher's
-    relaunch; the third starts once the other two made their first sync. It must heal from them
-    at their next quorum and train on aligned: every outer step logged at one step with one
-    hash, no sync lost. Before the fix (issue #34) it joined that quorum with the fresh model,
-    healed, then loaded its own checkpoint over the heal and asked a quorum of its own: the
-    others' next sync, counting it, timed out without it."""
+    relaunch: replica 1 has none left and heals from 0 at their first quorum; the third starts
+    once the other two made their first sync. It must heal from them at their next quorum and
+    train on aligned: every outer step logged at one step with one hash, no sync lost. Before
+    the fix (issue #34) it joined that quorum with the fresh model, healed, then loaded its own
+    checkpoint over the heal and asked a quorum of its own: the others' next sync, counting it,
+    timed out without it. And a replica healing from a resumed peer's first quorum must take
+    the peer's resumed step, not step 0."""
     steps, every = 60, 10
     first = Replicas(tmp_path, lighthouse.address, count=3, steps=every)
     try:
@@ -170,6 +173,7 @@ def test_a_relaunch_with_a_late_replica_resumes_aligned(tmp_path, lighthouse):
     finally:
         first.stop_all()
     synced = [len(first.sync_lines(i)) for i in range(3)]  # the output files go on in the relaunch
+    shutil.rmtree(tmp_path / "r1" / "checkpoints")  # replica 1 lost its own: it heals from 0, to 0's place
     run = Replicas(tmp_path, lighthouse.address, count=3, steps=steps, step_s=0.2)  # 9 s of steps left at step 15
     try:
         for i in (0, 1):
@@ -195,6 +199,7 @@ def test_a_relaunch_with_a_late_replica_resumes_aligned(tmp_path, lighthouse):
     assert [r["strategy_details"]["syncs_failed"] for r in final] == [0, 0, 0], final  # no round lost to the join
     late = run.sync_lines(2)[synced[2]:]
     assert final[2]["strategy_details"]["heals"] >= 1 and late[0]["step"] > 15, late  # healed past their first sync
+    assert final[1]["strategy_details"]["heals"] >= 1, final[1]
 
 
 def test_the_lighthouse_killed_ends_the_replicas_with_one_line_and_no_hang(tmp_path, lighthouse):

@@ -169,7 +169,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         from a peer (`moved_to`: the peer's place). `position()`: the loop's place, sent to
         replicas that heal from this one."""
         self._position = position
-        self._quorum(0)
+        self._quorum(int(position().get("steps", 0)))  # a resumed loop: its checkpoint's step
 
     def moved_to(self) -> dict | None:
         moved, self._moved = self._moved, None
