@@ -6,6 +6,9 @@ processes: one replica group per process (tests/scripts/quorum_replica.py), a re
   metrics' step times), they are never restarted (same processes, steps continuous), every
   outer sync's weights hash alike on every replica that logged it, and the killed one, started
   again, heals from a peer, joins at a sync and ends with the same weights as the others.
+- A relaunch from checkpoints (what the launcher does when the lighthouse dies): every replica
+  resumes from its own, one starts a round late, and all end aligned: every outer step logged
+  at one step with one hash, no sync lost, the late one healed to its peers' place.
 - The lighthouse killed: the round in progress ends, the next quorum fails within the replicas'
   quorum time-out with one line naming the lighthouse, and they exit non-zero (the relaunch
   path's cue); no hang.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,16 +44,17 @@ QUORUM_TIMEOUT_S = 8  # the script's strategy.quorum_timeout_s
 class Replicas:
     """Replica-group processes of one run, each with its run dir and output files under `tmp`."""
 
-    def __init__(self, tmp: Path, lighthouse: str, count: int, steps: int) -> None:
-        self.tmp, self.lighthouse, self.count, self.steps = tmp, lighthouse, count, steps
+    def __init__(self, tmp: Path, lighthouse: str, count: int, steps: int, step_s: float = STEP_S) -> None:
+        self.tmp, self.lighthouse, self.count, self.steps, self.step_s = tmp, lighthouse, count, steps, step_s
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def start(self, i: int) -> subprocess.Popen:
+    def start(self, i: int, *extra: str) -> subprocess.Popen:
+        """Replica group i; `extra`: the script's optional arguments (CHECKPOINT_EVERY [resume])."""
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": self.lighthouse, "VPSC_REPLICA_GROUP": f"{i}/{self.count}",
                "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}
         with open(self.tmp / f"out{i}", "a") as out, open(self.tmp / f"err{i}", "a") as err:
             self.procs[i] = subprocess.Popen(
-                [sys.executable, str(SCRIPT), str(self.tmp / f"r{i}"), str(self.steps), str(H), "int8", str(STEP_S)],
+                [sys.executable, str(SCRIPT), str(self.tmp / f"r{i}"), str(self.steps), str(H), "int8", str(self.step_s), *extra],
                 stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         return self.procs[i]
 
@@ -148,6 +153,53 @@ def test_a_killed_replica_costs_the_survivors_seconds_and_heals_back(tmp_path, l
     final = [run.reports(i)[-1] for i in range(3)]
     assert len({r["model_sha256"] for r in final}) == 1 and {r["steps"] for r in final} == {100}
     assert final[victim]["strategy_details"]["heals"] >= 1
+
+
+def test_a_relaunch_with_a_late_replica_resumes_aligned(tmp_path, lighthouse):
+    """Every replica group resumes from its own checkpoint (step 10), as after the launcher's
+    relaunch: replica 1 has none left and heals from 0 at their first quorum; the third starts
+    once the other two made their first sync. It must heal from them at their next quorum and
+    train on aligned: every outer step logged at one step with one hash, no sync lost. Before
+    the fix (issue #34) it joined that quorum with the fresh model, healed, then loaded its own
+    checkpoint over the heal and asked a quorum of its own: the others' next sync, counting it,
+    timed out without it. And a replica healing from a resumed peer's first quorum must take
+    the peer's resumed step, not step 0."""
+    steps, every = 60, 10
+    first = Replicas(tmp_path, lighthouse.address, count=3, steps=every)
+    try:
+        for i in range(3):
+            first.start(i, str(every))
+        assert first.wait_all(timeout_s=60) == {0: 0, 1: 0, 2: 0}, [first.stderr(i) for i in range(3)]
+    finally:
+        first.stop_all()
+    synced = [len(first.sync_lines(i)) for i in range(3)]  # the output files go on in the relaunch
+    shutil.rmtree(tmp_path / "r1" / "checkpoints")  # replica 1 lost its own: it heals from 0, to 0's place
+    run = Replicas(tmp_path, lighthouse.address, count=3, steps=steps, step_s=0.2)  # 9 s of steps left at step 15
+    try:
+        for i in (0, 1):
+            run.start(i, str(every), "resume")
+        deadline = time.monotonic() + 60
+        while len(run.sync_lines(0)) == synced[0]:  # their first sync after the relaunch
+            assert time.monotonic() < deadline and all(run.procs[i].poll() is None for i in (0, 1)), \
+                [run.stderr(i) for i in (0, 1)]
+            time.sleep(0.05)
+        run.start(2, str(every), "resume")
+        codes = run.wait_all(timeout_s=90)
+    finally:
+        run.stop_all()
+    assert codes == {0: 0, 1: 0, 2: 0}, [run.stderr(i) for i in range(3)]
+    by_outer: dict[int, set[tuple[int, str]]] = defaultdict(set)
+    for i in range(3):
+        for s in run.sync_lines(i):
+            by_outer[s["outer_step"]].add((s["step"], s["sha256"]))
+    assert sorted(by_outer) == list(range(1, steps // H + 1)), sorted(by_outer)
+    assert all(len(v) == 1 for v in by_outer.values()), dict(by_outer)  # one step, one hash per outer step
+    final = [run.reports(i)[-1] for i in range(3)]
+    assert {r["steps"] for r in final} == {steps} and len({r["model_sha256"] for r in final}) == 1, final
+    assert [r["strategy_details"]["syncs_failed"] for r in final] == [0, 0, 0], final  # no round lost to the join
+    late = run.sync_lines(2)[synced[2]:]
+    assert final[2]["strategy_details"]["heals"] >= 1 and late[0]["step"] > 15, late  # healed past their first sync
+    assert final[1]["strategy_details"]["heals"] >= 1, final[1]
 
 
 def test_the_lighthouse_killed_ends_the_replicas_with_one_line_and_no_hang(tmp_path, lighthouse):

@@ -1,11 +1,14 @@
 """One replica group of the quorum engine, written against the session API (tests/test_quorum_session.py).
 
-    TORCHFT_LIGHTHOUSE=http://HOST:PORT VPSC_REPLICA_GROUP=I/N python quorum_replica.py RUN_DIR STEPS H WIRE STEP_S
+    TORCHFT_LIGHTHOUSE=http://HOST:PORT VPSC_REPLICA_GROUP=I/N \
+        python quorum_replica.py RUN_DIR STEPS H WIRE STEP_S [CHECKPOINT_EVERY [resume]]
 
-A user's loop, unchanged by the quorum: `setup`, `shard`, `step`, `close`. Trains a small MLP on
-its replica group's shard until the loop's step count reaches STEPS (a replica that joined late
-takes its peer's count), sleeping STEP_S per step to stand for compute. Prints the session's
-sync hash lines on stdout ("diloco sync: ..."), and at the end one JSON line with the report.
+A user's loop, unchanged by the quorum: `setup`, `shard`, `step`, `close` (and, with
+CHECKPOINT_EVERY > 0, checkpoints every that many steps; with `resume`, `resume` before the loop).
+Trains a small MLP on its replica group's shard until the loop's step count reaches STEPS (a
+replica that joined late takes its peer's count), sleeping STEP_S per step to stand for compute.
+Prints one JSON line {"joined_at_step": N} when it is ready to train, the session's sync hash
+lines on stdout ("diloco sync: ..."), and at the end one JSON line with the report.
 """
 
 import json
@@ -13,7 +16,8 @@ import sys
 import time
 
 
-def main(run_dir: str, steps: int, sync_every: int, wire: str, step_s: float) -> int:
+def main(run_dir: str, steps: int, sync_every: int, wire: str, step_s: float, checkpoint_every: int = 0,
+         resume: bool = False) -> int:
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -23,10 +27,12 @@ def main(run_dir: str, steps: int, sync_every: int, wire: str, step_s: float) ->
     torch.set_num_threads(1)
     s = session.start(run_dir=run_dir, strategy={"name": "diloco", "quorum": True, "sync_every": sync_every,
                                                  "wire_dtype": wire, "sync_hashes": True, "outer_lr": 0.7,
-                                                 "quorum_timeout_s": 8, "sync_timeout_s": 5})
+                                                 "quorum_timeout_s": 8, "sync_timeout_s": 5},
+                      checkpoint_every=checkpoint_every, resume=resume)
     torch.manual_seed(int(time.time() * 1e6) % 2**31)  # different initial weights: the first quorum aligns them
     model = s.setup(nn.Sequential(nn.Linear(8, 128), nn.Tanh(), nn.Linear(128, 3)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    s.resume(opt)  # nothing unless resume
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2048, 8, generator=g)
     y = (x @ torch.randn(8, 3, generator=g)).argmax(dim=1)
@@ -48,4 +54,5 @@ def main(run_dir: str, steps: int, sync_every: int, wire: str, step_s: float) ->
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    sys.exit(main(a[0], int(a[1]), int(a[2]), a[3], float(a[4])))
+    sys.exit(main(a[0], int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]) if len(a) > 5 else 0,
+                  len(a) > 6 and a[6] == "resume"))

@@ -117,6 +117,7 @@ class Session:
         self._micro = (0, 1)  # (this micro-batch, this rank's micro-batches in the step)
         self._optimizer = None
         self._started = False  # start-up over (`begin`)
+        self._joined = False  # the strategy's `join` made (a quorum engine's first quorum)
         self._began: float | None = None  # perf_counter when the loop's clock started
         self._mark = time.perf_counter()  # the end of the last step: the next step's time starts there
         self._start_step = 0
@@ -205,8 +206,8 @@ class Session:
             raise UserError("session.setup() was called twice; set up one model per session")
         self.model = self.strategy.setup(model.to(self.device))
         self._plain = self.strategy.unwrap()
-        self.strategy.join(lambda: {"steps": self.steps, "data": dict(self._data)})
-        self._follow()
+        if not self.cfg.resume:  # a resumed run joins once its checkpoint is loaded (`resume`)
+            self._join()
         if self.auto is not None:  # a module whose forward follows the strategy chosen later
             from vpscluster.session.auto import Switchable
 
@@ -229,6 +230,19 @@ class Session:
         auto.switch(self, made)
         if self.is_main:
             print(f"strategy auto -> {made['reason']}", flush=True)
+
+    def _join(self) -> None:
+        """The strategy's `join` (a quorum engine's first quorum), once the state this replica
+        starts from is in place: after `setup`, or after `resume` loaded a checkpoint. Joined
+        before the checkpoint was loaded, a replica was counted in its peers' first round with
+        the fresh model and then, resumed, asked a quorum of its own: their round's sync timed
+        out without it and it trained a round behind them, logging outer steps at their syncs'
+        places with other hashes (issue #34: disagreeing sync hashes after a relaunch)."""
+        if self._joined:
+            return
+        self._joined = True
+        self.strategy.join(lambda: {"steps": self.steps, "data": dict(self._data)})
+        self._follow()
 
     def _follow(self) -> None:
         """A replica that healed from a peer (the quorum engine) goes on from the peer's place."""
@@ -265,6 +279,7 @@ class Session:
         from vpscluster.session.dist import end_startup
 
         self._need_model()
+        self._join()  # a run resuming whose loop never called `resume` joins here
         self._started = True
         end_startup(self.ctx, self.cfg.timeouts.train_collective_s, self.strategy.collective_groups())
         stopping.install_handler(self._request_stop)
@@ -437,6 +452,7 @@ class Session:
         point = checkpoint.find_and_load(self._checkpoints(), self.coll)
         if point.step is None:
             self.events.emit("resume", step=0, skipped=point.skipped)
+            self._join()
             return None
         p = point.payload
         recut = point.recut  # the same on every rank: rank-local state is adapted alike
@@ -465,6 +481,7 @@ class Session:
             metrics.truncate_after(self.run_dir / rundir.METRICS, self.steps)
         self.events.emit("resume", step=self.steps, skipped=point.skipped, world_size=self.world_size,
                          checkpoint_world_size=point.world_size, shard=point.shard, received=point.received)
+        self._join()  # a replica behind its peers' outer step heals from one of them here
         return p.get("extra") or {}
 
     # ---- the end --------------------------------------------------------------------------

@@ -158,9 +158,9 @@ class Strategy(ABC):
         return 1.0
 
     def join(self, position: "Callable[[], dict]") -> None:
-        """Called once after `setup`, before the loop. A quorum engine forms its first quorum
-        here; `position()` is the loop's place (`steps`, `data`) that a replica joining later
-        takes from this one. Default: nothing to join."""
+        """Called once after `setup` (after `resume` when the run resumes), before the loop. A
+        quorum engine forms its first quorum here; `position()` is the loop's place (`steps`,
+        `data`) that a replica joining later takes from this one. Default: nothing to join."""
 
     def moved_to(self) -> dict | None:
         """The loop's place (`steps`, `data`) this replica took from a peer it healed from since

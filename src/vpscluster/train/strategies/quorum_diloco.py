@@ -163,11 +163,13 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         return model
 
     def join(self, position: Callable[[], dict]) -> None:
-        """The first quorum, before the loop: every replica starts from one replica's weights
-        (torchft's init_sync), and one that joins a running job heals from a peer (`moved_to`:
-        the peer's place). `position()`: the loop's place, sent to replicas that heal from this one."""
+        """The first quorum, before the loop and after a resumed checkpoint is loaded (the session
+        calls it then): every replica starts from one replica's weights (torchft's init_sync), and
+        one that joins a running job, or resumed from an older checkpoint than its peers, heals
+        from a peer (`moved_to`: the peer's place). `position()`: the loop's place, sent to
+        replicas that heal from this one."""
         self._position = position
-        self._quorum(0)
+        self._quorum(int(position().get("steps", 0)))  # a resumed loop: its checkpoint's step
 
     def moved_to(self) -> dict | None:
         moved, self._moved = self._moved, None
@@ -283,10 +285,10 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         return {"diloco": self._state(include_local=False), "position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint resumed (`Session.resume`, after `join`): the Manager's step becomes the
-        checkpoint's outer-step count and the next step asks a new quorum, so replica groups that
-        resumed from different checkpoints (a relaunch: one saved at its stop, another was killed
-        first) line up there: those behind heal from the one ahead, the loop's place included."""
+        """A checkpoint resumed (`Session.resume`, before `join`): the Manager's step becomes the
+        checkpoint's outer-step count, so replica groups that resumed from different checkpoints
+        (a relaunch: one saved at its stop, another was killed first) line up at the first
+        quorum: those behind heal from the one ahead, the loop's place included."""
         super().load_state_dict(state)
         if getattr(self, "manager", None) is not None and not getattr(self, "_healing", False):
             self.manager.load_state_dict({"step": self.outer_steps, "batches_committed": self.manager.batches_committed()})
