@@ -226,6 +226,48 @@ def test_tower_killed_resumes_from_its_checkpoint(products_data, tmp_path):
             assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-6), f"{stage}.{name}"
 
 
+def test_head_killed_resumes_from_its_checkpoint(products_data, tmp_path):
+    """kill -9 of the head's process mid-run: the launcher starts it again with --resume; it goes on
+    from its checkpoint (weights, optimizer, the sample ids it counted), reads the embeddings anew
+    from the stream, and the towers skip the gradients it sends again. Every sample is trained
+    exactly once per epoch and (K = 0) every parameter equals the one-process model's."""
+    import os
+    import signal
+
+    import torch
+
+    from conftest import processes_mentioning
+    from vpscluster.vertical import launch, reference
+
+    path, rows = products_data
+    spec = _spec(path, steps=16, epochs=4, checkpoint_every=3)
+    run_dir = tmp_path / "run"
+    lines, killed = [], []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if not killed and line.startswith("[head@local] step 5/16"):
+            for pid in processes_mentioning(str(run_dir / "stages" / "head")):
+                if b"python" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:  # not its shell
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    report = launch.train(spec, run_dir=run_dir, say=say)
+    assert killed and report["restarts"] == {"head": 1}, lines
+    resumed = [ln for ln in lines if "head: resumed from its checkpoint after step" in ln]
+    assert len(resumed) == 1, lines
+    start = int(resumed[0].rsplit(" ", 1)[1])
+    assert start % 3 == 0 and 3 <= start < 16 and report["head_resumed_from"] == start, lines  # not from the start
+    assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256] * 4
+    assert report["val_samples"] == ROWS - 256
+    _, ref_states = reference.train(spec, rows)
+    for stage, ref in ref_states.items():
+        got = torch.load(run_dir / "stages" / stage / ("head.pt" if stage == "head" else f"tower-{stage}.pt"),
+                         weights_only=True)
+        for name in ref:
+            assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-6), f"{stage}.{name}"
+
+
 def test_only_the_code_the_spec_names_travels(tmp_path, monkeypatch):
     """A remote node gets the spec's own packages and module files, not the folder they sit in
     (which may hold the dataset); vpscluster's and installed libraries' modules are not listed."""

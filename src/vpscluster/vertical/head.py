@@ -9,6 +9,16 @@ and the gradients' publishes and the embeddings' acks are confirmed later (queue
 all confirmed before the report): a step is the fusion's work plus the wait for a batch that has
 not come, not a chain of queue round trips. The report's `head_wait_share` (the head waited on
 the towers) and `head_cpu_share` (its CPU time over the training time) say where the limit is.
+
+Checkpoint and resume: every `train.checkpoint_every` steps (and once training ends) the head saves
+its weights, its optimizer and the sample ids it trained on (vertical/checkpoint.py). Started again
+with `resume` (the launcher does when its process died), it loads that checkpoint, reads the
+towers' embeddings anew from the stream's start through fresh consumers (skipping the batches it
+already holds) and trains batch `applied` on. The gradients of the batches it redoes go out
+again: the towers skip a batch whose gradient they already applied, and at the same weights the
+same embeddings give the same gradient (bit for bit on one machine), so the run ends with the
+weights of a run that was never interrupted. The batches the dead process trained after its last
+checkpoint are dropped with it: counted once, in the process that resumed.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from pathlib import Path
 from vpscluster import fsutil
 from vpscluster.errors import UserError
 from vpscluster.queue.client import InFlight
-from vpscluster.vertical import data, wire
+from vpscluster.vertical import checkpoint, data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, loss_fn
 
 
@@ -40,10 +50,15 @@ def correct(spec: Spec, out, y) -> int | None:
     return None
 
 
-def _inboxes(spec: Spec, run_id: str, queue):
-    """One inbox per tower and `join(phase, batch)` -> (embeddings in tower order, their messages)."""
+def _inboxes(spec: Spec, run_id: str, queue, fresh: bool = False):
+    """One inbox per tower and `join(phase, batch)` -> (embeddings in tower order, their messages).
+    `fresh`: new consumers that read the stream from its start (a resumed head: the dead process's
+    unacked messages would come again only after ack_wait, and its acked ones never)."""
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
     queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
+    if fresh:
+        for t in spec.towers:
+            queue.delete_consumer(wire.stream_name(run_id), f"head-{t}")
     inboxes = {t: wire.Inbox(queue.consume(wire.emb_subject(run_id, t), durable=f"head-{t}", max_pending=K + 1,
                                            ack_wait_s=max(30.0, timeout_s)), timeout_s, f"head (from tower {t})")
                for t in spec.towers}
@@ -92,9 +107,11 @@ def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_
     return report
 
 
-def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print, weights: str | None = None) -> dict:
+def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print, weights: str | None = None,
+        resume: bool = False) -> dict:
     """Train, then score the validation ids; with `weights` (a trained head's state) only predict
-    every row (predictions.jsonl; accuracy where the rows carry labels)."""
+    every row (predictions.jsonl; accuracy where the rows carry labels). `resume`: go on from the
+    head's checkpoint in `out_dir` (a process that died; see the module's doc)."""
     import torch
 
     rows = data.read_rows(rows_file)
@@ -109,21 +126,40 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     sched = data.schedule_for(spec, ids)
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
     towers = list(spec.towers)
-    inboxes, join = _inboxes(spec, run_id, queue)
+    ckpt = checkpoint.path_of(out_dir, "head")
+    state = checkpoint.load(ckpt) if resume else None
+    start, counts, last_loss = 0, {}, None
+    if state is not None:
+        fusion.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, last_loss = int(state["applied"]), state["last_loss"]
+        counts = {int(e): Counter({int(i): int(n) for i, n in c.items()}) for e, c in state["counts"].items()}
+        say(f"head: resumed from its checkpoint after step {start}")
+    every_ckpt = spec.train.checkpoint_every
+
+    def save(applied: int) -> None:
+        checkpoint.save(ckpt, fusion, opt, applied, counts={e: dict(c) for e, c in counts.items()},
+                        last_loss=losses[-1] if losses else last_loss)
+
+    inboxes, join = _inboxes(spec, run_id, queue, fresh=resume)
     # publishes and acks are confirmed off the critical path, at most this many unconfirmed at once
     pending = InFlight(limit=4 * (K + 2) * len(towers), timeout_s=timeout_s)
 
-    counts: dict[int, Counter] = {}
     losses: list[float] = []
     grad_bytes = 0
     t0 = t_first = time.monotonic()
     every = max(1, sched.steps // 10)
     said = t0
     waited = 0.0  # time the head waited for the towers' embeddings (after the first batch)
+    trained = 0  # samples this process trained on
+    cpu_first = time.process_time()
     for batch in sched.train_batches():
+        if batch.step < start:
+            continue
         t_ask = time.monotonic()
         embs, msgs = join("train", batch)
-        if batch.step == 0:
+        trained += len(batch.ids)
+        if batch.step == start:
             t_first = time.monotonic()  # the towers' start-up is not throughput
             cpu_first = time.process_time()
         else:
@@ -142,12 +178,16 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         for m in msgs:
             pending.add(m.ack_nowait(timeout_s), f"ack of train batch {batch.step}")
         losses.append(float(loss.detach()))
+        if every_ckpt and (batch.step + 1) % every_ckpt == 0:
+            save(batch.step + 1)
         if (batch.step + 1) % every == 0 or batch.step + 1 == sched.steps or time.monotonic() - said > 10.0:
             said = time.monotonic()
             say(f"step {batch.step + 1}/{sched.steps} epoch {batch.epoch} loss {losses[-1]:.4f}")
     pending.wait()
     train_s = time.monotonic() - t_first
-    train_cpu_s = time.process_time() - cpu_first if sched.steps else 0.0
+    train_cpu_s = time.process_time() - cpu_first if sched.steps > start else 0.0
+    if sched.steps > start and every_ckpt:
+        save(sched.steps)  # dying while it scores the validation batches resumes there
     train_bytes = sum(i.bytes for i in inboxes.values()) + grad_bytes
 
     fusion.eval()
@@ -178,16 +218,17 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     report = {
         "towers": towers, "staleness": K, "steps": sched.steps, "batch_size": spec.train.batch_size,
         "samples": samples, "epochs": epochs, "exactly_once": all(e["exactly_once"] for e in epochs),
-        "final_train_loss": losses[-1] if losses else None,
+        "final_train_loss": losses[-1] if losses else last_loss,
+        "head_resumed_from": start if state is not None else None,
         "val_samples": seen, "val_loss": val_loss / seen if seen else None,
         "val_accuracy": right / seen if seen and spec.head.loss != "mse" else None,
         "train_seconds": train_s, "wall_seconds": time.monotonic() - t0,
-        "samples_per_s": samples / train_s if train_s > 0 else None,
+        "samples_per_s": trained / train_s if train_s > 0 and trained else None,  # this process's
         # the share of the training time the head waited on the towers (the rest: its own work);
         # near 1 the towers or the queue limit, near 0 the head does
         "head_wait_share": waited / train_s if train_s > 0 else None,
         "head_cpu_share": train_cpu_s / train_s if train_s > 0 else None,  # its CPU time (all threads) / wall
-        "queue_bytes": train_bytes, "bytes_per_sample": train_bytes / samples if samples else None,
+        "queue_bytes": train_bytes, "bytes_per_sample": train_bytes / trained if trained else None,
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ Stages (the launch pipeline's shape, over the project's executors: local process
               by content hash, secrets left out: launch/sync.py), then the stage's rows file and spec
     start     `python -m vpscluster.vertical.worker` per stage, with the queue's credentials in its
               environment; every line it prints comes back prefixed with its stage
-    wait      until every stage ends; a tower that dies is started again from its checkpoint (the
-              others wait on the queue); the head failing, or a tower out of restarts, stops the
+    wait      until every stage ends; a stage that dies (a tower or the head) is started again from
+              its checkpoint, the others waiting on the queue; a stage out of restarts stops the
               others, and its last line is the error
     collect   the head's report.json and every stage's weights into RUN_DIR/stages/<stage>/
 """
@@ -238,15 +238,15 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
 
 
 async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) -> dict[str, int]:
-    """Until every stage ended. A tower that dies is started again from its checkpoint (`start(stage,
-    resume=True)`), at most `max_restarts` times each, while the others wait on the queue; the head
-    failing, a tower out of restarts, or every stage silent far past its own time-outs ends all.
-    Returns the restarts per tower."""
+    """Until every stage ended. A stage that dies (a tower or the head) is started again from its
+    checkpoint (`start(stage, resume=True)`), at most `max_restarts` times each, while the others
+    wait on the queue; a stage out of restarts, or every stage silent far past its own time-outs,
+    ends all. Returns the restarts per stage."""
     silent_limit = START_TIMEOUT_S + 3 * timeout_s
     restarts: dict[str, int] = {}
     while True:
         states = [(stage, h.returncode, last) for stage, h, _, last in started]
-        states.sort(key=lambda st: st[0] != "head")  # the head failing ends the run: no tower restarts then
+        states.sort(key=lambda st: st[0] != "head")  # the head out of restarts ends the run: no tower restarts then
         restarted = False
         for stage, rc, _ in states:
             if rc not in (None, 0):
@@ -254,7 +254,7 @@ async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) 
                 h = started[k][1]
                 lines = [ln for ln in h.output_tail.text().splitlines() if ln.strip()]
                 why = lines[-1].strip() if lines else "no output"
-                if stage != "head" and restarts.get(stage, 0) < max_restarts:
+                if restarts.get(stage, 0) < max_restarts:
                     restarts[stage] = restarts.get(stage, 0) + 1
                     say(f"stage {stage} died (exit status {rc}: {why}); starting it again from its checkpoint "
                         f"({restarts[stage]} of {max_restarts})")

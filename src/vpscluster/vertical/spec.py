@@ -86,8 +86,8 @@ class TrainSpec:
     val_fraction: Float = 0.2
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: Float = 60.0
-    checkpoint_every: Int = 10  # a tower saves its weights and optimizer every N applied steps (0: never)
-    max_restarts: Int = 2  # a tower process that dies is started again from its checkpoint this often
+    checkpoint_every: Int = 10  # each stage saves its weights and optimizer every N applied steps (0: never)
+    max_restarts: Int = 2  # a stage's process (a tower or the head) that dies is started again from its checkpoint this often
 
 
 @dataclass

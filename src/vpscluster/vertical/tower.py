@@ -19,26 +19,8 @@ import time
 from pathlib import Path
 
 from vpscluster.queue.client import InFlight
-from vpscluster.vertical import data, wire
+from vpscluster.vertical import checkpoint, data, wire
 from vpscluster.vertical.spec import Spec, build_module, build_optimizer, featurize
-
-
-def checkpoint_path(out_dir: str, name: str) -> Path:
-    return Path(out_dir) / f"checkpoint-{name}.pt"
-
-
-def save_checkpoint(path: Path, model, opt, applied: int) -> None:
-    """Weights and optimizer after `applied` gradient steps, atomically (a kill leaves the old one)."""
-    import io
-
-    import torch
-
-    from vpscluster import fsutil
-
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "applied": applied}, buf)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fsutil.write_atomic(path, buf.getvalue())
 
 
 def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue, say=print,
@@ -63,9 +45,9 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
 
     start = 0
-    ckpt = checkpoint_path(out_dir, name)
-    if resume and ckpt.is_file():
-        state = torch.load(ckpt, weights_only=True)
+    ckpt = checkpoint.path_of(out_dir, name)
+    state = checkpoint.load(ckpt) if resume else None
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = int(state["applied"])
@@ -95,7 +77,7 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
         opt.step()
         opt.zero_grad(set_to_none=True)
         if every and (step + 1) % every == 0:
-            save_checkpoint(ckpt, model, opt, step + 1)
+            checkpoint.save(ckpt, model, opt, step + 1)
         pending.add(msg.ack_nowait(timeout_s), f"ack of gradient {step}")
 
     t0 = time.monotonic()

@@ -3,7 +3,7 @@
     python -m vpscluster.vertical.worker tower NAME --spec SPEC.json --rows FILE --run RUN --out DIR
     python -m vpscluster.vertical.worker head --spec SPEC.json --rows FILE --run RUN --out DIR
     ... [--weights FILE]    (a trained stage's state: predict every row instead of training)
-    ... [--resume]          (a tower started again: from its checkpoint in --out)
+    ... [--resume]          (a stage started again: from its checkpoint in --out)
 
 The queue comes from the VPSC_QUEUE_* environment the launcher sets (`queue.Credentials.env`).
 `--rows` is the only data this process gets: its columns (a tower) or the labels (the head).
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--weights", help="a trained stage's state: predict instead of training")
-    p.add_argument("--resume", action="store_true", help="a tower: go on from its checkpoint in --out")
+    p.add_argument("--resume", action="store_true", help="go on from this stage's checkpoint in --out")
     args = p.parse_args(argv)
     try:
         from vpscluster import queue
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.role == "tower":
                 doc = tower.run(spec, args.name, args.rows, args.run, args.out, q, say, args.weights, args.resume)
             else:
-                doc = head.run(spec, args.rows, args.run, args.out, q, say, args.weights)
+                doc = head.run(spec, args.rows, args.run, args.out, q, say, args.weights, args.resume)
         print(json.dumps(doc), flush=True)
         return 0
     except UserError as e:
