@@ -50,29 +50,60 @@ def correct(spec: Spec, out, y) -> int | None:
     return None
 
 
-def _inboxes(spec: Spec, run_id: str, queue, fresh: bool = False):
-    """One inbox per tower and `join(phase, batch)` -> (embeddings in tower order, their messages).
-    `fresh`: new consumers that read the stream from its start (a resumed head: the dead process's
-    unacked messages would come again only after ack_wait, and its acked ones never)."""
-    K, timeout_s = spec.train.staleness, spec.train.timeout_s
-    queue.stream(wire.stream_name(run_id), wire.subjects(run_id))
-    if fresh:
-        for t in spec.towers:
-            queue.delete_consumer(wire.stream_name(run_id), f"head-{t}")
-    inboxes = {t: wire.Inbox(queue.consume(wire.emb_subject(run_id, t), durable=f"head-{t}", max_pending=K + 1,
-                                           ack_wait_s=max(30.0, timeout_s)), timeout_s, f"head (from tower {t})")
-               for t in spec.towers}
+def _inboxes(spec: Spec, run_id: str, queue, ids: list[int], fresh: bool = False):
+    """One inbox per tower stage (each replica's) and `join(phase, batch)` -> (embeddings in tower
+    order, their messages, routes: per tower [(stage, rows of the batch or None: all, sample ids)],
+    where each share's gradient goes). A tower with replicas sends each its share of the batch
+    (data.owner_of): joined here in the batch's order. `fresh`: new consumers that read the stream
+    from its start (a resumed head: the dead process's unacked messages would come again only
+    after ack_wait, and its acked ones never)."""
+    import torch
 
-    def join(phase: str, batch) -> tuple[list, list]:
-        embs, msgs = [], []
-        for t, inbox in inboxes.items():
-            tensor, meta, msg = inbox.take(phase, batch.step)
-            if meta["ids"] != batch.ids:
-                raise UserError(f"head: tower {t} sent {phase} batch {batch.step} with other sample ids than the "
-                                "schedule's; do all stages run the same spec and data?")
-            embs.append(tensor)
-            msgs.append(msg)
-        return embs, msgs
+    K, timeout_s = spec.train.staleness, spec.train.timeout_s
+    stream = wire.stream_name(run_id)
+    queue.stream(stream, wire.subjects(run_id))
+    by_tower = {t: [st for st in spec.stages() if wire.split_stage(st)[0] == t] for t in spec.towers}
+    owners = {t: data.owner_of(ids, len(sts)) for t, sts in by_tower.items() if len(sts) > 1}
+    stages = [st for sts in by_tower.values() for st in sts]
+    if fresh:
+        for st in stages:
+            queue.delete_consumer(stream, f"head-{wire.token(st)}")
+    inboxes = {st: wire.Inbox(queue.consume(wire.emb_subject(run_id, st), durable=f"head-{wire.token(st)}",
+                                            max_pending=K + 1, ack_wait_s=max(30.0, timeout_s)),
+                              timeout_s, f"head (from tower {st})") for st in stages}
+
+    def take(st: str, phase: str, batch, want: tuple[int, ...]):
+        tensor, meta, msg = inboxes[st].take(phase, batch.step)
+        if meta["ids"] != want:
+            raise UserError(f"head: tower {st} sent {phase} batch {batch.step} with other sample ids than the "
+                            "schedule's; do all stages run the same spec and data?")
+        return tensor, msg
+
+    def join(phase: str, batch) -> tuple[list, list, list]:
+        embs, msgs, routes = [], [], []
+        for t, sts in by_tower.items():
+            if len(sts) == 1:
+                tensor, msg = take(sts[0], phase, batch, batch.ids)
+                embs.append(tensor)
+                msgs.append(msg)
+                routes.append([(sts[0], None, batch.ids)])
+                continue
+            pieces, route = [], []
+            for r, st in enumerate(sts):
+                rows = [k for k, i in enumerate(batch.ids) if owners[t][i] == r]
+                share = tuple(batch.ids[k] for k in rows)
+                tensor, msg = take(st, phase, batch, share)
+                idx = torch.tensor(rows, dtype=torch.long)
+                pieces.append((idx, tensor))
+                msgs.append(msg)
+                route.append((st, idx, share))
+            width = next(p for _, p in pieces).shape[1:]
+            full = torch.empty((len(batch.ids), *width), dtype=torch.float32)
+            for idx, piece in pieces:
+                full.index_copy_(0, idx, piece)
+            embs.append(full)
+            routes.append(route)
+        return embs, msgs, routes
 
     return inboxes, join
 
@@ -80,14 +111,14 @@ def _inboxes(spec: Spec, run_id: str, queue, fresh: bool = False):
 def _predict(spec: Spec, fusion, ids: list[int], labels: dict, run_id: str, out_dir: str, queue) -> dict:
     import torch
 
-    _, join = _inboxes(spec, run_id, queue)
+    _, join = _inboxes(spec, run_id, queue, ids)
     sched = data.schedule_for(spec, ids, train=False)
     fusion.eval()
     lines, right, labelled = [], 0, 0
-    pending = InFlight(limit=8 * len(spec.towers), timeout_s=spec.train.timeout_s)
+    pending = InFlight(limit=8 * (len(spec.stages()) - 1), timeout_s=spec.train.timeout_s)
     with torch.no_grad():
         for batch in sched.eval_batches(sorted(ids)):
-            embs, msgs = join("eval", batch)
+            embs, msgs, _ = join("eval", batch)
             out = fusion(*embs)
             pred = out.argmax(-1) if spec.head.loss == "cross_entropy" else (out > 0).long() \
                 if spec.head.loss == "bce_with_logits" else out
@@ -141,9 +172,9 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         checkpoint.save(ckpt, fusion, opt, applied, counts={e: dict(c) for e, c in counts.items()},
                         last_loss=losses[-1] if losses else last_loss)
 
-    inboxes, join = _inboxes(spec, run_id, queue, fresh=resume)
+    inboxes, join = _inboxes(spec, run_id, queue, ids, fresh=resume)
     # publishes and acks are confirmed off the critical path, at most this many unconfirmed at once
-    pending = InFlight(limit=4 * (K + 2) * len(towers), timeout_s=timeout_s)
+    pending = InFlight(limit=4 * (K + 2) * len(inboxes), timeout_s=timeout_s)
 
     losses: list[float] = []
     grad_bytes = 0
@@ -157,7 +188,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         if batch.step < start:
             continue
         t_ask = time.monotonic()
-        embs, msgs = join("train", batch)
+        embs, msgs, routes = join("train", batch)
         trained += len(batch.ids)
         if batch.step == start:
             t_first = time.monotonic()  # the towers' start-up is not throughput
@@ -170,11 +201,13 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        for t, leaf in zip(towers, leaves):
-            payload, headers = wire.encode(leaf.grad, batch.step, batch.epoch, "train", batch.ids)
-            pending.add(queue.publish_nowait(wire.grad_subject(run_id, t), payload, headers, timeout_s=timeout_s),
-                        f"publish of tower {t}'s gradient {batch.step}")
-            grad_bytes += wire.message_bytes(payload, headers)
+        for route, leaf in zip(routes, leaves):
+            for st, idx, share in route:
+                grad = leaf.grad if idx is None else leaf.grad.index_select(0, idx)
+                payload, headers = wire.encode(grad, batch.step, batch.epoch, "train", share)
+                pending.add(queue.publish_nowait(wire.grad_subject(run_id, st), payload, headers, timeout_s=timeout_s),
+                            f"publish of tower {st}'s gradient {batch.step}")
+                grad_bytes += wire.message_bytes(payload, headers)
         for m in msgs:
             pending.add(m.ack_nowait(timeout_s), f"ack of train batch {batch.step}")
         losses.append(float(loss.detach()))
@@ -195,7 +228,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     val_loss = 0.0
     with torch.no_grad():
         for batch in sched.eval_batches(sched.val_ids):
-            embs, msgs = join("eval", batch)
+            embs, msgs, _ = join("eval", batch)
             y = label_tensor(spec, [labels[i] for i in batch.ids])
             out = fusion(*embs)
             val_loss += float(loss_of(out, y)) * len(batch.ids)
@@ -216,7 +249,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
                        "exactly_once": sorted(got) == sorted(want) and all(v == 1 for v in got.values())})
     samples = sum(len(b.ids) for b in sched.train_batches())
     report = {
-        "towers": towers, "staleness": K, "steps": sched.steps, "batch_size": spec.train.batch_size,
+        "towers": towers, "replicas": {t: spec.towers[t].n_replicas for t in towers}, "staleness": K, "steps": sched.steps, "batch_size": spec.train.batch_size,
         "samples": samples, "epochs": epochs, "exactly_once": all(e["exactly_once"] for e in epochs),
         "final_train_loss": losses[-1] if losses else last_loss,
         "head_resumed_from": start if state is not None else None,
