@@ -19,6 +19,10 @@ again: the towers skip a batch whose gradient they already applied, and at the s
 same embeddings give the same gradient (bit for bit on one machine), so the run ends with the
 weights of a run that was never interrupted. The batches the dead process trained after its last
 checkpoint are dropped with it: counted once, in the process that resumed.
+
+A tower with replicas (stages NAME.0 ... NAME.R-1, vertical/tower.py): each sends its share of a
+batch (the rows it holds, data.owner_of); the head joins the shares in the batch's order into one
+embedding and sends each replica the rows of the gradient that are its share.
 """
 
 from __future__ import annotations
@@ -249,7 +253,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
                        "exactly_once": sorted(got) == sorted(want) and all(v == 1 for v in got.values())})
     samples = sum(len(b.ids) for b in sched.train_batches())
     report = {
-        "towers": towers, "replicas": {t: spec.towers[t].n_replicas for t in towers}, "staleness": K, "steps": sched.steps, "batch_size": spec.train.batch_size,
+        "towers": towers, "replicas": {t: spec.towers[t].n_replicas for t in towers}, "staleness": K,
+        "steps": sched.steps, "batch_size": spec.train.batch_size,
         "samples": samples, "epochs": epochs, "exactly_once": all(e["exactly_once"] for e in epochs),
         "final_train_loss": losses[-1] if losses else last_loss,
         "head_resumed_from": start if state is not None else None,
