@@ -6,7 +6,9 @@ loopback (a private one per run, queue/server.serve_private), the products examp
 - K = 1: the towers run a batch ahead (weights then differ from the synchronous ones), it learns;
 - the head counts every sample id exactly once per epoch, a partial last epoch included;
 - each stage receives only its columns (the head alone the labels);
-- bad specs: one line each, non-zero exit, nothing started.
+- bad specs: one line each, non-zero exit, nothing started;
+- a killed tower, or the head, resumes from its checkpoint (K = 0: still the reference's weights);
+- a tower as 2 replicas: each gets its share of the rows; the weights are still the reference's.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ BAD = {
     "feature function raises": ({"towers.text.features": "vertical_bad_features:explode"},
                                 "towers.text.features: vertical_bad_features:explode raised on sample 0: KeyError"),
     "node not in the cluster": ({"towers.text.nodes": ["nowhere"]}, None),
+    "replicas that do not fit the nodes": ({"towers.image.nodes": ["local", "local"], "towers.image.replicas": 3},
+                                           "towers.image.replicas: 3 does not fit nodes: ['local', 'local']"),
 }
 
 
@@ -224,6 +228,129 @@ def test_tower_killed_resumes_from_its_checkpoint(products_data, tmp_path):
                          weights_only=True)
         for name in ref:
             assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-6), f"{stage}.{name}"
+
+
+def test_head_killed_resumes_from_its_checkpoint(products_data, tmp_path):
+    """kill -9 of the head's process mid-run: the launcher starts it again with --resume; it goes on
+    from its checkpoint (weights, optimizer, the sample ids it counted), reads the embeddings anew
+    from the stream, and the towers skip the gradients it sends again. Every sample is trained
+    exactly once per epoch and (K = 0) every parameter equals the one-process model's."""
+    import os
+    import signal
+
+    import torch
+
+    from conftest import processes_mentioning
+    from vpscluster.vertical import launch, reference
+
+    path, rows = products_data
+    spec = _spec(path, steps=16, epochs=4, checkpoint_every=3)
+    run_dir = tmp_path / "run"
+    lines, killed = [], []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if not killed and line.startswith("[head@local] step 5/16"):
+            for pid in processes_mentioning(str(run_dir / "stages" / "head")):
+                if b"python" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:  # not its shell
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    report = launch.train(spec, run_dir=run_dir, say=say)
+    assert killed and report["restarts"] == {"head": 1}, lines
+    resumed = [ln for ln in lines if "head: resumed from its checkpoint after step" in ln]
+    assert len(resumed) == 1, lines
+    start = int(resumed[0].rsplit(" ", 1)[1])
+    assert start % 3 == 0 and 3 <= start < 16 and report["head_resumed_from"] == start, lines  # not from the start
+    assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256] * 4
+    assert report["val_samples"] == ROWS - 256
+    _, ref_states = reference.train(spec, rows)
+    for stage, ref in ref_states.items():
+        got = torch.load(run_dir / "stages" / stage / ("head.pt" if stage == "head" else f"tower-{stage}.pt"),
+                         weights_only=True)
+        for name in ref:
+            assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-6), f"{stage}.{name}"
+
+
+def test_tower_replicas_split_the_rows_and_train_as_one(products_data, tmp_path):
+    """The image tower as 2 data-parallel replicas (stages image.0 and image.1), K = 0: each replica
+    receives only its share of the rows (disjoint, together all of them) and the list of ids; the
+    head joins their shares of each batch, and the replicas add their weight gradients over the
+    queue, so both hold the same weights and every stage's equal the one-process model's. One
+    replica killed mid-run resumes from its checkpoint; each sample is still trained once per epoch."""
+    import os
+    import signal
+
+    import torch
+
+    from conftest import processes_mentioning
+    from vpscluster.vertical import launch, products, reference, spec as spec_mod
+
+    path, rows = products_data
+    doc = products.spec_doc(str(path), ["local"], "local", epochs=4)
+    doc["towers"]["image"]["nodes"] = ["local", "local"]
+    doc["train"].update({"steps": 12, "checkpoint_every": 3})
+    spec = spec_mod.from_dict(doc)
+    assert spec.stages() == ["text", "image.0", "image.1", "head"]
+    run_dir = tmp_path / "run"
+    lines, killed = [], []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if not killed and line.startswith("[head@local] step 5/12"):
+            for pid in processes_mentioning(str(run_dir / "stages" / "image.1")):
+                if b"python" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:  # not its shell
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    report = launch.train(spec, run_dir=run_dir, say=say)
+    assert killed and report["restarts"] == {"image.1": 1}, lines
+    resumed = [ln for ln in lines if "tower image.1: resumed from its checkpoint after step" in ln]
+    assert len(resumed) == 1 and int(resumed[0].rsplit(" ", 1)[1]) in (3, 6), lines  # not from the start
+    assert report["replicas"] == {"text": 1, "image": 2}
+    assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256, 256, 256]
+    assert report["val_samples"] == ROWS - 256
+
+    shares = [[json.loads(ln) for ln in (run_dir / "send" / f"image.{r}" / "rows.jsonl").read_text().splitlines()]
+              for r in (0, 1)]
+    assert all(set(x) == {"id", "image"} for share in shares for x in share)
+    got_ids = [{x["id"] for x in share} for share in shares]
+    assert not got_ids[0] & got_ids[1] and got_ids[0] | got_ids[1] == {r["id"] for r in rows}
+    assert abs(len(got_ids[0]) - len(got_ids[1])) <= 1
+    for r in (0, 1):
+        assert json.loads((run_dir / "send" / f"image.{r}" / "ids.json").read_text()) == sorted(x["id"] for x in rows)
+
+    _, ref_states = reference.train(spec, rows)
+    weights = {st: torch.load(run_dir / "stages" / st / ("head.pt" if st == "head" else
+                                                         f"tower-{st.split('.')[0]}.pt"), weights_only=True)
+               for st in spec.stages()}
+    for name in ref_states["image"]:  # the replicas apply the same sum in the same order: equal bit for bit
+        assert torch.equal(weights["image.0"][name], weights["image.1"][name]), name
+    for st, got in weights.items():
+        ref = ref_states[st.split(".")[0]]
+        for name in ref:  # the sum of the shares' gradients is taken in another order than one batch's
+            assert torch.allclose(got[name], ref[name], rtol=1e-4, atol=1e-5), f"{st}.{name}"
+
+
+def test_replicas_placed_by_nodes_or_labels(tmp_path):
+    """One stage NAME.r per replica: on the nodes named, or on the first `replicas:` nodes carrying
+    the tower's labels; too few such nodes is one line naming the fix."""
+    from vpscluster.cluster.inventory import cluster_from_mapping
+    from vpscluster.errors import UserError
+    from vpscluster.vertical import launch, products, spec as spec_mod
+
+    cluster = cluster_from_mapping({"nodes": [{"name": "a", "host": "10.0.0.5"},
+                                              {"name": "b", "host": "10.0.0.6", "labels": {"gpus": "1"}},
+                                              {"name": "c", "host": "10.0.0.7", "labels": {"gpus": "1"}}]},
+                                   "cluster.yaml", base_dir=tmp_path)
+    doc = products.spec_doc("x.jsonl", ["a", "b", "c"], "a")
+    doc["towers"]["text"]["nodes"] = ["b", "c"]
+    doc["towers"]["image"] = {**doc["towers"]["image"], "nodes": [], "labels": {"gpus": "1"}, "replicas": 2}
+    assert launch.place(spec_mod.from_dict(doc), cluster) == {
+        "text.0": "b", "text.1": "c", "image.0": "b", "image.1": "c", "head": "a"}
+    doc["towers"]["image"]["replicas"] = 3
+    with pytest.raises(UserError, match=r"towers.image.labels: 2 node\(s\) of the cluster carry .* 3 replica\(s\) wanted"):
+        launch.place(spec_mod.from_dict(doc), cluster)
 
 
 def test_only_the_code_the_spec_names_travels(tmp_path, monkeypatch):

@@ -1,8 +1,10 @@
 """The vertical split on a 3-node sandbox (SSH nodes in their own network namespaces): `queue up`
 starts nats-server on the head (node-1), the text tower runs on node-2, the image tower on node-3,
 the head on node-1, all started over SSH by the executors; it trains (each sample exactly once),
-and each node holds only its own stage's files: the text node the ids and descriptions, the image
-node the ids and images, the head the ids and labels.
+and each node holds only its own stages' files: the text node the ids and descriptions, the image
+node the ids and images, the head the ids and labels. The image tower runs as 2 replicas, on
+node-2 and node-3: each of those nodes holds the images of its share of the rows only, and the
+replicas end with the same weights.
 
 Not here: the firewall closing the queue's port to a namespace outside the cluster is
 provision's (nftables) work."""
@@ -39,6 +41,7 @@ def test_towers_on_their_nodes_over_the_head_queue(tmp_path):
             names = [n.name for n in info.nodes]
             doc = products.spec_doc(str(data), names, names[0], epochs=2)
             doc["train"]["steps"] = 6
+            doc["towers"]["image"]["nodes"] = [names[1], names[2]]
             spec = tmp_path / "spec.yaml"
             spec.write_text(yaml.safe_dump(doc, sort_keys=False))
             r = run_cli("vertical", "train", "--spec", str(spec), "--cluster", info.cluster_file,
@@ -47,21 +50,36 @@ def test_towers_on_their_nodes_over_the_head_queue(tmp_path):
         finally:
             run_cli("queue", "down", "--cluster", info.cluster_file, "--purge", timeout=120)
         report = json.loads(r.stdout)
-        assert report["placement"] == {"text": names[1], "image": names[2], "head": names[0]}
+        assert report["placement"] == {"text": names[1], "image.0": names[1], "image.1": names[2], "head": names[0]}
         assert report["queue"] == f"nats://{info.node(names[0]).address}:4222"
         assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256, 128]
         assert report["val_samples"] == 64 and report["bytes_per_sample"] > 0
 
-        want = {"text": {"id", "description"}, "image": {"id", "image"}, "head": {"id", "label"}}
-        for stage, node in report["placement"].items():
+        want = {"text": {"id", "description"}, "image.0": {"id", "image"}, "image.1": {"id", "image"},
+                "head": {"id", "label"}}
+        image_ids = []
+        for node in set(report["placement"].values()):
             runs = Path(info.node(node).workdir) / "runs" / f"vertical-{report['run_id']}"
-            assert sorted(p.name for p in runs.iterdir()) == [stage]  # nothing of the other stages
-            sent = [json.loads(line) for line in (runs / stage / "in" / "rows.jsonl").read_text().splitlines()]
-            assert [set(x) for x in sent] == [want[stage]] * len(rows)
-            assert sorted(p.name for p in (runs / stage / "in").iterdir()) == ["rows.jsonl"]
-        # the trained weights came back from the nodes
-        for stage in ("text", "image"):
-            assert (tmp_path / "run" / "stages" / stage / f"tower-{stage}.pt").is_file()
+            here = sorted(st for st, n in report["placement"].items() if n == node)
+            assert sorted(p.name for p in runs.iterdir()) == here  # nothing of the other stages
+            for stage in here:
+                sent = [json.loads(line) for line in (runs / stage / "in" / "rows.jsonl").read_text().splitlines()]
+                assert all(set(x) == want[stage] for x in sent)
+                extra = ["ids.json"] if stage.startswith("image.") else []
+                assert sorted(p.name for p in (runs / stage / "in").iterdir()) == sorted(["rows.jsonl", *extra])
+                if extra:
+                    image_ids.append({x["id"] for x in sent})
+                else:
+                    assert len(sent) == len(rows)
+        # each image replica's node holds its share of the images only
+        assert not image_ids[0] & image_ids[1] and len(image_ids[0] | image_ids[1]) == len(rows)
+        # the trained weights came back from the nodes; the replicas' are equal
+        import torch
+
+        stages = tmp_path / "run" / "stages"
+        assert (stages / "text" / "tower-text.pt").is_file()
+        w0, w1 = (torch.load(stages / st / "tower-image.pt", weights_only=True) for st in ("image.0", "image.1"))
+        assert all(torch.equal(w0[k], w1[k]) for k in w0)
         assert (tmp_path / "run" / "stages" / "head" / "report.json").is_file()
     finally:
         factory.close()

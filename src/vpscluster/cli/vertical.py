@@ -75,8 +75,10 @@ def _render(con, doc: dict) -> None:
                   + (f"; accuracy {doc['accuracy']:.3f}" if doc.get("accuracy") is not None else ""))
         return
     once = "each sample exactly once per epoch" if doc["exactly_once"] else "SAMPLE COUNT WRONG"
-    con.print(f"{doc['steps']} steps, K={doc['staleness']}, {doc['samples_per_s']:.0f} samples/s, "
-              f"{doc['bytes_per_sample']:.0f} B/sample on the queue; {once}")
+    con.print(f"{doc['steps']} steps, K={doc['staleness']}, {doc['samples_per_s'] or 0:.0f} samples/s, "
+              f"{doc['bytes_per_sample'] or 0:.0f} B/sample on the queue; {once}")
+    for stage, n in (doc.get("restarts") or {}).items():
+        con.print(f"stage {stage} died and resumed from its checkpoint {n} time(s)")
     if doc.get("val_accuracy") is not None:
         con.print(f"val accuracy (split, fused): {doc['val_accuracy']:.3f}")
     for name, acc in (doc.get("baselines") or {}).items():

@@ -65,6 +65,31 @@ def write_columns(rows: list[dict[str, Any]], columns: list[str], path: str | Pa
     return fsutil.write_atomic(path, text)
 
 
+def owner_of(ids, replicas: int) -> dict[int, int]:
+    """id -> the replica that holds its row: position in the sorted ids modulo `replicas` (the
+    launcher splits the rows with it, the head joins the shares with it)."""
+    return {i: k % replicas for k, i in enumerate(sorted(ids))}
+
+
+def write_ids(ids, path: str | Path) -> Path:
+    """Every sample id and nothing else: what a tower's replica needs besides its share of the
+    rows to compute the schedule every stage follows."""
+    from vpscluster import fsutil
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return fsutil.write_atomic(path, json.dumps(sorted(ids)) + "\n")
+
+
+def read_ids(path: str | Path) -> list[int]:
+    try:
+        ids = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"ids file {path}: cannot read it ({e}); the launcher writes it beside the rows") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise UserError(f"ids file {path}: not a list of integer ids")
+    return ids
+
+
 @dataclass(frozen=True)
 class Batch:
     step: int  # 0, 1, ... over the whole run (train); 0, 1, ... within an evaluation

@@ -5,19 +5,22 @@
 Stages (the launch pipeline's shape, over the project's executors: local processes or SSH):
 
     place     each tower on its node (`nodes:` names, else the first node with its `labels:`), the
-              head on `head.node` or the cluster's head; a tower with no node is refused
+              head on `head.node` or the cluster's head; a tower with no node is refused; a tower
+              with replicas, one stage `NAME.r` per node (`nodes:`, or the first `replicas:` nodes
+              carrying its labels)
     queue     the cluster's queue (`vpscluster queue up`, or the cluster file's server); on the local
               cluster, a private nats-server on loopback for this run (queue/server.serve_private)
     split     per stage one rows file holding only what it may see: a tower the id column and its
-              columns, the head the id column and the label (`data.write_columns`); the file is
-              all of the data that goes to its node
+              columns, the head the id column and the label (`data.write_columns`); a tower's
+              replica only its share of the rows, and the list of every id (the schedule's); these
+              files are all of the data that goes to its node
     sync      to a remote node, the vpscluster package and the code the spec names (its top-level
               packages or module files, never the whole current folder, which may hold the data;
               by content hash, secrets left out: launch/sync.py), then the stage's rows file and spec
     start     `python -m vpscluster.vertical.worker` per stage, with the queue's credentials in its
               environment; every line it prints comes back prefixed with its stage
-    wait      until every stage ends; a tower that dies is started again from its checkpoint (the
-              others wait on the queue); the head failing, or a tower out of restarts, stops the
+    wait      until every stage ends; a stage that dies (a tower or the head) is started again from
+              its checkpoint, the others waiting on the queue; a stage out of restarts stops the
               others, and its last line is the error
     collect   the head's report.json and every stage's weights into RUN_DIR/stages/<stage>/
 """
@@ -41,27 +44,26 @@ START_TIMEOUT_S = 120.0  # a stage's first line (an interpreter importing torch 
 
 
 def place(spec: Spec, cluster) -> dict[str, str]:
-    """stage -> node name: towers by name, then "head"."""
+    """stage -> node name: towers (each replica: `NAME.r`) by name or labels, then "head"."""
     names = [n.name for n in cluster.nodes]
     out = {}
     for tname, t in spec.towers.items():
+        n = t.n_replicas
+        stages = [tname] if n == 1 else [f"{tname}.{r}" for r in range(n)]
         if cluster.is_local:
-            out[tname] = cluster.nodes[0].name
+            out.update({st: cluster.nodes[0].name for st in stages})
             continue
         if t.nodes:
-            unknown = [n for n in t.nodes if n not in names]
+            unknown = [x for x in t.nodes if x not in names]
             if unknown:
                 raise UserError(f"towers.{tname}.nodes: no node {unknown[0]!r} in the cluster; its nodes: {', '.join(names)}")
-            if len(t.nodes) > 1:
-                raise UserError(f"towers.{tname}.nodes: a tower runs on one node (replicas of a tower are not built yet); "
-                                "name one")
-            out[tname] = t.nodes[0]
+            out.update(zip(stages, t.nodes))
         else:
-            match = [n.name for n in cluster.nodes if all(n.labels.get(k) == str(v) for k, v in t.labels.items())]
-            if not match:
-                raise UserError(f"towers.{tname}.labels: no node of the cluster carries {t.labels}; label one in the "
-                                "cluster file or name it in nodes:")
-            out[tname] = match[0]
+            match = [x.name for x in cluster.nodes if all(x.labels.get(k) == str(v) for k, v in t.labels.items())]
+            if len(match) < n:
+                raise UserError(f"towers.{tname}.labels: {len(match)} node(s) of the cluster carry {t.labels}, "
+                                f"{n} replica(s) wanted; label more in the cluster file or name them in nodes:")
+            out.update(zip(stages, match))
     head = spec.head.node if spec.head.node and not cluster.is_local else cluster.head
     if head not in names:
         raise UserError(f"head.node: no node {head!r} in the cluster; its nodes: {', '.join(names)}")
@@ -69,21 +71,37 @@ def place(spec: Spec, cluster) -> dict[str, str]:
     return out
 
 
-def split_rows(spec: Spec, rows: list[dict], out_dir: Path, weights_from: Path | None = None) -> dict[str, list[Path]]:
-    """stage -> the files it receives: its rows file (only its columns; the head's label only where
-    the rows have it), and to predict, its trained weights."""
-    files = {}
-    for tname, t in spec.towers.items():
-        files[tname] = [data.write_columns(rows, [spec.id_column, *t.columns], out_dir / tname / "rows.jsonl")]
+def split_rows(spec: Spec, rows: list[dict], out_dir: Path, weights_from: Path | None = None) -> dict[str, dict[str, Path]]:
+    """stage -> the files it receives, by role: `rows` (only its columns; a tower's replica only
+    its share of the rows, and `ids`, every sample id; the head's label only where the rows have
+    it), and to predict, `weights` (its trained weights)."""
+    from vpscluster.vertical.wire import split_stage
+
+    ids = [r[spec.id_column] for r in rows]
+    files: dict[str, dict[str, Path]] = {}
+    for stage in spec.stages()[:-1]:
+        tname, r = split_stage(stage)
+        cols = [spec.id_column, *spec.towers[tname].columns]
+        if r is None:
+            files[stage] = {"rows": data.write_columns(rows, cols, out_dir / stage / "rows.jsonl")}
+            continue
+        owner = data.owner_of(ids, spec.towers[tname].n_replicas)
+        share = [row for row in rows if owner[row[spec.id_column]] == r]
+        files[stage] = {"rows": data.write_columns(share, cols, out_dir / stage / "rows.jsonl"),
+                        "ids": data.write_ids(ids, out_dir / stage / "ids.json")}
     label = [spec.head.label] if all(spec.head.label in r for r in rows) else []
-    files["head"] = [data.write_columns(rows, [spec.id_column, *label], out_dir / "head" / "rows.jsonl")]
+    files["head"] = {"rows": data.write_columns(rows, [spec.id_column, *label], out_dir / "head" / "rows.jsonl")}
     if weights_from is not None:
         for stage in files:
-            w = weights_from / "stages" / stage / ("head.pt" if stage == "head" else f"tower-{stage}.pt")
-            if not w.is_file():
-                raise UserError(f"--from {weights_from}: no trained weights of stage {stage} ({w}); give the run dir "
-                                "of a finished `vertical train`")
-            files[stage].append(w)
+            tname = split_stage(stage)[0]
+            # a tower trained with replicas: every replica holds the same weights; replica 0's
+            found = [weights_from / "stages" / st / ("head.pt" if stage == "head" else f"tower-{tname}.pt")
+                     for st in (stage, tname, f"{tname}.0")]
+            w = next((f for f in found if f.is_file()), None)
+            if w is None:
+                raise UserError(f"--from {weights_from}: no trained weights of stage {stage} ({found[0]}); give the "
+                                "run dir of a finished `vertical train`")
+            files[stage]["weights"] = w
     return files
 
 
@@ -168,6 +186,7 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
     from vpscluster.launch.preflight import resolve_workdirs
     from vpscluster.launch.pipeline import SyncItem, local_side
     from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
+    from vpscluster.vertical.wire import split_stage
 
     timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
     package = package_dir()
@@ -196,17 +215,20 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
             ex = by_name[node]
             if ex.node.local:
                 stage_dir, spec_path = str(run_dir / "stages" / stage), str(spec_file)
-                sent = [str(f) for f in files[stage]]
+                sent = {role: str(f) for role, f in files[stage].items()}
             else:
                 stage_dir = posixpath.join(workdirs[node], "runs", f"vertical-{run_id}", stage)
                 spec_path = posixpath.join(stage_dir, "spec.json")
-                sent = [posixpath.join(stage_dir, "in", f.name) for f in files[stage]]
-                for f, there in zip(files[stage], sent):  # this stage's columns (and weights), nothing else
-                    await ex.put(str(f), there, timeout_s=timeout_s)
+                sent = {role: posixpath.join(stage_dir, "in", f.name) for role, f in files[stage].items()}
+                for role, f in files[stage].items():  # this stage's columns (and ids, weights), nothing else
+                    await ex.put(str(f), sent[role], timeout_s=timeout_s)
                 await ex.put(str(spec_file), spec_path, timeout_s=timeout_s)
-            role = ["head"] if stage == "head" else ["tower", stage]
-            argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", sent[0],
-                    "--run", run_id, "--out", stage_dir, *(["--weights", sent[1]] if len(sent) > 1 else []),
+            tname, replica = split_stage(stage)
+            role = ["head"] if stage == "head" else ["tower", tname]
+            argv = [ex.node.python, "-m", "vpscluster.vertical.worker", *role, "--spec", spec_path, "--rows", sent["rows"],
+                    "--run", run_id, "--out", stage_dir,
+                    *(["--replica", str(replica), "--ids", sent["ids"]] if replica is not None else []),
+                    *(["--weights", sent["weights"]] if "weights" in sent else []),
                     *(["--resume"] if resume else [])]
             env = {**creds.env(), LAUNCH_ID_ENV: run_id, "PYTHONPATH": pythonpath[node], "PYTHONUNBUFFERED": "1",
                    "OMP_NUM_THREADS": "1"}
@@ -221,7 +243,7 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
 
         started = []
         try:
-            for stage in [*spec.towers, "head"]:
+            for stage in spec.stages():
                 started.append(await start(stage))
             restarts = await _wait(started, spec.train.timeout_s, spec.train.max_restarts, start, say)
             head_dir = next(d for s, _, d, _ in started if s == "head")
@@ -238,15 +260,15 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
 
 
 async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) -> dict[str, int]:
-    """Until every stage ended. A tower that dies is started again from its checkpoint (`start(stage,
-    resume=True)`), at most `max_restarts` times each, while the others wait on the queue; the head
-    failing, a tower out of restarts, or every stage silent far past its own time-outs ends all.
-    Returns the restarts per tower."""
+    """Until every stage ended. A stage that dies (a tower or the head) is started again from its
+    checkpoint (`start(stage, resume=True)`), at most `max_restarts` times each, while the others
+    wait on the queue; a stage out of restarts, or every stage silent far past its own time-outs,
+    ends all. Returns the restarts per stage."""
     silent_limit = START_TIMEOUT_S + 3 * timeout_s
     restarts: dict[str, int] = {}
     while True:
         states = [(stage, h.returncode, last) for stage, h, _, last in started]
-        states.sort(key=lambda st: st[0] != "head")  # the head failing ends the run: no tower restarts then
+        states.sort(key=lambda st: st[0] != "head")  # the head out of restarts ends the run: no tower restarts then
         restarted = False
         for stage, rc, _ in states:
             if rc not in (None, 0):
@@ -254,7 +276,7 @@ async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) 
                 h = started[k][1]
                 lines = [ln for ln in h.output_tail.text().splitlines() if ln.strip()]
                 why = lines[-1].strip() if lines else "no output"
-                if stage != "head" and restarts.get(stage, 0) < max_restarts:
+                if restarts.get(stage, 0) < max_restarts:
                     restarts[stage] = restarts.get(stage, 0) + 1
                     say(f"stage {stage} died (exit status {rc}: {why}); starting it again from its checkpoint "
                         f"({restarts[stage]} of {max_restarts})")

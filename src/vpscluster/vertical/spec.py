@@ -12,7 +12,10 @@ A YAML file (`vpscluster vertical train --spec FILE`):
         columns: [description]                    # the only columns this tower's node receives
         nodes: [node-1]                           # node names, or
         labels: {gpus: "1"}                       # ... the first node carrying these labels
-      image: {...}
+      image:
+        ...
+        nodes: [node-2, node-3]                   # several nodes: data-parallel replicas (below), or
+        replicas: 2                               # ... with labels:, the first 2 nodes carrying them
     head:
       module: myproject.towers:fusion             # called as fusion(emb_text, emb_image) (towers in order)
       label: label                                # the only column the head receives (with the ids)
@@ -26,8 +29,16 @@ A YAML file (`vpscluster vertical train --spec FILE`):
       val_fraction: 0.2
       optimizer: {name: adam, lr: 0.01}
       timeout_s: 60                               # the longest any stage waits for the queue
-      checkpoint_every: 10                        # a tower's checkpoint, every N steps (0: never)
-      max_restarts: 2                             # a dead tower is started again from it this often
+      checkpoint_every: 10                        # each stage's checkpoint, every N steps (0: never)
+      max_restarts: 2                             # a dead stage (tower or head) is started again from it this often
+
+Replicas: a tower on R nodes runs as R data-parallel replicas (stages `<tower>.0` ... `<tower>.R-1`).
+Replica r receives the tower's columns of its share of the rows only (the samples at positions
+r, r + R, ... of the sorted ids, `data.owner_of`) and the list of every id (for the schedule);
+it runs forward on its share of each batch, the head joins the shares in the batch's order and
+sends each replica the gradient of its rows, and the replicas add up their weight gradients over
+the queue (`vt.<run>.sync.<tower>.<r>`, in replica order, so every replica applies the same sum
+and keeps the same weights).
 
 Resolution (`resolve`) imports every callable and refuses, one line each, what cannot work: an
 unknown module or callable, a tower with no node, a column the data lacks, a feature function that
@@ -44,6 +55,7 @@ from typing import Any, Literal
 
 from vpscluster.config import PYDANTIC_CONFIG, Float, Int, build, load_yaml, to_dict
 from vpscluster.errors import UserError
+from vpscluster.vertical.wire import token
 
 @dataclass
 class OptimizerSpec:
@@ -62,6 +74,11 @@ class TowerSpec:
     nodes: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
     optimizer: OptimizerSpec | None = None  # default: train.optimizer
+    replicas: Int | None = None  # default: one per node named in nodes: (1 with labels:)
+
+    @property
+    def n_replicas(self) -> int:
+        return self.replicas or max(1, len(self.nodes))
 
 
 @dataclass
@@ -86,8 +103,8 @@ class TrainSpec:
     val_fraction: Float = 0.2
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: Float = 60.0
-    checkpoint_every: Int = 10  # a tower saves its weights and optimizer every N applied steps (0: never)
-    max_restarts: Int = 2  # a tower process that dies is started again from its checkpoint this often
+    checkpoint_every: Int = 10  # each stage saves its weights and optimizer every N applied steps (0: never)
+    max_restarts: Int = 2  # a stage's process (a tower or the head) that dies is started again from its checkpoint this often
 
 
 @dataclass
@@ -108,11 +125,18 @@ class Spec:
                 raise UserError(f"towers.{name}: a tower's name is letters, digits, - and _ (it names queue subjects)")
             if not tower.nodes and not tower.labels:
                 raise UserError(f"towers.{name}: no node; say where it runs with nodes: [NODE] or labels: {{KEY: VALUE}}")
+            if tower.replicas is not None and (tower.replicas < 1 or (tower.nodes and tower.replicas != len(tower.nodes))):
+                raise UserError(f"towers.{name}.replicas: {tower.replicas} does not fit nodes: {tower.nodes} "
+                                "(one replica per node named; give replicas: with labels:, or leave it out)")
             if not tower.columns:
                 raise UserError(f"towers.{name}.columns: empty; list the columns this tower reads")
             if self.head.label in tower.columns or self.id_column in tower.columns:
                 raise UserError(f"towers.{name}.columns: {self.head.label if self.head.label in tower.columns else self.id_column} "
                                 "is the head's label or the id column; a tower never reads it")
+        tokens = [token(st) for st in self.stages()]
+        if len(set(tokens)) != len(tokens):
+            raise UserError("towers: a tower's name collides with another stage's (head, or NAME-rN of a tower's "
+                            "replica); rename it")
         if t.batch_size < 1 or t.epochs < 1 or (t.steps is not None and t.steps < 1):
             raise UserError("train: batch_size and epochs must be >= 1 (and steps, when given)")
         if t.staleness < 0:
@@ -123,6 +147,14 @@ class Spec:
             raise UserError("train: checkpoint_every and max_restarts must be >= 0")
         if t.timeout_s <= 0 or t.optimizer.lr <= 0:
             raise UserError("train: timeout_s and optimizer.lr must be positive")
+
+    def stages(self) -> list[str]:
+        """The stages in start order: each tower's (`NAME`, or `NAME.r` per replica), then "head"."""
+        out = []
+        for name, tower in self.towers.items():
+            n = tower.n_replicas
+            out += [name] if n == 1 else [f"{name}.{r}" for r in range(n)]
+        return [*out, "head"]
 
     def optimizer_for(self, component: str) -> OptimizerSpec:
         own = self.head.optimizer if component == "head" else self.towers[component].optimizer

@@ -2,8 +2,11 @@
 
 One JetStream stream per run, `vt_<run>` on `vt.<run>.>`, stored on the queue server's disk:
 
-    vt.<run>.emb.<tower>    a tower's embeddings of one batch      (tower -> head)
-    vt.<run>.grad.<tower>   the loss's gradient w.r.t. them         (head -> tower)
+    vt.<run>.emb.<stage>    a tower's embeddings of one batch      (tower -> head)
+    vt.<run>.grad.<stage>   the loss's gradient w.r.t. them         (head -> tower)
+    vt.<run>.sync.<stage>   a replica's weight gradient of a batch  (replica -> the tower's other replicas)
+
+A stage is a tower's name, or `NAME-rN` for replica N of a tower that has several.
 
 A message is the tensor's raw bytes (float32, C order); its headers say which batch it is
 (`step`, `epoch`, `phase`: train | eval), which samples (`ids`, comma-separated) and the shape.
@@ -26,12 +29,28 @@ def subjects(run: str) -> list[str]:
     return [f"vt.{run}.>"]
 
 
-def emb_subject(run: str, tower: str) -> str:
-    return f"vt.{run}.emb.{tower}"
+def split_stage(stage: str) -> tuple[str, int | None]:
+    """`image.1` -> ("image", 1); `text` -> ("text", None)."""
+    name, dot, r = stage.partition(".")
+    return (name, int(r)) if dot else (name, None)
 
 
-def grad_subject(run: str, tower: str) -> str:
-    return f"vt.{run}.grad.{tower}"
+def token(stage: str) -> str:
+    """A stage as one queue token (subjects' parts and durable names hold no dots): `image.1` -> `image-r1`."""
+    name, r = split_stage(stage)
+    return name if r is None else f"{name}-r{r}"
+
+
+def emb_subject(run: str, stage: str) -> str:
+    return f"vt.{run}.emb.{token(stage)}"
+
+
+def grad_subject(run: str, stage: str) -> str:
+    return f"vt.{run}.grad.{token(stage)}"
+
+
+def sync_subject(run: str, stage: str) -> str:
+    return f"vt.{run}.sync.{token(stage)}"
 
 
 def encode(tensor, step: int, epoch: int, phase: str, ids) -> tuple[bytes, dict[str, str]]:

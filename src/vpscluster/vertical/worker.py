@@ -3,7 +3,8 @@
     python -m vpscluster.vertical.worker tower NAME --spec SPEC.json --rows FILE --run RUN --out DIR
     python -m vpscluster.vertical.worker head --spec SPEC.json --rows FILE --run RUN --out DIR
     ... [--weights FILE]    (a trained stage's state: predict every row instead of training)
-    ... [--resume]          (a tower started again: from its checkpoint in --out)
+    ... [--resume]          (a stage started again: from its checkpoint in --out)
+    ... tower NAME --replica R --ids FILE ...   (replica R of a tower with several; FILE: every sample id)
 
 The queue comes from the VPSC_QUEUE_* environment the launcher sets (`queue.Credentials.env`).
 `--rows` is the only data this process gets: its columns (a tower) or the labels (the head).
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--weights", help="a trained stage's state: predict instead of training")
-    p.add_argument("--resume", action="store_true", help="a tower: go on from its checkpoint in --out")
+    p.add_argument("--replica", type=int, help="a tower with replicas: this process's index (0, 1, ...)")
+    p.add_argument("--ids", help="a tower's replica: every sample id (its --rows are its share only)")
+    p.add_argument("--resume", action="store_true", help="go on from this stage's checkpoint in --out")
     args = p.parse_args(argv)
     try:
         from vpscluster import queue
@@ -41,13 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         say = lambda line: print(line, flush=True)  # noqa: E731
         with queue.connect(timeout_s=spec.train.timeout_s) as q:
             if args.role == "tower":
-                doc = tower.run(spec, args.name, args.rows, args.run, args.out, q, say, args.weights, args.resume)
+                doc = tower.run(spec, args.name, args.rows, args.run, args.out, q, say, args.weights, args.resume,
+                                args.replica, args.ids)
             else:
-                doc = head.run(spec, args.rows, args.run, args.out, q, say, args.weights)
+                doc = head.run(spec, args.rows, args.run, args.out, q, say, args.weights, args.resume)
         print(json.dumps(doc), flush=True)
         return 0
     except UserError as e:
-        print(f"{args.role}{' ' + args.name if args.name else ''}: error: {e}", file=sys.stderr, flush=True)
+        stage = f"{args.name}.{args.replica}" if args.replica is not None else args.name
+        print(f"{args.role}{' ' + stage if stage else ''}: error: {e}", file=sys.stderr, flush=True)
         return 2
 
 
