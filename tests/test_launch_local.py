@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vpscluster.cluster.node import Cluster, Node
-from vpscluster.launch.commands import LAUNCH_ID_ENV, Program
+from vpscluster.launch.commands import LAUNCH_ID_ENV
 from vpscluster.launch.pipeline import launch
 from vpscluster.launch.run import script_job
 

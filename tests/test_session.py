@@ -229,7 +229,6 @@ def test_one_process_without_a_launcher(tmp_path, monkeypatch):
 
 def test_shard_splits_each_epoch_anew_and_covers_every_sample_once():
     from vpscluster.session.config import SessionConfig
-    from vpscluster.session.core import Session
 
     class Fake:  # two ranks' views of one session position, without processes
         def __init__(self, rank):

@@ -4,7 +4,6 @@ refused by the launcher, in one line, before anything starts."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest

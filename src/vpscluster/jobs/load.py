@@ -18,7 +18,6 @@ within its time-out, the direct samples are used.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
