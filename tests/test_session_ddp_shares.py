@@ -9,7 +9,7 @@ its share, sum b_i = world x batch_size) and its gradient is weighted by b_i in 
   batches are disjoint and cover the epoch's steps; the weights sum to the world size.
 - 3 gloo ranks through the README's loop: equal steps, equal hashes, the loss falls, the
   report and metrics carry the shares and batch sizes; with `balance` on, a slow rank's share
-  shrinks from the measured step times.
+  shrinks from the measured step times, and a resume from its checkpoint keeps the moved shares.
 """
 
 from __future__ import annotations
@@ -123,19 +123,20 @@ def test_every_rank_makes_the_even_splits_steps_and_the_batches_cover_the_epoch(
     assert batch_sizes([19, 1], 2) == [1, 1] and batch_sizes([6, 6, 6, 2], 128) == [39, 38, 38, 13]
 
 
-def _loop(rank, world, tmp, balance):
-    settings = {"strategy": {"name": "ddp", "micro_batches": 12 if balance else 6,
-                             "speeds": [1, 1, 1] if balance else [3, 2, 1], "balance": balance,
-                             "rebalance_every": 4}, "run_dir": str(tmp / f"r{int(balance)}")}
-    return user_loop(rank, world, settings, epochs=1, step_sleep=0.03 if balance else 0.0)
+def _loop(rank, world, tmp, balance, resume=False):
+    settings = {"strategy": {"name": "ddp", "micro_batches": 12 if balance or resume else 6,
+                             "speeds": [1, 1, 1] if balance or resume else [3, 2, 1], "balance": balance,
+                             "rebalance_every": 4}, "run_dir": str(tmp / f"r{int(balance or resume)}"), "resume": resume}
+    return user_loop(rank, world, settings, epochs=1, step_sleep=0.03 if balance else 0.0,
+                     save_at=16 if balance else None)
 
 
-def _both(rank, world, tmp):
-    return [_loop(rank, world, tmp, b) for b in (False, True)]
+def _all(rank, world, tmp):
+    return [_loop(rank, world, tmp, False), _loop(rank, world, tmp, True), _loop(rank, world, tmp, False, resume=True)]
 
 
 def test_three_ranks_share_3_2_1_and_rebalance_from_measured_times(tmp_path):
-    ranks = run_ranks(_both, 3, tmp_path)
+    ranks = run_ranks(_all, 3, tmp_path)
     fixed = [r[0] for r in ranks]
     # 384 samples, 3 x 8 a step: 16 steps on every rank, batches 12/8/4
     assert [r["steps"] for r in fixed] == [r["batches"] for r in fixed] == [16, 16, 16]
@@ -151,6 +152,12 @@ def test_three_ranks_share_3_2_1_and_rebalance_from_measured_times(tmp_path):
     rep = moved[0]["report"]
     assert rep["rebalances"] >= 1 and rep["shares"][2] < 4 and rep["batch_sizes"][2] < 8, rep
     assert len({r["hash"] for r in moved}) == 1 and [r["steps"] for r in moved] == [16, 16, 16]
+
+    resumed = [r[2] for r in ranks]  # its checkpoint of step 16, resumed with no rebalancing: the moved shares
+    rep = resumed[0]["report"]
+    assert rep["resumed_from_step"] == 16 and [r["steps"] for r in resumed] == [32, 32, 32]
+    assert (rep["shares"], rep["batch_sizes"]) == (moved[0]["report"]["shares"], moved[0]["report"]["batch_sizes"])
+    assert len({r["hash"] for r in resumed}) == 1
 
 
 @pytest.mark.parametrize("bad", [{"name": "hierarchical", "micro_batches": 4, "regions": ["a", "b"]}])
