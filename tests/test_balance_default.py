@@ -261,12 +261,21 @@ def test_run_decides_like_train_for_a_session(uneven_cluster, tmp_path):
         _script_job(cluster, tmp_path, session, said)
         assert vars(session.strategy) == before and len(said) == 1
 
-    # ddp: a session cannot cut the script's batch yet: even, and the line says how to get shares.
+    # ddp: the step's world x B samples in parts, one batch a rank sized by its parts, decided once.
     session = SessionConfig(strategy=StrategyConfig(name="ddp"))
     _script_job(cluster, tmp_path, session, said)
-    assert session.strategy.balance is False and not session.strategy.micro_batches
-    assert said[-1] == ("balancing: node-4 is 3.0x slower than node-1; a ddp session keeps even shares for now "
-                        "(--strategy diloco gives the faster nodes more inner steps)")
+    s = session.strategy
+    assert (s.balance, s.micro_batches, s.sync_every) == (True, 20, StrategyConfig().sync_every)  # ddp: no rounds
+    assert said[-1] == ("balancing: node-4 is 3.0x slower than node-1; batches 1.2/1.2/1.2/0.4 x the script's batch "
+                        "size a rank (shares 6/6/6/2 of 20), each rank's gradient weighted by its batch "
+                        "(--no-balance to turn off)")
+    assert read(write(session, tmp_path)).strategy.micro_batches == 20
+    n = len(said)
+    _script_job(cluster, tmp_path, session, said)  # a relaunch keeps it, silently
+    assert len(said) == n and s.micro_batches == 20
+    session = SessionConfig(strategy=StrategyConfig(name="ddp", balance=False))  # --no-balance: even
+    _script_job(cluster, tmp_path, session, said)
+    assert not session.strategy.micro_batches and len(said) == n
 
     # The same CPUs everywhere (a FLOP/s spread that is noise): decided even, nothing said.
     probe([f * 1e11 for f in ISSUE], cpu_shares=[0.45] * 4)

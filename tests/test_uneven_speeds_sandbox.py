@@ -96,7 +96,7 @@ def test_run_balances_a_session_script_by_default(uneven2, cli, tmp_path):
     session gets train's split - more inner steps of the script's batch for the fast node's rank,
     the same rounds of H inner steps on average - said in one line; the shares are in the report
     and in metrics.jsonl; every rank ends with the same weights. (`--no-balance` and a ddp
-    session, which stays even: tests/test_balance_default.py.)"""
+    session's batches sized by share: tests/test_balance_default.py, tests/test_session_ddp_shares.py.)"""
     info, h, batch = uneven2, 4, 16
     fast, slow = info.nodes[0].name, info.nodes[1].name
     t0 = time.monotonic()

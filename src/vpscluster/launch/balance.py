@@ -12,10 +12,11 @@ has no per-node figures and stays even. A resumed run keeps its stored configura
 
 One decision for `train` (a TrainConfig: its batch and step counts are known) and for `run` (a
 SessionConfig: the script names its batch in `s.shard(dataset, batch_size=B)`, after the launch).
-A session can split only where the split keeps the batch - micro-batches that are steps of their
-own (diloco: B and the inner lr keep their meaning, a round keeps its H inner steps per rank on
-average); a ddp session's split (B cut into micro-batches of B/k, accumulated) is not supported
-yet, so such a run stays even and the line says so and how to get shares.
+A session's split keeps the script's batch: diloco's micro-batches are inner steps of B samples
+(B and the inner lr keep their meaning, a round keeps its H inner steps per rank on average);
+ddp's step of world x B samples is cut into k x world parts and rank i reads one batch of its
+parts' samples, its gradient weighted by that size (`session/shard.py`): the step's gradient is
+the mean over all world x B samples, as in the even split, and every rank makes the same steps.
 """
 
 from __future__ import annotations
@@ -102,12 +103,6 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     per_rank = [speeds[node] for node, n in ranks.items() for _ in range(n)]
     steps = costs_for(s.name).micro_batches_are_steps
     batch = _batch(cfg)
-    if batch is None and not steps:  # a session: ddp's split would cut the script's batch (not yet)
-        s.balance = False
-        if not needs_balance(per_rank):
-            return None
-        return f"{balance_line(speeds, ranks, None)}; a {s.name} session keeps even shares for now " \
-               f"(--strategy diloco gives the faster nodes more inner steps)"
     # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
     round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
     moved = None
@@ -120,7 +115,8 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
             if s.launcher.planned_reason:
                 s.launcher = dataclasses.replace(s.launcher, planned_reason=f"{s.launcher.planned_reason}; {moved}")
     else:
-        choice = choose_split(per_rank, batch or 1, steps, s.sync_every if steps else None, round_steps,
+        # a session: diloco's split counts micro-batches of the script's batch; ddp's (None): parts of its step
+        choice = choose_split(per_rank, batch or (1 if steps else None), steps, s.sync_every if steps else None, round_steps,
                               max(1, s.min_share), s.max_spread)
     if choice is None:
         s.balance = False  # decided: the even split is as good

@@ -9,6 +9,9 @@ cores, issue #36). `choose_split` picks the shares' granularity:
   world x batch_size sequences stays; it is cut into micro-batches of batch_size / k sequences,
   k the smallest divisor of batch_size whose split comes within `GAP_HINT` of an exact one.
   The gradient is the even split's (`train/trainer.py: _shared_step`), so a step learns the same.
+  A ddp session (`run`; batch_size None, the script names it later) splits the step's world x B
+  samples into k x world parts, k up to SESSION_PARTS_K: rank i reads one batch of its parts'
+  samples, its gradient weighted by the batch (`session/shard.py`).
 - diloco (each micro-batch is an inner step of its own): the inner step's batch_size stays, so
   the split is made finer with k x world micro-batches per step and a round of H / k steps - the
   same H inner steps (on average) per rank per round, the same tokens per round. A step then
@@ -41,7 +44,7 @@ class BalancedSplit:
     """The shares a balanced run starts with and the settings that give them."""
 
     micro_batches: int  # per step, all ranks together
-    batch_size: int  # sequences per micro-batch
+    batch_size: int | None  # sequences per micro-batch (None: a ddp session's, the script's batch in parts)
     steps_per_step: int  # k: a step carries k even steps' tokens (ddp: 1)
     sync_every: int | None  # diloco: steps per round (H / k); None for ddp
     shares: tuple[int, ...]  # micro-batches per rank, in the order of the speeds given
@@ -57,7 +60,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def choose_split(speeds: Sequence[float], batch_size: int, micro_batches_are_steps: bool,
+# A ddp session's batch is the script's (`shard(batch_size=B)`), unknown to the launcher: its split
+# is in parts of the step's world x B samples, k x world parts, k at most this.
+SESSION_PARTS_K = 16
+
+
+def choose_split(speeds: Sequence[float], batch_size: int | None, micro_batches_are_steps: bool,
                  sync_every: int | None = None, min_round_steps: int = 1, min_share: int = 1,
                  max_spread: float = 8.0, gap: float = GAP_HINT) -> BalancedSplit | None:
     """The split for ranks of these relative `speeds` (one per rank), or None when they are
@@ -69,6 +77,9 @@ def choose_split(speeds: Sequence[float], batch_size: int, micro_batches_are_ste
         if not sync_every:
             raise ValueError("a split whose micro-batches are steps needs sync_every (H)")
         ks = [k for k in _divisors(sync_every) if sync_every // k >= min_round_steps]
+    elif batch_size is None:  # a ddp session: parts of the step's samples, any k (session/shard.py)
+        ks = list(range(1, SESSION_PARTS_K + 1))
+        gap = 1e-9  # finer parts cost it nothing (one batch a rank still): the closest split wins
     else:
         ks = _divisors(batch_size)
     even_gap = split_gap([1] * world, speeds, max_spread)  # one micro-batch per rank (k = 1)
@@ -81,7 +92,7 @@ def choose_split(speeds: Sequence[float], batch_size: int, micro_batches_are_ste
         g = split_gap(shares, speeds, max_spread)
         candidate = BalancedSplit(
             micro_batches=total,
-            batch_size=batch_size if micro_batches_are_steps else batch_size // k,
+            batch_size=batch_size if micro_batches_are_steps or batch_size is None else batch_size // k,
             steps_per_step=k if micro_batches_are_steps else 1,
             sync_every=sync_every // k if micro_batches_are_steps else None,
             shares=tuple(shares), gap=g)
@@ -145,7 +156,12 @@ def balance_line(node_speeds: dict[str, float], ranks_per_node: dict[str, int], 
     if choice is None:
         return head
     shares = "/".join(str(v) for v in choice.shares)
-    if session:
+    if session and choice.steps_per_step == 1 and choice.sync_every is None:  # ddp: one batch a rank, sized by share
+        world = len(choice.shares)
+        sizes = "/".join(f"{world * v / choice.micro_batches:.2f}".rstrip("0").rstrip(".") for v in choice.shares)
+        how = f"batches {sizes} x the script's batch size a rank (shares {shares} of {choice.micro_batches}), " \
+              f"each rank's gradient weighted by its batch"
+    elif session:
         how = f"batches {shares} of {choice.micro_batches} a step (each of the script's batch size)"
     else:
         how = f"micro-batches {shares} of {choice.micro_batches} a step, {choice.batch_size} sequence" \

@@ -38,14 +38,6 @@ def start(backend: str = "auto", **settings):
 
         raise UserError(f"session.start(backend={backend!r}): choose auto, gloo or nccl")
     cfg = from_environment(**settings)
-    from vpscluster.train.strategies import COSTS, costs_for
-
-    name = cfg.strategy.name
-    if cfg.strategy.micro_batches and name in COSTS and not costs_for(name).micro_batches_are_steps:
-        from vpscluster.errors import UserError
-
-        raise UserError("uneven shares (--micro-batches) in a session need --strategy diloco for now; "
-                        f"with {name} leave them out")
     s = Session(cfg, backend)
     import os
 

@@ -15,7 +15,9 @@ the strategy through it alike (`train/strategies/base.py`): per loop step `token
 agreement (`train/stopping.py`: the time budget and SIGTERM/SIGINT, so every rank stops after the
 same step), and `comm.take()` for the step's communication; `finalize` once at the end. With
 uneven shares (`strategy.micro_batches`) a rank's micro-batches of a step are, for diloco, inner
-steps of their own (all but the last are plain optimizer steps); with `strategy.balance` the
+steps of their own (all but the last are plain optimizer steps), and for ddp one batch whose size
+follows the rank's share, its gradient weighted by that size (`weighted`, `session/shard.py`,
+`DDPStrategy.weigh_batch`); with `strategy.balance` the
 shares are re-split from the measured speeds (`session/balance.py`).
 
 Checkpoints (`save`, `resume`) hold the model, the optimizer, the strategy's state (diloco:
@@ -89,6 +91,10 @@ class Session:
                                      s.launcher.node_speeds)
             self.shares = ShareController.start(self.ctx.world_size, s.micro_batches, speeds, s.min_share,
                                                 s.max_spread, s.balance)
+        # ddp's shares: one batch a step per rank, its size following the share, its gradient
+        # weighted by it (session/shard.py); diloco's: micro-batches of the script's batch, each an inner step.
+        self.weighted = self.shares is not None and not self.strategy.micro_batches_are_steps
+        self._sizes: tuple[tuple[int, ...], int, list[int]] | None = None  # (shares, samples, batch sizes)
         self.window = [0.0, 0]  # compute seconds, micro-batches since the last rebalancing look
         self.look_every = look_every(s.rebalance_every, s.sync_every if self.strategy.micro_batches_are_steps else None)
         self.batch_size: int | None = None  # of one micro-batch (the rebalance event names it)
@@ -163,6 +169,20 @@ class Session:
     def _shares(self) -> list[int]:
         """Micro-batches per data shard in a step (one per rank, unless uneven shares)."""
         return list(self.shares.shares) if self.shares is not None else [1] * self.strategy.data_shard()[1]
+
+    def _batch_sizes(self, samples: int) -> list[int]:
+        """A ddp session's batch per rank this step: `samples` (world x the script's batch size)
+        split by the shares (`train.shares.batch_sizes`), the same on every rank."""
+        from vpscluster.train.shares import batch_sizes
+
+        shares = tuple(self._shares())
+        if self._sizes is None or self._sizes[:2] != (shares, samples):
+            self._sizes = (shares, samples, batch_sizes(shares, samples))
+        return self._sizes[2]
+
+    def _weigh(self, sizes: list[int]) -> None:
+        """This rank's gradient weighs world * its batch / the step's samples (`DDPStrategy._weighted`)."""
+        self.strategy.weigh_batch(len(sizes) * sizes[self.rank] / sum(sizes))
 
     def _shard_index(self) -> int:
         """The data shard this rank reads: its rank (the quorum engine: its replica group's)."""
@@ -348,6 +368,10 @@ class Session:
         if loss_value is not None:  # None: this rank ran no micro-batch this step
             self.recent_losses.append(loss_value)
         own = dict(log) if log is not None else {"samples": samples}  # the units counted: samples, or the caller's
+        if log is None and self.shares is not None:  # a user's loop on shares: the split it ran
+            own["shares"] = list(self.shares.shares)
+            if self.weighted and self._sizes is not None:
+                own["batch_sizes"] = list(self._sizes[2])
         lr = {"lr": own.pop("lr")} if "lr" in own else {}
         units = {k: own.pop(k) for k in ("samples", "tokens") if k in own}
         self.metrics.log(step=self.steps, loss=loss_value, **lr, step_seconds=step_s,

@@ -4,7 +4,11 @@ Any object with `len()` and `[i]` works (a torch `Dataset`, a list of tuples). E
 sample indices are permuted by a generator seeded from (seed, epoch) — the same on every rank,
 independent of how many epochs ran before (`train.data.shard_indices`) — and cut into steps of
 `total * batch_size` samples, `total` micro-batches of `batch_size` in order: rank r takes
-micro-batches offsets[r] .. offsets[r] + shares[r] - 1 (`train.shares`). With even shares
+micro-batches offsets[r] .. offsets[r] + shares[r] - 1 (`train.shares`). A ddp session's
+shares (`Session.weighted`) cut each step of `world * batch_size` samples into one batch per rank
+of a size that follows its share (`train.shares.batch_sizes`: 48/16 for shares 3/1 and
+batch_size 32), and set the rank's gradient weight (`Session._weigh`): the step's gradient is
+that of the mean loss over all its samples, as in the even split. With even shares
 (one micro-batch per rank) that is a DistributedSampler without padding. Every rank runs the
 same number of steps per epoch (the samples of a last, incomplete step are left out, as with
 `drop_last`), so their collectives pair up.
@@ -35,14 +39,19 @@ class ShardLoader:
         self.session, self.dataset, self.batch_size = session, dataset, batch_size
         self.collate = collate
         shares = session._shares()
-        self.total = sum(shares)
+        # ddp's shares (`weighted`): a step is world x batch_size samples whatever the split
+        self.weighted = bool(getattr(session, "weighted", False))
+        self.total = len(shares) if self.weighted else sum(shares)
         self.steps_per_epoch = self.num_samples // (self.total * batch_size)
         if self.steps_per_epoch < 1:
             raise UserError(f"the dataset has {self.num_samples} samples, fewer than one step of {self.total} "
-                            f"micro-batches of {batch_size}; use a smaller batch_size or more data")
+                            f"{'ranks' if self.weighted else 'micro-batches'} of {batch_size}; use a smaller "
+                            f"batch_size or more data")
 
     def __len__(self) -> int:
         """Batches this rank reads per epoch."""
+        if self.weighted:
+            return self.steps_per_epoch
         return self.steps_per_epoch * self.session._shares()[self.session._shard_index()]
 
     def _collate(self, items: list) -> Any:
@@ -64,12 +73,20 @@ class ShardLoader:
         b = self.batch_size
         while True:
             shares = s._shares()  # the same on every rank
-            first = pos["index"] * self.total * b + sum(shares[:shard]) * b
+            step_first = pos["index"] * self.total * b  # the step's first sample in this epoch's order
             pos["index"] += 1
             last = pos["index"] >= self.steps_per_epoch
             if last:  # the epoch's last step: a checkpoint of it resumes at the next epoch (`Session.epoch`)
                 pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
-            n = shares[shard]
+            if self.weighted:  # one batch of this rank's size; its gradient weighted by it
+                sizes = s._batch_sizes(self.total * b)
+                first = step_first + sum(sizes[:shard])
+                s._weigh(sizes)
+                yield self._collate([self.dataset[int(j)] for j in order[first: first + sizes[shard]]])
+                if last:
+                    return
+                continue
+            n, first = shares[shard], step_first + sum(shares[:shard]) * b
             for i in range(n):
                 idx = order[first + i * b: first + (i + 1) * b]
                 s._micro = (i, n)

@@ -116,6 +116,32 @@ def offsets(shares: Sequence[int]) -> list[int]:
     return out
 
 
+def batch_sizes(shares: Sequence[int], samples: int) -> list[int]:
+    """A ddp session's step (`session/shard.py`): `samples` (world x the script's batch size)
+    cut into one batch per rank in proportion to its share, every batch at least one sample
+    (DDP needs every rank in each all-reduce), the sizes summing to `samples` exactly. Whole
+    samples: the floor of each exact part, then the samples left over one each to the largest
+    remainders (ties: the lower rank); a rank lifted to one sample is paid for by the rank
+    furthest over its exact part. Integer arithmetic, so every rank computes the same sizes."""
+    world, total = len(shares), sum(shares)
+    if samples < world:
+        raise UserError(f"a step of {samples} samples cannot give each of {world} ranks one; "
+                        f"raise shard(batch_size=...)")
+    if total <= 0 or min(shares) < 0:
+        raise ValueError(f"shares {list(shares)} must be >= 0 with a positive sum")
+    sizes = [max(1, samples * sh // total) for sh in shares]
+    left = samples - sum(sizes)
+    if left > 0:  # fewer than `world` samples: each to the largest remainder
+        order = sorted(range(world), key=lambda r: (-(samples * shares[r] % total), r))
+        for r in order[:left]:
+            sizes[r] += 1
+    while left < 0:  # lifting ranks to one sample overshot: take from the furthest over exact
+        r = max((r for r in range(world) if sizes[r] > 1), key=lambda r: (sizes[r] * total - samples * shares[r], -r))
+        sizes[r] -= 1
+        left += 1
+    return sizes
+
+
 @dataclass
 class ShareController:
     """Shares for every rank, re-split from measured speeds (see the module docstring)."""

@@ -191,6 +191,13 @@ class Strategy(ABC):
         the model as it is)."""
         yield self.unwrap()
 
+    def weigh_batch(self, weight: float) -> None:
+        """Uneven batches in one gradient (a ddp session's shares, `session/shard.py`): this
+        rank's gradient counts `weight` (world * its batch / the step's samples) times in the
+        average. Only strategies that average gradients every step take it; one whose
+        micro-batches are steps of their own weighs by `tokens_processed` instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not weigh uneven batches")
+
     def tokens_processed(self, tokens: int) -> None:
         """The loop reports the tokens this rank trained on this step (DiLoCo weights by them)."""
 

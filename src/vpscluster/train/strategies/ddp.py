@@ -12,6 +12,9 @@ communication of early buckets with the backward computation of later ones (Li e
   P (n x r) and Q (m x r), with error feedback (what compression dropped is added back next
   step) and warm start; vectors (biases, norms) are all-reduced uncompressed.
 
+A ddp session on uneven nodes gives the ranks batches of different sizes; each bucket is then
+scaled before the hook so the average weighs every sample alike (`weigh_batch`, `_weighted`).
+
 What is measured, per step, on this rank:
 
 - bytes sent: every all-reduce the hook issues is counted as it is issued (including PowerSGD's
@@ -105,6 +108,7 @@ class DDPStrategy(Strategy):
         self._intervals: list[list[float]] = []  # [ready_time, done_time] per all-reduce this step
         self._bytes = 0
         self.busy_seconds = 0.0
+        self.batch_weight = 1.0  # this rank's gradient in the average (`weigh_batch`)
         if not self.ctx.is_distributed:
             return model
 
@@ -139,8 +143,34 @@ class DDPStrategy(Strategy):
             inner, state = default_hooks.bf16_compress_hook, self.ctx.group
         else:
             inner, state = default_hooks.allreduce_hook, self.ctx.group
-        self._ddp.register_comm_hook(state, self._timed(inner))
+        self._ddp.register_comm_hook(state, self._timed(self._weighted(inner)))
         return self._ddp
+
+    def weigh_batch(self, weight: float) -> None:
+        """This rank's gradient counts `weight` times in the average from the next backward on
+        (`_weighted`): a ddp session's uneven shares (`session/shard.py`) give rank i a batch of
+        b_i samples and the weight world * b_i / sum(b)."""
+        self.batch_weight = float(weight)
+
+    def _weighted(self, inner):
+        """Uneven batches (`weigh_batch`): each hook below averages the ranks' buckets (divides
+        their sum by the world size), and the script's loss is a mean over its own batch, so a
+        plain average would count a sample of a small batch more than one of a big batch. The
+        bucket is scaled in place by world * b_i / sum(b) first, so the average is
+        sum_i b_i g_i / sum(b): the gradient of the mean loss over all the step's samples, as one
+        process would compute it on their union. Before the hook, so it holds for every
+        `compress` (bf16 casts the scaled bucket; PowerSGD compresses it, its error feedback in the
+        same units while the weights hold) and for gloo and NCCL alike (an in-place multiply on
+        the bucket's device, then the hook's own async all-reduce and future). At weight 1 (even
+        batches) nothing is touched: an even run's bits are unchanged."""
+
+        def hook(state, bucket):
+            w = self.batch_weight
+            if w != 1.0:
+                bucket.buffer().mul_(w)
+            return inner(state, bucket)
+
+        return hook
 
     def _timed(self, inner):
         """Wrap a DDP comm hook: note when its bucket was ready and when its reduction finished."""
