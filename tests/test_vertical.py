@@ -85,9 +85,10 @@ def test_sample_ids_counted_exactly_once(sync_run):
     ]
     assert report["exactly_once"] and report["val_samples"] == ROWS - 256
     assert report["bytes_per_sample"] > 2 * 16 * 4 * 2  # two towers' embeddings and gradients, float32
-    # the run's stream was on disk (JetStream's file store) and is deleted at the end
+    # the run's stream and its checkpoints' bucket were on disk (JetStream's file store) and are deleted at the end
     store = Path(report["run_dir"]) / "queue" / "store" / "jetstream"
     assert store.is_dir() and not list(store.rglob(f"vt_{report['run_id']}"))
+    assert not list(store.rglob(f"OBJ_vtckpt_{report['run_id']}"))
 
 
 def test_each_stage_receives_only_its_columns(sync_run, products_data):

@@ -6,6 +6,12 @@ node the ids and images, the head the ids and labels. The image tower runs as 2 
 node-2 and node-3: each of those nodes holds the images of its share of the rows only, and the
 replicas end with the same weights.
 
+Node-3 then dies for good mid-run (every process of its namespace, its sshd daemon included,
+killed: `sandbox fault kill` and the daemon): the launcher finds it silent and starts image.1 on
+node-1 (the least-loaded live node without an image replica) from its checkpoint on the queue's
+object store; every sample is still trained exactly once per epoch and the replicas' weights
+stay equal.
+
 Not here: the firewall closing the queue's port to a namespace outside the cluster is
 provision's (nftables) work."""
 
@@ -24,6 +30,43 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nats-server") is None, reason="no nats-server (apt install nats-server)")]
 
 
+def _train_killing(info, node: str, when: str, *args: str, timeout_s: float = 240.0):
+    """`vpscluster ARGS` in a child; once a line starts with `when`, `node` dies for good: `fault
+    kill` (its processes but its sshd daemon), then the daemon. (exit status, stdout, stderr lines)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from vpscluster.cluster.sandbox import faults
+
+    p = subprocess.Popen([sys.executable, "-m", "vpscluster", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout_s, p.kill)
+    timer.start()
+    lines, killed = [], False
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if not killed and line.startswith(when):
+                faults.inject(info.name, node, "kill")
+                daemon = Path(info.state_dir) / "nodes" / node / "sshd.pid"
+                os.kill(int(daemon.read_text().strip()), signal.SIGKILL)
+                killed = True
+        p.wait(30)
+        reader.join(30)
+    finally:
+        timer.cancel()
+        if p.poll() is None:
+            p.kill()
+    assert killed, "".join(lines)
+    return p.returncode, "".join(out), lines
+
+
 def test_towers_on_their_nodes_over_the_head_queue(tmp_path):
     import yaml
 
@@ -40,19 +83,25 @@ def test_towers_on_their_nodes_over_the_head_queue(tmp_path):
             data.write_text("".join(json.dumps(row) + "\n" for row in rows))
             names = [n.name for n in info.nodes]
             doc = products.spec_doc(str(data), names, names[0], epochs=2)
-            doc["train"]["steps"] = 6
+            doc["train"].update({"steps": 8, "checkpoint_every": 2})
             doc["towers"]["image"]["nodes"] = [names[1], names[2]]
             spec = tmp_path / "spec.yaml"
             spec.write_text(yaml.safe_dump(doc, sort_keys=False))
-            r = run_cli("vertical", "train", "--spec", str(spec), "--cluster", info.cluster_file,
-                        "--run-dir", str(tmp_path / "run"), "--json", timeout=240)
-            assert r.returncode == 0, r.stderr[-3000:]
+            rc, out, lines = _train_killing(info, names[2], f"[head@{names[0]}] step 3/8",
+                                            "vertical", "train", "--spec", str(spec), "--cluster", info.cluster_file,
+                                            "--run-dir", str(tmp_path / "run"), "--json")
+            assert rc == 0, "".join(lines)[-3000:]
         finally:
             run_cli("queue", "down", "--cluster", info.cluster_file, "--purge", timeout=120)
-        report = json.loads(r.stdout)
-        assert report["placement"] == {"text": names[1], "image.0": names[1], "image.1": names[2], "head": names[0]}
+        report = json.loads(out)
+        moved = [ln for ln in lines if ln.startswith("vertical: ")]
+        assert len(moved) == 1 and moved[0].startswith(
+            f"vertical: {names[2]} is gone; tower image.1 restarts on {names[0]} from step "), "".join(lines)
+        step = int(moved[0].split()[-1])
+        assert step in (2, 4) and report["moves"] == [{"stage": "image.1", "from": names[2], "to": names[0], "step": step}]
+        assert report["placement"] == {"text": names[1], "image.0": names[1], "image.1": names[0], "head": names[0]}
         assert report["queue"] == f"nats://{info.node(names[0]).address}:4222"
-        assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256, 128]
+        assert report["exactly_once"] and [e["samples"] for e in report["epochs"]] == [256, 256]
         assert report["val_samples"] == 64 and report["bytes_per_sample"] > 0
 
         want = {"text": {"id", "description"}, "image.0": {"id", "image"}, "image.1": {"id", "image"},

@@ -79,6 +79,8 @@ def _render(con, doc: dict) -> None:
               f"{doc['bytes_per_sample'] or 0:.0f} B/sample on the queue; {once}")
     for stage, n in (doc.get("restarts") or {}).items():
         con.print(f"stage {stage} died and resumed from its checkpoint {n} time(s)")
+    for m in doc.get("moves") or []:
+        con.print(f"stage {m['stage']} moved from {m['from']} (gone) to {m['to']} at step {m['step'] or 0}")
     if doc.get("val_accuracy") is not None:
         con.print(f"val accuracy (split, fused): {doc['val_accuracy']:.3f}")
     for name, acc in (doc.get("baselines") or {}).items():

@@ -15,6 +15,12 @@ Pipelined use (nothing waits on a round trip in the caller's critical path):
     w.add(q.publish_nowait("acts.text", b"..."), "publish"); w.add(m.ack_nowait(), "ack")
     w.wait()                                 # every confirmation, or the first failure as QueueError
 
+Checkpoints and other blobs go to the server's object store (JetStream Object Store, chunked):
+
+    q.put_object("ckpt", "text", data, description='{"applied": 30}')   # or put_object_nowait
+    q.get_object("ckpt", "text")             # (data, description), None when not there
+    q.delete_bucket("ckpt")
+
 Every call has a time-out (QueueError when it passes); callers never see asyncio: one event loop
 runs in a daemon thread per `Queue`, and each call waits on it with its time-out. nats-py is
 imported when connecting, so importing this module is cheap.
@@ -178,6 +184,7 @@ class Queue:
     def __init__(self, creds: Credentials, timeout_s: float = TIMEOUT_S, name: str = "vpscluster"):
         self.creds, self.timeout_s = creds, timeout_s
         self._last_error: BaseException | None = None
+        self._buckets: dict[str, Any] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vpsc-queue", daemon=True)
         self._thread.start()
@@ -272,6 +279,79 @@ class Queue:
                 return False
 
         return bool(self._call(go(), timeout_s, f"delete consumer {durable} of {stream}"))
+
+    # ---- object store (JetStream Object Store: a bucket of named blobs, chunked, on the server's disk)
+
+    async def _bucket(self, bucket: str, create: bool = False):
+        """The bucket (bound once per connection); made on the server's disk when `create` and missing
+        (else nats' BucketNotFoundError)."""
+        import nats.js.errors
+        from nats.js.api import ObjectStoreConfig, StorageType
+
+        if bucket not in self._buckets:
+            try:
+                self._buckets[bucket] = await self._js.object_store(bucket)
+            except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+                if not create:
+                    raise
+                self._buckets[bucket] = await self._js.create_object_store(
+                    bucket, config=ObjectStoreConfig(storage=StorageType.FILE))
+        return self._buckets[bucket]
+
+    def put_object_nowait(self, bucket: str, name: str, data: bytes,
+                          description: str | None = None) -> concurrent.futures.Future:
+        """Store `data` as `name` in `bucket` (made when missing), replacing what was there, without
+        waiting: the server's confirmation comes to the returned future (see InFlight)."""
+        from nats.js.api import ObjectMeta
+
+        async def go():
+            obs = await self._bucket(bucket, create=True)
+            return await obs.put(name, data, meta=ObjectMeta(name=name, description=description))
+
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(go(), self.timeout_s), self._loop)
+
+    def put_object(self, bucket: str, name: str, data: bytes, description: str | None = None,
+                   timeout_s: float | None = None) -> None:
+        t = timeout_s or self.timeout_s
+        try:
+            self.put_object_nowait(bucket, name, data, description).result(timeout=t + 1.0)
+        except Exception as e:
+            raise QueueError(f"queue: storing {bucket}/{name} failed: {str(e).strip() or type(e).__name__} "
+                             f"({self.creds.url})") from None
+
+    def get_object(self, bucket: str, name: str, timeout_s: float | None = None) -> tuple[bytes, str | None] | None:
+        """(data, description) of `name` in `bucket`; None when the bucket or the object is not there."""
+
+        async def go():
+            import nats.js.errors
+
+            try:
+                obs = await self._bucket(bucket)
+                res = await obs.get(name)
+            except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
+                return None
+            return res.data, res.info.description
+
+        return self._call(go(), timeout_s, f"read {bucket}/{name}")
+
+    def object_description(self, bucket: str, name: str, timeout_s: float | None = None) -> str | None:
+        """The description stored with `name` (without its data); None when there is no such object."""
+
+        async def go():
+            import nats.js.errors
+
+            try:
+                obs = await self._bucket(bucket)
+                return (await obs.get_info(name)).description
+            except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
+                return None
+
+        return self._call(go(), timeout_s, f"look up {bucket}/{name}")
+
+    def delete_bucket(self, bucket: str, timeout_s: float | None = None) -> bool:
+        """Remove an object store bucket and everything in it; False when there was none."""
+        self._buckets.pop(bucket, None)
+        return self.delete_stream(f"OBJ_{bucket}", timeout_s)
 
     def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
                 timeout_s: float | None = None) -> int:

@@ -14,8 +14,9 @@ Checkpoint and resume: every `train.checkpoint_every` steps (and once training e
 its weights, its optimizer and the sample ids it trained on (vertical/checkpoint.py). Started again
 with `resume` (the launcher does when its process died), it loads that checkpoint, reads the
 towers' embeddings anew from the stream's start through fresh consumers (skipping the batches it
-already holds) and trains batch `applied` on. The gradients of the batches it redoes go out
-again: the towers skip a batch whose gradient they already applied, and at the same weights the
+already holds) and trains batch `applied` on. The checkpoint is also on the queue's object
+store, so the head resumes on another node as well (one that is not the queue's own). The
+gradients of the batches it redoes go out again: the towers skip a batch whose gradient they already applied, and at the same weights the
 same embeddings give the same gradient (bit for bit on one machine), so the run ends with the
 weights of a run that was never interrupted. The batches the dead process trained after its last
 checkpoint are dropped with it: counted once, in the process that resumed.
@@ -162,7 +163,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     K, timeout_s = spec.train.staleness, spec.train.timeout_s
     towers = list(spec.towers)
     ckpt = checkpoint.path_of(out_dir, "head")
-    state = checkpoint.load(ckpt) if resume else None
+    store = checkpoint.Store(queue, run_id, timeout_s) if spec.train.checkpoint_every else None
+    state = checkpoint.load(ckpt, store, "head") if resume else None
     start, counts, last_loss = 0, {}, None
     if state is not None:
         fusion.load_state_dict(state["model"])
@@ -173,7 +175,7 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     every_ckpt = spec.train.checkpoint_every
 
     def save(applied: int) -> None:
-        checkpoint.save(ckpt, fusion, opt, applied, counts={e: dict(c) for e, c in counts.items()},
+        checkpoint.save(ckpt, fusion, opt, applied, store, "head", counts={e: dict(c) for e, c in counts.items()},
                         last_loss=losses[-1] if losses else last_loss)
 
     inboxes, join = _inboxes(spec, run_id, queue, ids, fresh=resume)
@@ -225,6 +227,8 @@ def run(spec: Spec, rows_file: str, run_id: str, out_dir: str, queue, say=print,
     train_cpu_s = time.process_time() - cpu_first if sched.steps > start else 0.0
     if sched.steps > start and every_ckpt:
         save(sched.steps)  # dying while it scores the validation batches resumes there
+    if store is not None:
+        store.wait()
     train_bytes = sum(i.bytes for i in inboxes.values()) + grad_bytes
 
     fusion.eval()

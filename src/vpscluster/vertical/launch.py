@@ -21,7 +21,14 @@ Stages (the launch pipeline's shape, over the project's executors: local process
               environment; every line it prints comes back prefixed with its stage
     wait      until every stage ends; a stage that dies (a tower or the head) is started again from
               its checkpoint, the others waiting on the queue; a stage out of restarts stops the
-              others, and its last line is the error
+              others, and its last line is the error. When the dead stage's node does not answer
+              (an SSH `true` within connect_timeout_s), the node is gone: the stage moves to
+              another live node (one carrying the tower's labels, else the least-loaded, a node
+              without a replica of the same tower first), its package and code are synced there,
+              its rows file sent, and it resumes from its checkpoint on the queue's object store
+              (every stage sends it there, vertical/checkpoint.py): "vertical: node-3 is gone;
+              tower image.1 restarts on node-4 from step N". The report's `placement` says
+              where each stage ended, `moves` each move
     collect   the head's report.json and every stage's weights into RUN_DIR/stages/<stage>/
 """
 
@@ -171,11 +178,13 @@ def _drop_stream(creds, run_id: str, say: Callable[[str], None]) -> None:
     """The run's stream is its scratch: removed once the run ended, so a cluster's queue does not
     keep it until its retention ends (a queue that does not answer now keeps it; said, not raised)."""
     from vpscluster.queue.client import Queue, QueueError
+    from vpscluster.vertical.checkpoint import bucket_of
     from vpscluster.vertical.wire import stream_name
 
     try:
         with Queue(creds, timeout_s=5.0) as q:
             q.delete_stream(stream_name(run_id))
+            q.delete_bucket(bucket_of(run_id))
     except QueueError as e:
         say(f"note: the run's stream {stream_name(run_id)} stays on the queue: {e}")
 
@@ -191,13 +200,20 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
     timeout_s = cluster.connect_timeout_s + cluster.command_timeout_s
     package = package_dir()
     async with open_executors(cluster) as executors:
-        by_name = {ex.node.name: ex for ex in executors if ex.node.name in placement.values()}
-        workdirs = await resolve_workdirs(list(by_name.values()), timeout_s)
+        by_name = {ex.node.name: ex for ex in executors}
+        workdirs = await resolve_workdirs([by_name[n] for n in dict.fromkeys(placement.values())], timeout_s)
         pythonpath: dict[str, str] = {}
         # Only the code the spec names goes to remote nodes (its top-level packages or module files),
         # never the current folder as a whole: it may hold the dataset, all of whose columns must not travel.
         code = [(path, *local_side(SyncItem("code", path, ""))) for path in code_paths(spec)]
-        for name, ex in by_name.items():
+
+        async def ready(name: str) -> None:
+            """`name`'s workdir, the package and the spec's code there (once per node)."""
+            ex = by_name[name]
+            if name in pythonpath:
+                return
+            if name not in workdirs:
+                workdirs.update(await resolve_workdirs([ex], timeout_s))
             if ex.node.local:
                 pythonpath[name] = os.pathsep.join([os.getcwd(), os.path.dirname(package)])
             else:  # the package and the user's code (the spec's modules), by content hash, secrets left out
@@ -209,6 +225,9 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
                     await sync_dir(ex, root, there,
                                    timeout_s=max(timeout_s, 300.0), manifest=manifest, detect_shared=False, say=say)
                 pythonpath[name] = f"{user_root}:{posixpath.dirname(pkg.remote_path)}"
+
+        for name in dict.fromkeys(placement.values()):
+            await ready(name)
 
         async def start(stage: str, resume: bool = False):
             node = placement[stage]
@@ -241,11 +260,29 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
             handle = await ex.start(argv, on_line=on_line, env=env, cwd=workdirs[node])
             return stage, handle, stage_dir, last
 
+        moves: list[dict] = []
+        mover = _Mover(spec, cluster, by_name, placement, say)
+
+        async def revive(stage: str):
+            """Start a dead stage again from its checkpoint: on its node, or, when that node is
+            gone, on another one (the checkpoint comes from the queue there)."""
+            old = placement[stage]
+            if not await mover.alive(old):
+                new = await mover.pick(stage)
+                await ready(new)
+                step = await asyncio.to_thread(_checkpoint_step, creds, run_id, stage)
+                placement[stage] = new
+                moves.append({"stage": stage, "from": old, "to": new, "step": step})
+                what = "the head" if stage == "head" else f"tower {stage}"
+                say(f"vertical: {old} is gone; {what} restarts on {new} from step {step or 0}"
+                    + ("" if step else " (no checkpoint on the queue yet)"))
+            return await start(stage, resume=True)
+
         started = []
         try:
             for stage in spec.stages():
                 started.append(await start(stage))
-            restarts = await _wait(started, spec.train.timeout_s, spec.train.max_restarts, start, say)
+            restarts = await _wait(started, spec.train.timeout_s, spec.train.max_restarts, revive, say)
             head_dir = next(d for s, _, d, _ in started if s == "head")
             local_stages = run_dir / "stages"
             for stage, _, stage_dir, _ in started:
@@ -254,15 +291,68 @@ async def _run(spec, cluster, placement, files, spec_file, run_id, run_dir, cred
                     await ex.get(stage_dir, str(local_stages / stage), timeout_s=timeout_s)
             report_file = (local_stages / "head" / "report.json") if not by_name[placement["head"]].node.local \
                 else Path(head_dir) / "report.json"
-            return {**json.loads(report_file.read_text()), "restarts": restarts}
+            return {**json.loads(report_file.read_text()), "restarts": restarts, "moves": moves}
         finally:
             await asyncio.gather(*(h.stop(grace_s=2.0) for _, h, _, _ in started), return_exceptions=True)
 
 
-async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) -> dict[str, int]:
+def _checkpoint_step(creds, run_id: str, stage: str) -> int | None:
+    """The step of `stage`'s checkpoint on the queue (None: none there yet)."""
+    from vpscluster.queue.client import Queue
+    from vpscluster.vertical.checkpoint import step_on_queue
+
+    with Queue(creds, timeout_s=10.0) as q:
+        return step_on_queue(q, run_id, stage)
+
+
+class _Mover:
+    """Whether a stage's node still answers, and where a stage goes when it does not: the live
+    nodes carrying the tower's labels (any live node for a tower placed by `nodes:`, and for the
+    head), fewest stages first, a node without another replica of the same tower before one with."""
+
+    def __init__(self, spec: Spec, cluster, executors: dict, placement: dict[str, str], say):
+        self.spec, self.cluster, self.executors, self.placement, self.say = spec, cluster, executors, placement, say
+        self.gone: set[str] = set()
+
+    async def alive(self, node: str) -> bool:
+        ex = self.executors[node]
+        if ex.node.local:
+            return True
+        if node in self.gone:
+            return False
+        t = self.cluster.connect_timeout_s + 5.0
+        try:
+            ok = (await asyncio.wait_for(ex.run("true", timeout_s=t), t + 5.0)).ok
+        except Exception:  # an SSH failure or a time-out: the node does not answer
+            ok = False
+        if not ok:
+            self.gone.add(node)
+        return ok
+
+    async def pick(self, stage: str) -> str:
+        from collections import Counter
+
+        from vpscluster.vertical.wire import split_stage
+
+        tname = split_stage(stage)[0]
+        tower = self.spec.towers.get(tname) if stage != "head" else None
+        labels = tower.labels if tower is not None and not tower.nodes else {}
+        load = Counter(n for st, n in self.placement.items() if st != stage)
+        siblings = {n for st, n in self.placement.items() if st != stage and split_stage(st)[0] == tname}
+        nodes = [n for n in self.cluster.nodes if n.name not in self.gone
+                 and all(n.labels.get(k) == str(v) for k, v in labels.items())]
+        for n in sorted(nodes, key=lambda n: (n.name in siblings, load[n.name])):
+            if await self.alive(n.name):
+                return n.name
+        carrying = f" carrying {labels}" if labels else ""
+        raise RemoteError(f"stage {stage}: its node {self.placement[stage]} is gone and no other node{carrying} "
+                          "answers; add or label a node in the cluster file and run again")
+
+
+async def _wait(started: list, timeout_s: float, max_restarts: int, restart, say) -> dict[str, int]:
     """Until every stage ended. A stage that dies (a tower or the head) is started again from its
-    checkpoint (`start(stage, resume=True)`), at most `max_restarts` times each, while the others
-    wait on the queue; a stage out of restarts, or every stage silent far past its own time-outs,
+    checkpoint (`restart(stage)`: on its node, or on another when its node is gone), at most
+    `max_restarts` times each, while the others wait on the queue; a stage out of restarts, or every stage silent far past its own time-outs,
     ends all. Returns the restarts per stage."""
     silent_limit = START_TIMEOUT_S + 3 * timeout_s
     restarts: dict[str, int] = {}
@@ -280,7 +370,7 @@ async def _wait(started: list, timeout_s: float, max_restarts: int, start, say) 
                     restarts[stage] = restarts.get(stage, 0) + 1
                     say(f"stage {stage} died (exit status {rc}: {why}); starting it again from its checkpoint "
                         f"({restarts[stage]} of {max_restarts})")
-                    started[k] = await start(stage, resume=True)
+                    started[k] = await restart(stage)
                     restarted = True
                     continue
                 raise RemoteError(f"stage {stage} failed (exit status {rc}): {why}")

@@ -31,6 +31,7 @@ A YAML file (`vpscluster vertical train --spec FILE`):
       timeout_s: 60                               # the longest any stage waits for the queue
       checkpoint_every: 10                        # each stage's checkpoint, every N steps (0: never)
       max_restarts: 2                             # a dead stage (tower or head) is started again from it this often
+                                                  # (on another live node when its own is gone)
 
 Replicas: a tower on R nodes runs as R data-parallel replicas (stages `<tower>.0` ... `<tower>.R-1`).
 Replica r receives the tower's columns of its share of the rows only (the samples at positions

@@ -21,6 +21,9 @@ equal bit for bit) before its optimizer steps. The loss is the head's mean over 
 so that sum is the whole batch's gradient: at K = 0 the weights are the one-process model's
 (within float rounding: the sum is taken in another order). A replica resumed from its checkpoint
 reads the others' shares anew, as it does its gradients.
+
+Its checkpoint goes to this node's disk and to the queue's object store (vertical/checkpoint.py):
+started on another node after its own is gone, it resumes from the queue's copy.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
 
     start = 0
     ckpt = checkpoint.path_of(out_dir, name)
-    state = checkpoint.load(ckpt) if resume else None
+    store = checkpoint.Store(queue, run_id, timeout_s) if spec.train.checkpoint_every and weights is None else None
+    state = checkpoint.load(ckpt, store, stage) if resume else None
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -135,7 +139,7 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
         opt.step()
         opt.zero_grad(set_to_none=True)
         if every and (step + 1) % every == 0:
-            checkpoint.save(ckpt, model, opt, step + 1)
+            checkpoint.save(ckpt, model, opt, step + 1, store, stage)
         pending.add(msg.ack_nowait(timeout_s), f"ack of gradient {step}")
 
     t0 = time.monotonic()
@@ -163,6 +167,8 @@ def run(spec: Spec, name: str, rows_file: str, run_id: str, out_dir: str, queue,
                         f"publish of eval batch {batch.step}")
             sent += wire.message_bytes(payload, headers)
     pending.wait()
+    if store is not None:
+        store.wait()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if weights is None:
