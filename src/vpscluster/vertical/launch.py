@@ -23,8 +23,9 @@ Stages (the launch pipeline's shape, over the project's executors: local process
               its checkpoint, the others waiting on the queue; a stage out of restarts stops the
               others, and its last line is the error. When the dead stage's node does not answer
               (an SSH `true` within connect_timeout_s), the node is gone: the stage moves to
-              another live node (one carrying the tower's labels, else the least-loaded, a node
-              without a replica of the same tower first), its package and code are synced there,
+              another live node the tower may run on (one carrying its labels, or for a tower
+              placed by `nodes:` another node listed there; any node for the head; the
+              least-loaded, a node without a replica of the same tower first), its package and code are synced there,
               its rows file sent, and it resumes from its checkpoint on the queue's object store
               (every stage sends it there, vertical/checkpoint.py): "vertical: node-3 is gone;
               tower image.1 restarts on node-4 from step N". The report's `placement` says
@@ -307,7 +308,8 @@ def _checkpoint_step(creds, run_id: str, stage: str) -> int | None:
 
 class _Mover:
     """Whether a stage's node still answers, and where a stage goes when it does not: the live
-    nodes carrying the tower's labels (any live node for a tower placed by `nodes:`, and for the
+    nodes the tower may run on (those carrying its labels; for a tower placed by `nodes:`, only the
+    nodes listed there, so its columns never reach a node the spec did not name; any node for the
     head), fewest stages first, a node without another replica of the same tower before one with."""
 
     def __init__(self, spec: Spec, cluster, executors: dict, placement: dict[str, str], say):
@@ -337,13 +339,18 @@ class _Mover:
         tname = split_stage(stage)[0]
         tower = self.spec.towers.get(tname) if stage != "head" else None
         labels = tower.labels if tower is not None and not tower.nodes else {}
+        named = set(tower.nodes) if tower is not None and tower.nodes else None
         load = Counter(n for st, n in self.placement.items() if st != stage)
         siblings = {n for st, n in self.placement.items() if st != stage and split_stage(st)[0] == tname}
-        nodes = [n for n in self.cluster.nodes if n.name not in self.gone
+        nodes = [n for n in self.cluster.nodes if n.name not in self.gone and (named is None or n.name in named)
                  and all(n.labels.get(k) == str(v) for k, v in labels.items())]
         for n in sorted(nodes, key=lambda n: (n.name in siblings, load[n.name])):
             if await self.alive(n.name):
                 return n.name
+        if named is not None:
+            raise RemoteError(f"stage {stage}: its node {self.placement[stage]} is gone and no other node of "
+                              f"towers.{tname}.nodes {sorted(named)} answers; name another node there (or place the "
+                              "tower by labels:) and run again")
         carrying = f" carrying {labels}" if labels else ""
         raise RemoteError(f"stage {stage}: its node {self.placement[stage]} is gone and no other node{carrying} "
                           "answers; add or label a node in the cluster file and run again")
