@@ -28,7 +28,8 @@ class ClusterFileWatch:
     def __init__(self, path: str, known: list[str]) -> None:
         self.path = path
         self.known = set(known)
-        self._seen = self._stamp()
+        # None: the first look reads the file, so a node added while the launch started is seen too.
+        self._seen: tuple[int, int] | None = None
         self.changed_at: float | None = None  # the file's modification time (Unix) at the last change seen
 
     def _stamp(self) -> tuple[int, int] | None:
