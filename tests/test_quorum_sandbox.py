@@ -83,13 +83,13 @@ def sandbox():
         factory.close()
 
 
-def cluster_file(sandbox, path, nodes: int):
-    """The sandbox's cluster file with its first `nodes` nodes, written at `path` in one step (an
-    editor's save: a reader sees the old file or the new one)."""
+def cluster_file(sandbox, path, nodes: int, extra: list[dict] | None = None):
+    """The sandbox's cluster file with its first `nodes` nodes (and `extra` entries), written at
+    `path` in one step (an editor's save: a reader sees the old file or the new one)."""
     import yaml
 
     doc = yaml.safe_load(open(sandbox.cluster_file).read())
-    doc["nodes"] = doc["nodes"][:nodes]
+    doc["nodes"] = doc["nodes"][:nodes] + (extra or [])
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         yaml.safe_dump(doc, f, sort_keys=False)
@@ -159,7 +159,9 @@ def test_an_added_node_joins_a_killed_one_costs_seconds_and_comes_back_wiped_and
         while watch.last_step() < ADD_AT:
             assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-40:])
             time.sleep(0.05)
-        cluster_file(sandbox, cluster, 4)  # node-4 added while the job runs
+        # node-4 added while the job runs, and node-5, where no machine answers (the job goes on).
+        nowhere = sandbox.node("node-4").address.rsplit(".", 1)[0] + ".250"
+        cluster_file(sandbox, cluster, 4, [{"name": "node-5", "host": nowhere, "workdir": "/tmp/vpsc-nowhere"}])
         added, add_step = time.monotonic(), watch.last_step()
         deadline = time.monotonic() + 150
         while (watch.last_step() < KILL_AT or watch.last_step() % 5 in (0, 4)
@@ -193,8 +195,15 @@ def test_an_added_node_joins_a_killed_one_costs_seconds_and_comes_back_wiped_and
     # The run went on and ended: every step, node-4 joined, one quorum loss, node-3 back within the launch.
     report = json.loads(out)
     assert report["steps"] == MAX_STEPS
-    join, lost, back = report["recoveries"]
+    kinds = [r["kind"] for r in report["recoveries"]]
+    assert kinds == ["quorum_join", "quorum_join", "quorum", "quorum_rejoin"], report["recoveries"]
+    joins, (lost, back) = report["recoveries"][:2], report["recoveries"][2:]
+    ((join,), (nowhere,)) = ([r for r in joins if r["joined"] == [n]] for n in ("node-4", "node-5"))
     assert join["kind"] == "quorum_join" and join["joined"] == ["node-4"] and join["joined_ok"], join
+    assert nowhere["kind"] == "quorum_join" and nowhere["joined"] == ["node-5"] and not nowhere["joined_ok"], nowhere
+    (refused,) = [x for x in lines if x.startswith("node node-5 not added to the running job: ")]
+    assert "node-5" in refused and "the job goes on without it" in refused, refused
+    print(f"quorum: {refused}")
     assert lost["kind"] == "quorum" and lost["out"] == ["node-3"] and lost["nodes"] == ["node-1", "node-2", "node-4"], lost
     assert back["kind"] == "quorum_rejoin" and back["back"] == ["node-3"], back
     print(f"quorum: node-4 added to the cluster file after step {add_step}; its first outer sync "

@@ -546,16 +546,27 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
         router.note(node, "answers again: pre-flight and sync, then its replica group again (it heals from a peer)")
         return await bring_up(ex, first_sync_watch(watched, node, router.for_node(node)))
 
+    def added_nodes(cluster) -> list[tuple[Any, str | None]]:
+        """(node, why it is refused or None) for each node new in the file (file reads and DNS:
+        run off the event loop)."""
+        out = []
+        for node in files.new():
+            try:
+                grow.extended(cluster, node)
+                out.append((node, None))
+            except UserError as e:
+                out.append((node, str(e)))
+        return out
+
     async def joiners() -> list[tuple[str, float | None]]:
         names = []
-        for node in await asyncio.to_thread(files.new):
-            try:
-                grown = grow.extended(job.cluster, node)
-            except UserError as e:
-                job.say(f"node {node.name} not added to the running job: {e}")
+        for node, refused in await asyncio.to_thread(added_nodes, job.cluster):
+            if refused:
+                job.say(f"node {node.name} not added to the running job: {refused}")
                 files.forget(node.name)
                 continue
-            job.cluster = grown  # its commands, and `ready` for it, see it from now on
+            # Its commands, and `ready` for it, see it from now on.
+            job.cluster = dataclasses.replace(job.cluster, nodes=(*job.cluster.nodes, node))
             ex = executor_for(node, job.cluster)
             executors.append(ex)  # closed and torn down with the rest
             by_name[node.name] = ex
