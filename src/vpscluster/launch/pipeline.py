@@ -186,12 +186,16 @@ def torchelastic_dir(job: Job, workdir: str) -> str:
 
 def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
                    own_ports: dict[str, int | str] | None = None, lighthouse: str | None = None,
-                   planned: int | None = None) -> list[NodeCommand]:
+                   planned: int | None = None, only: str | None = None,
+                   indexes: dict[str, int] | None = None) -> list[NodeCommand]:
     """Every node's command. The quorum engine (`job.quorum`): each node a torchrun of its own on
     `own_ports[node]`, with its replica group's environment (`lighthouse`: the lighthouse's URL).
     `planned`: the replica groups the launch started with (default: every node); a node added
     since (its place in the list at or past it) is replica INDEX of INDEX + 1: a fresh replica
-    id, and a data shard of its own that overlaps the others' in part (they keep theirs)."""
+    id, and a data shard of its own that overlaps the others' in part (they keep theirs). `only`:
+    that node's command alone (a node brought into a running launch: others may still be joining).
+    `indexes`: each node's replica index where it is not its place in the list (added nodes get
+    theirs once, never reused: a failed join's is skipped, so no two replica groups share an id)."""
     import dataclasses
 
     nproc = {n: job.nproc_per_node or max(1, states[n].gpus) for n in states}
@@ -205,7 +209,10 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
 
     commands = []
     planned = planned or len(targets)
-    for i, t in enumerate(targets):
+    for place, t in enumerate(targets):
+        if only is not None and t.name != only:
+            continue
+        i = (indexes or {}).get(t.name, place)
         count = planned if i < planned else i + 1
         t = dataclasses.replace(t, env=t.env + tuple(replica_env(i, count, lighthouse, t.address).items()))
         own = dataclasses.replace(options, rdzv_port=own_ports[t.name])
@@ -514,6 +521,7 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
     if job.quorum.max_starts <= 0:
         return None
     planned = len(job.cluster.nodes)  # replica groups 0..planned-1 keep their data shards
+    indexes = {n.name: i for i, n in enumerate(job.cluster.nodes)}  # an added node's: the next, once
     files = grow.ClusterFileWatch(job.cluster.source, job.known_nodes or [n.name for n in job.cluster.nodes]) \
         if job.cluster.source and not job.cluster.is_local else None
 
@@ -532,8 +540,8 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
         if not reaped.clean:
             raise RemoteError(f"what this launch left there is still running ({reaped.error or f'pids {reaped.left}'})")
         own_ports[node] = await pf.free_port(ex, st.address, timeout_s)
-        (c,) = [c for c in build_commands(job, states, synced, rdzv_id, port, own_ports, lighthouse_at, planned)
-                if c.node == node]
+        (c,) = build_commands(job, states, synced, rdzv_id, port, own_ports, lighthouse_at, planned, only=node,
+                              indexes=indexes)
         router.note(node, "$ " + c.shell())
         return await start(c, on_line)
 
@@ -567,6 +575,7 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
                 continue
             # Its commands, and `ready` for it, see it from now on.
             job.cluster = dataclasses.replace(job.cluster, nodes=(*job.cluster.nodes, node))
+            indexes.setdefault(node.name, max(indexes.values()) + 1)
             ex = executor_for(node, job.cluster)
             executors.append(ex)  # closed and torn down with the rest
             by_name[node.name] = ex
