@@ -64,7 +64,7 @@ strategy: {name: diloco, sync_every: 5, wire_dtype: fp32, outer_warmup: 0, sync_
 timeouts: {train_collective_s: 20, startup_collective_s: 60, rendezvous_s: 60, stop_grace_s: 10}
 recovery: {rejoin_poll_s: 2}
 """
-MAX_STEPS = 120  # 0.3-0.6 s a step here: node-4 syncs by step ~30, node-3 is back by step ~50-65
+MAX_STEPS = 110  # 0.3-0.6 s a step here: node-4 syncs by step ~30, node-3 is back by step ~45-65
 ADD_AT = 3  # node-4 goes into the cluster file once rank 0 announced this step
 KILL_AT = 12  # at the earliest: mid-round, and only once node-3 and node-4 took part in a sync
 JOIN_BOUND_S = 75.0  # node-4 added to the file -> its first outer sync (checks, sync, a fresh Python, a heal)
