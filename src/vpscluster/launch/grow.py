@@ -5,12 +5,14 @@ names them), so adding a node to a running `train --quorum` job is adding its en
 for a new run. The launcher looks at the file every `recovery.rejoin_poll_s` (`ClusterFileWatch`:
 its size and modification time first, its nodes when either changed) and starts every node
 that is new (a name the run does not have) within the running launch (launch/pipeline.py,
-`_quorum_rejoin`): `check_added` first — the file as a whole still valid, the node on the
-overlay when the run uses one, no public launch without it — then the launch's own pre-flight
-(reachable, workdir, firewall, interface), its environment against the others' (`check_env`:
-the probe's facts and problem rules, the Python and PyTorch versions among them), the sync of
-code and data, and a new replica group with a fresh replica id. A node removed from the file,
-or one whose entry changed, is left as it is: the running job keeps the nodes it has.
+`_quorum_rejoin`): the file as a whole still valid (`ClusterFileWatch.new`), the node on the
+overlay when the run uses one and no public launch without it (`extended`), its environment
+against the others' (`check_env`: the probe's facts and problem rules, the Python and PyTorch
+versions among them), then the launch's own pre-flight (reachable, workdir, firewall,
+interface), the sync of code and data, and a new replica group with a fresh replica id. One
+that fails any of these gets one line and the job goes on; saving the file again retries it.
+A node removed from the file, or one whose entry changed, is left as it is: the running job
+keeps the nodes it has (draining a removed node at a sync is not built).
 """
 
 from __future__ import annotations
