@@ -1,11 +1,19 @@
-"""`train --quorum` on three sandbox nodes: a dead node costs the survivors seconds, not a relaunch,
-and when it answers again it is started again, heals from a peer and syncs with the others.
+"""`train --quorum` on three sandbox nodes: a node added to the cluster file joins the running job,
+a dead node costs the survivors seconds, not a relaunch, and when it answers again — with a wiped
+disk — it is synced and started again, heals from a peer and syncs with the others.
+
+The sandbox has four nodes; the run starts on a cluster file of the first three. Once training
+runs, node-4 is added to that file (written anew, as an editor saves it): the launcher sees it,
+checks it (pre-flight, environment, overlay, firewall), sends it the code and starts a new
+replica group, which heals from a peer and joins at the next sync (printed: the seconds from the
+edit to node-4's first sync).
 
 `vpscluster train --quorum` starts torchft's lighthouse on the head (node-1) and a torchrun of
 its own on every node (one replica group each). Early in the run (mid-round, once node-3 took
 part in a sync: on a loaded machine its start may miss the first quorum) every process of node-3 gets
 SIGKILL (`sandbox fault kill`: a VPS gone and rebooted at once; its sshd daemon is kept, so it
-answers SSH again). What is checked, from outside:
+answers SSH again), its work directory wiped just before (code, data, run folder: a fresh disk).
+What is checked, from outside:
 
 - the launch goes on: no relaunch, and the run ends when every replica finishes (exit 0, every
   step done, the report lists the loss as a `quorum` recovery and node-3's return as a
@@ -14,10 +22,12 @@ answers SSH again). What is checked, from outside:
   around the kill is a few seconds; at node-3's return the survivors wait once, at the sync that
   ends the returned replica's first round (its first inner steps are a fresh process's: 2-11 s
   here);
-- node-3, started again by the running launcher, healed from a peer (its log says so) and its
-  first outer sync came within a bound of its answering again (printed: the figure);
-- every outer sync's weights hash alike on every replica that logged it; the syncs while node-3
-  was away were node-1's and node-2's alone, the later ones all three's, to the last step;
+- node-3, started again by the running launcher after its code was sent again, healed from a peer
+  (its log says so) and its first outer sync came within a bound of its answering again (printed:
+  the figure); node-4's first sync came within a bound of its addition (printed);
+- every outer sync's weights hash alike on every replica that logged it; the syncs before node-4
+  joined were the first three's, then all four's; while node-3 was away node-1's, node-2's and
+  node-4's alone, the later ones all four's, to the last step;
 - nothing of the launch is left on any node (the lighthouse included).
 
 The run is long enough in steps (MAX_STEPS) that a restarted replica's start (8.7-10.4 s from
@@ -38,7 +48,7 @@ import time
 
 import pytest
 
-from sandbox_fixtures import SandboxFactory, cmdline
+from sandbox_fixtures import SandboxFactory, cmdline, node_run_dir
 from vpscluster.launch.logs import FileTail, diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -54,8 +64,10 @@ strategy: {name: diloco, sync_every: 5, wire_dtype: fp32, outer_warmup: 0, sync_
 timeouts: {train_collective_s: 20, startup_collective_s: 60, rendezvous_s: 60, stop_grace_s: 10}
 recovery: {rejoin_poll_s: 2}
 """
-MAX_STEPS = 160  # ~0.3 s a step here: node-3 is back (~30 s after the kill) with ~2/3 of the run left
-KILL_AT = 12  # at the earliest: mid-round, and only once node-3 took part in a sync (its start may miss the first)
+MAX_STEPS = 110  # 0.3-0.6 s a step here: node-4 syncs by step ~30, node-3 is back by step ~45-65
+ADD_AT = 3  # node-4 goes into the cluster file once rank 0 announced this step
+KILL_AT = 12  # at the earliest: mid-round, and only once node-3 and node-4 took part in a sync
+JOIN_BOUND_S = 75.0  # node-4 added to the file -> its first outer sync (checks, sync, a fresh Python, a heal)
 JOINER_ROUND_BOUND_S = 30.0  # the survivors wait at one sync for the returned replica's first round
 REJOIN_BOUND_S = 75.0  # node-3 answering again -> its first outer sync (a fresh Python, torch, torchft, a heal)
 STEP_EVENT = re.compile(r'"event":"step","step":(\d+)')
@@ -63,11 +75,26 @@ STEP_EVENT = re.compile(r'"event":"step","step":(\d+)')
 
 @pytest.fixture(scope="module")
 def sandbox():
+    """Four nodes; the runs start on `cluster_file(sandbox, ..., 3)`, node-4 is the one added."""
     factory = SandboxFactory(kind="q-")
     try:
-        yield factory(nodes=3, bandwidth="1gbit")
+        yield factory(nodes=4, bandwidth="1gbit")
     finally:
         factory.close()
+
+
+def cluster_file(sandbox, path, nodes: int, extra: list[dict] | None = None):
+    """The sandbox's cluster file with its first `nodes` nodes (and `extra` entries), written at
+    `path` in one step (an editor's save: a reader sees the old file or the new one)."""
+    import yaml
+
+    doc = yaml.safe_load(open(sandbox.cluster_file).read())
+    doc["nodes"] = doc["nodes"][:nodes] + (extra or [])
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+    os.replace(tmp, path)
+    return path
 
 
 class StepWatch:
@@ -94,10 +121,10 @@ class StepWatch:
         self._thread.join(timeout=5)
 
 
-def _start_train(sandbox, config, run_dir, max_steps: int) -> tuple[subprocess.Popen, list[str]]:
-    """`train --quorum` on the sandbox in the background; its stderr lines gathered as they come."""
+def _start_train(cluster, config, run_dir, max_steps: int) -> tuple[subprocess.Popen, list[str]]:
+    """`train --quorum` on `cluster` (a file) in the background; its stderr lines gathered as they come."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox.cluster_file, "--config", str(config),
+        [sys.executable, "-m", "vpscluster", "train", "--cluster", str(cluster), "--config", str(config),
          "--quorum", "--preset", "tiny", "--max-steps", str(max_steps), "--run-dir", str(run_dir), "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
@@ -105,21 +132,44 @@ def _start_train(sandbox, config, run_dir, max_steps: int) -> tuple[subprocess.P
     return proc, lines
 
 
-def test_a_killed_node_costs_the_quorum_seconds_and_comes_back_healed(sandbox, tmp_path):
+def _log(run_dir, node: str) -> str:
+    path = run_dir / "logs" / f"{node}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def _wipe(workdir: str) -> None:
+    """Everything under a node's work directory gone (code, data, runs): a fresh disk."""
+    import shutil
+
+    for entry in os.scandir(workdir):
+        shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.remove(entry.path)
+
+
+def test_an_added_node_joins_a_killed_one_costs_seconds_and_comes_back_wiped_and_healed(sandbox, tmp_path):
     from vpscluster.cluster.sandbox import faults
 
     config = tmp_path / "train.yaml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    proc, lines = _start_train(sandbox, config, run_dir, MAX_STEPS)
+    cluster = cluster_file(sandbox, tmp_path / "cluster.yaml", 3)
+    proc, lines = _start_train(cluster, config, run_dir, MAX_STEPS)
     watch = StepWatch(run_dir / "logs" / "node-1.log")
     try:
         deadline = time.monotonic() + 150
-        node3_log = run_dir / "logs" / "node-3.log"
-        while (watch.last_step() < KILL_AT or watch.last_step() % 5 in (0, 4)
-               or "world 3 sha256" not in (node3_log.read_text() if node3_log.exists() else "")):
+        while watch.last_step() < ADD_AT:
             assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-40:])
             time.sleep(0.05)
+        # node-4 added while the job runs, and node-5, where no machine answers (the job goes on).
+        nowhere = sandbox.node("node-4").address.rsplit(".", 1)[0] + ".250"
+        cluster_file(sandbox, cluster, 4, [{"name": "node-5", "host": nowhere, "workdir": "/tmp/vpsc-nowhere"}])
+        added, add_step = time.monotonic(), watch.last_step()
+        deadline = time.monotonic() + 150
+        while (watch.last_step() < KILL_AT or watch.last_step() % 5 in (0, 4)
+               or "world 4 sha256" not in _log(run_dir, "node-4") or "world 4 sha256" not in _log(run_dir, "node-3")):
+            assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-40:])
+            time.sleep(0.05)
+        joined_seen = time.monotonic()
+        _wipe(sandbox.node("node-3").workdir)
         faults.inject(sandbox.name, "node-3", "kill")
         killed, kill_step = time.monotonic(), watch.last_step()
         proc.wait(timeout=200)
@@ -134,13 +184,39 @@ def test_a_killed_node_costs_the_quorum_seconds_and_comes_back_healed(sandbox, t
     assert proc.returncode == 0, "\n".join(lines[-40:])
     assert "relaunching" not in text and "node node-3 failed" in text, text[-3000:]
     assert "node node-3 answers again: starting its replica group again" in text, text[-3000:]
+    assert "node node-4 added to the cluster file" in text, text[-3000:]
+    # node-3's disk was wiped: its return went through pre-flight, sync and prepare (here the
+    # code is on a file system the sandbox shares, so only its run folder and configuration were
+    # gone, and are back).
+    after = text[text.index("node node-3 answers again"):]
+    assert "sync code: " in after and "node-3" in after.split("sync code: ", 1)[1].splitlines()[0], after[:3000]
+    assert (node_run_dir(sandbox.node("node-3"), run_dir) / "config.yaml").is_file()
 
-    # The run went on and ended: every step, one quorum loss, node-3 back within the launch.
+    # The run went on and ended: every step, node-4 joined, one quorum loss, node-3 back within the launch.
     report = json.loads(out)
     assert report["steps"] == MAX_STEPS
-    lost, back = report["recoveries"]
-    assert lost["kind"] == "quorum" and lost["out"] == ["node-3"] and lost["nodes"] == ["node-1", "node-2"], lost
+    kinds = [r["kind"] for r in report["recoveries"]]
+    assert kinds == ["quorum_join", "quorum_join", "quorum", "quorum_rejoin"], report["recoveries"]
+    joins, (lost, back) = report["recoveries"][:2], report["recoveries"][2:]
+    ((join,), (nowhere,)) = ([r for r in joins if r["joined"] == [n]] for n in ("node-4", "node-5"))
+    assert join["kind"] == "quorum_join" and join["joined"] == ["node-4"] and join["joined_ok"], join
+    assert nowhere["kind"] == "quorum_join" and nowhere["joined"] == ["node-5"] and not nowhere["joined_ok"], nowhere
+    (refused,) = [x for x in lines if x.startswith("node node-5 not added to the running job: ")]
+    assert "node-5" in refused and "the job goes on without it" in refused, refused
+    print(f"quorum: {refused}")
+    assert lost["kind"] == "quorum" and lost["out"] == ["node-3"] and lost["nodes"] == ["node-1", "node-2", "node-4"], lost
     assert back["kind"] == "quorum_rejoin" and back["back"] == ["node-3"], back
+    print(f"quorum: node-4 added to the cluster file after step {add_step}; its first outer sync "
+          f"{join.get('first_sync_after_added_s')} s after the edit ({join.get('first_sync_after_s')} s after the "
+          f"launcher saw it; seen here {joined_seen - added:.1f} s after the edit)")
+    assert join.get("first_sync_after_added_s") is not None and join["first_sync_after_added_s"] < JOIN_BOUND_S, join
+    # "A new node added mid-run trains within one round of joining": it healed at a round's
+    # start and its first sync is that round's end.
+    node4 = _log(run_dir, "node-4")
+    healed = re.search(r"replica group 3: healed from a peer \(outer step \d+\); going on after step (\d+)", node4)
+    assert healed, node4[-3000:]
+    first_sync = int(re.search(r"diloco sync: fragment 0 outer step \d+ at step (\d+) world", node4).group(1))
+    assert first_sync == (int(healed.group(1)) // 5 + 1) * 5, (healed.group(0), first_sync)
 
     # The step gap seen from outside: the longest wait between two of rank 0's step events from
     # the last one before the kill to node-3's answering again (the kill's cost), and after it
@@ -166,26 +242,32 @@ def test_a_killed_node_costs_the_quorum_seconds_and_comes_back_healed(sandbox, t
           f"{back.get('first_sync_after_s')} s later")
     assert back.get("first_sync_after_s") is not None and back["first_sync_after_s"] < REJOIN_BOUND_S, back
 
-    # Every outer sync's weights alike on every replica that logged it: first all three, then
-    # node-1 and node-2 alone, then all three again (node-3 healed) to the last step.
+    # Every outer sync's weights alike on every replica that logged it: the first three's, then
+    # all four's once node-4 joined; node-1's, node-2's and node-4's while node-3 was away, then
+    # all four again (node-3 healed) to the last step.
     syncs = diloco_sync_hashes(run_dir / "logs")
     assert all(len(by_hash) == 1 for by_hash in syncs.values()), syncs
-    before = [k for k in syncs if k[0] == 3 and k[3] <= kill_step]
-    two = [k for k in syncs if k[0] == 2 and k[3] > kill_step]
-    assert before and two, sorted(syncs)
-    for key in two:
+    first = [k for k in syncs if k[0] == 3 and k[3] <= kill_step]
+    four = [k for k in syncs if k[0] == 4 and k[3] <= kill_step]
+    assert first and four and max(k[3] for k in first) < min(k[3] for k in four), sorted(syncs)
+    for key in first:
         (ranks,) = syncs[key].values()
-        assert ranks == {"node-1/0", "node-2/0"}, (key, ranks)
-    # From node-3's first sync after its return on, every sync is all three's, to the last step
+        assert ranks == {"node-1/0", "node-2/0", "node-3/0"}, (key, ranks)
+    three = [k for k in syncs if k[0] == 3 and k[3] > kill_step]
+    assert three, sorted(syncs)
+    for key in three:
+        (ranks,) = syncs[key].values()
+        assert ranks == {"node-1/0", "node-2/0", "node-4/0"}, (key, ranks)
+    # From node-3's first sync after its return on, every sync is all four's, to the last step
     # (how many there are depends on how fast node-3 started here: its time is the check above).
-    rejoined = sorted(k for k in syncs if k[3] > max(k[3] for k in two))
+    rejoined = sorted(k for k in syncs if k[3] > max(k[3] for k in three))
     assert rejoined and rejoined[-1][3] == MAX_STEPS, sorted(syncs)
     for key in rejoined:
         (ranks,) = syncs[key].values()
-        assert ranks == {"node-1/0", "node-2/0", "node-3/0"}, (key, ranks)
+        assert ranks == {"node-1/0", "node-2/0", "node-3/0", "node-4/0"}, (key, ranks)
 
     # Nothing of the launch left anywhere: workers, agents, guards, the lighthouse.
-    for node in ("node-1", "node-2", "node-3"):
+    for node in ("node-1", "node-2", "node-3", "node-4"):
         left = [p for p in faults.node_pids(sandbox, sandbox.node(node))
                 if any(w in cmdline(p) for w in ("torch.distributed.run", "vpscluster.train.worker", "lighthouse",
                                                     "reap"))]
@@ -211,7 +293,7 @@ def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, 
     config.write_text(CONFIG.replace("checkpoint_every: 100", "checkpoint_every: 10"))
     run_dir = tmp_path / "run"
     max_steps = 30
-    proc, lines = _start_train(sandbox, config, run_dir, max_steps)
+    proc, lines = _start_train(cluster_file(sandbox, tmp_path / "cluster.yaml", 3), config, run_dir, max_steps)
     watch = StepWatch(run_dir / "logs" / "node-1.log")
     try:
         deadline = time.monotonic() + 150

@@ -207,3 +207,29 @@ def test_supervisor_follows_rank0_and_refuses_to_go_on_below_min_nodes():
                                              r"\(--min-nodes\).*continue with vpscluster run --resume R"):
         sup._go_on_without(["c"], "node c failed", "c", None)
     assert sup.restarts == 1
+
+
+def test_a_node_added_during_a_launch_belongs_to_the_run_and_its_join_is_recorded():
+    """A node added to the cluster file while a quorum launch ran is part of every later launch
+    (a relaunch includes it), and the report's `quorum_join` times its first sync from the file's
+    change and from when the launcher saw it."""
+    import time
+
+    from vpscluster.launch.pipeline import LaunchResult
+    from vpscluster.launch.supervisor import Supervisor
+
+    three = Cluster(nodes=_cluster().nodes[:3], head="a")
+    sup = Supervisor(three, recovery.Policy(max_restarts=3, min_nodes=2, nodes=3, by_default=True),
+                     rejoin_poll_s=1.0, stop_grace_s=1.0, continue_with="x")
+    now, wall = time.monotonic(), time.time()
+    sup.step_seen = [(now - 20, 4), (now - 1, 9)]
+    result = LaunchResult(ok=True, exit_status=0, run_dir="r", rdzv_id="x", nodes=[],
+                          joined_nodes=["d", "e"], joined_at=[now - 10, now - 5], joined_file_at=[wall - 12, wall - 5],
+                          join_sync_at=[now - 2, None], added=[_cluster().nodes[3]])
+    sup._take_added(result)
+    assert sup.everyone == sup.current == ["a", "b", "c", "d"] and [n.name for n in sup.cluster.nodes] == sup.everyone
+    d, e = sup.record()
+    assert (d["kind"], d["joined"], d["joined_ok"], d["after_step"], d["first_sync_after_s"]) == \
+        ("quorum_join", ["d"], True, 4, 8.0), d
+    assert abs(d["first_sync_after_added_s"] - 10.0) < 0.2, d
+    assert (e["joined"], e["joined_ok"]) == (["e"], False) and "first_sync_after_s" not in e, e

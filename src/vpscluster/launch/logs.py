@@ -110,6 +110,12 @@ class LogRouter:
         self.last_line_at = time.monotonic()  # for the launcher's silence watchdog
         self.started = False  # rank 0 announced the start of training
 
+    def add_node(self, node: str) -> None:
+        """A node added to the running launch: its own log file from now on."""
+        if node not in self.nodes:
+            self.nodes[node] = NodeOutput(node, self.logs_dir / f"{node}.log")
+            self._files[node] = self.nodes[node].path.open("a", buffering=1)
+
     def for_node(self, node: str) -> Callable[[str, str], None]:
         return lambda stream, line: self.line(node, stream, line)
 

@@ -10,6 +10,7 @@ node failing, Ctrl-C or SIGTERM to the launcher — teardown runs and checks eve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import posixpath
 import re
@@ -101,6 +102,9 @@ class Job:
     # The quorum engine (`launch/quorum.py`): a lighthouse on the head, a rendezvous of its own on
     # every node (one replica group each), and a failed node does not end the launch.
     quorum: Any = None  # launch.quorum.QuorumPlan
+    # Every node the run knows (the supervisor's: those out of this launch too); a node in the
+    # cluster file that is not among them is one added while the job runs. None: the job's nodes.
+    known_nodes: list[str] | None = None
 
     def node_run_dir(self, workdir: str) -> str:
         return posixpath.join(workdir, self.run_dir_on_node or posixpath.join("runs", self.run_id))
@@ -141,6 +145,14 @@ class LaunchResult:
     back_nodes: list[str] = field(default_factory=list)
     back_at: list[float] = field(default_factory=list)
     first_sync_at: list[float | None] = field(default_factory=list)
+    # Nodes added to the running job (the cluster file edited: launch/grow.py), when the launcher saw
+    # each (time.monotonic()), when the file was changed (Unix time), and when each logged its first
+    # outer sync (time.monotonic(); None: it did not). `added`: their cluster-file entries.
+    joined_nodes: list[str] = field(default_factory=list)
+    joined_at: list[float] = field(default_factory=list)
+    joined_file_at: list[float | None] = field(default_factory=list)
+    join_sync_at: list[float | None] = field(default_factory=list)
+    added: list[Any] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -173,9 +185,17 @@ def torchelastic_dir(job: Job, workdir: str) -> str:
 
 
 def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
-                   own_ports: dict[str, int | str] | None = None, lighthouse: str | None = None) -> list[NodeCommand]:
+                   own_ports: dict[str, int | str] | None = None, lighthouse: str | None = None,
+                   planned: int | None = None, only: str | None = None,
+                   indexes: dict[str, int] | None = None) -> list[NodeCommand]:
     """Every node's command. The quorum engine (`job.quorum`): each node a torchrun of its own on
-    `own_ports[node]`, with its replica group's environment (`lighthouse`: the lighthouse's URL)."""
+    `own_ports[node]`, with its replica group's environment (`lighthouse`: the lighthouse's URL).
+    `planned`: the replica groups the launch started with (default: every node); a node added
+    since (its place in the list at or past it) is replica INDEX of INDEX + 1: a fresh replica
+    id, and a data shard of its own that overlaps the others' in part (they keep theirs). `only`:
+    that node's command alone (a node brought into a running launch: others may still be joining).
+    `indexes`: each node's replica index where it is not its place in the list (added nodes get
+    theirs once, never reused: a failed join's is skipped, so no two replica groups share an id)."""
     import dataclasses
 
     nproc = {n: job.nproc_per_node or max(1, states[n].gpus) for n in states}
@@ -188,8 +208,13 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
     from vpscluster.launch.quorum import replica_env
 
     commands = []
-    for i, t in enumerate(targets):
-        t = dataclasses.replace(t, env=t.env + tuple(replica_env(i, len(targets), lighthouse, t.address).items()))
+    planned = planned or len(targets)
+    for place, t in enumerate(targets):
+        if only is not None and t.name != only:
+            continue
+        i = (indexes or {}).get(t.name, place)
+        count = planned if i < planned else i + 1
+        t = dataclasses.replace(t, env=t.env + tuple(replica_env(i, count, lighthouse, t.address).items()))
         own = dataclasses.replace(options, rdzv_port=own_ports[t.name])
         (c,) = build_node_commands([t], t.name, program, own)  # is_host=1: its own store
         c.is_head = t.name == job.cluster.head  # the lighthouse's node
@@ -279,7 +304,6 @@ async def _launch(job: Job) -> LaunchResult:
 async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResult:
     from vpscluster.launch import preflight as pf
     from vpscluster.launch.logs import LogRouter
-    from vpscluster.launch.sync import sync_dir
     from vpscluster.launch.hung import find_hung
     from vpscluster.launch.teardown import NODE_LOCK, guarded, teardown
 
@@ -304,35 +328,12 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
 
     # sync: code and data, by content hash.
     synced: dict[str, dict[str, str]] = {n: {} for n in states}
-    for item in job.syncs:
-        files = local_files(item)
-        if os.path.isdir(item.local_path) and not _all_local(job) and not _is_own_package(files.root):
-            job.say(files.summary(f"sync {item.key}:"))  # what goes, and what was left out (secrets)
-        root, manifest = files.root, files.manifest
-        results = await unless_interrupted(asyncio.gather(*(
-            sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
-                     timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say,
-                     detect_shared=job.detect_shared)
-            for ex in executors)), interrupted)
-        for r in results:
-            synced[r.node][item.key] = _remote_of(item, r)
-            outcomes[r.node].sync.append(r.to_dict())
-        copied = [f"{r.node}: {r.changed} files" for r in results if not r.shared and r.changed]
-        job.say(f"sync {item.key}: " + (", ".join(copied) if copied else "already in place on every node"))
+    await unless_interrupted(sync_items(job, executors, states, synced, outcomes, timeout_s), interrupted)
 
     # prepare: each node's run dir (and what the job puts there).
-    async def prepare(ex):
-        st = states[ex.node.name]
-        run_dir = job.node_run_dir(st.workdir)
-        r = await ex.run(["mkdir", "-p", torchelastic_dir(job, st.workdir)], timeout_s=timeout_s)
-        if not r.ok:
-            raise RemoteError(f"node {ex.node.name}: cannot create {run_dir}: {r.reason()}")
-        if job.prepare:
-            await job.prepare(ex, st, synced[ex.node.name], run_dir)
-
     if job.create_run is not None:
         job.create_run()
-    await unless_interrupted(asyncio.gather(*(prepare(ex) for ex in executors)), interrupted)
+    await unless_interrupted(prepare_nodes(job, executors, states, synced, timeout_s), interrupted)
     lighthouse_at = None
     if job.quorum is not None:
         from vpscluster.launch.quorum import lighthouse_url
@@ -387,8 +388,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
             from vpscluster.launch.quorum import Watched, watch
 
             watched = Watched()
-            rejoin = _quorum_rejoin(job, executors, by_name, states, synced, rdzv_id, port, own_ports, lighthouse_at,
-                                    router, watched, start, timeout_s)
+            rejoin = _quorum_rejoin(job, executors, by_name, states, synced, outcomes, rdzv_id, port, own_ports,
+                                    lighthouse_at, router, watched, start, timeout_s)
             await watch(handles, lighthouse, interrupted, router, job.silence_limits_s, job.say, rejoin, watched)
             failed, was_interrupted, silent_s = watched.failed, watched.interrupted, watched.silent_s
         seen_at = time.monotonic()
@@ -454,26 +455,95 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
                         lost_at=list(watched.lost_at) if watched else [],
                         back_nodes=list(watched.back) if watched else [],
                         back_at=list(watched.back_at) if watched else [],
-                        first_sync_at=list(watched.first_sync_at) if watched else [])
+                        first_sync_at=list(watched.first_sync_at) if watched else [],
+                        **_joins(job, watched))
 
 
-def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, rdzv_id: str, port: int,
+async def sync_items(job: Job, executors, states, synced: dict[str, dict[str, str]], outcomes, timeout_s: float) -> None:
+    """The sync stage: every `job.syncs` item to every node in `executors`, by content hash (a node
+    that holds them already gets nothing); where each landed goes into `synced[node][key]`. The
+    launch's start and a node brought (back) into a running launch (`_quorum_rejoin`) both use it."""
+    from vpscluster.launch.sync import sync_dir
+
+    for item in job.syncs:
+        files = local_files(item)
+        if os.path.isdir(item.local_path) and not _all_local(job) and not _is_own_package(files.root):
+            job.say(files.summary(f"sync {item.key}:"))  # what goes, and what was left out (secrets)
+        root, manifest = files.root, files.manifest
+        results = await asyncio.gather(*(
+            sync_dir(ex, root, posixpath.join(states[ex.node.name].workdir, item.remote_rel),
+                     timeout_s=max(timeout_s, 300.0), manifest=manifest, say=job.say,
+                     detect_shared=job.detect_shared)
+            for ex in executors))
+        for r in results:
+            synced.setdefault(r.node, {})[item.key] = _remote_of(item, r)
+            outcomes[r.node].sync.append(r.to_dict())
+        copied = [f"{r.node}: {r.changed} files" for r in results if not r.shared and r.changed]
+        where = "every node" if len(executors) > 1 else executors[0].node.name
+        job.say(f"sync {item.key}: " + (", ".join(copied) if copied else f"already in place on {where}"))
+
+
+async def prepare_nodes(job: Job, executors, states, synced, timeout_s: float) -> None:
+    """The prepare stage: each node's run dir, and what the job puts there (`job.prepare`)."""
+
+    async def prepare(ex):
+        st = states[ex.node.name]
+        run_dir = job.node_run_dir(st.workdir)
+        r = await ex.run(["mkdir", "-p", torchelastic_dir(job, st.workdir)], timeout_s=timeout_s)
+        if not r.ok:
+            raise RemoteError(f"node {ex.node.name}: cannot create {run_dir}: {r.reason()}")
+        if job.prepare:
+            await job.prepare(ex, st, synced[ex.node.name], run_dir)
+
+    await asyncio.gather(*(prepare(ex) for ex in executors))
+
+
+def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, outcomes, rdzv_id: str, port: int,
                    own_ports: dict[str, int], lighthouse_at: str, router, watched, start, timeout_s: float):
-    """The quorum engine's `Rejoin` for this launch (None when `job.quorum.max_starts` is 0): a lost
-    node that answers again gets what this launch left there for it reaped (its workers, by
-    launch id and VPSC_NODE; the head's lighthouse stays), a fresh rendezvous port, and its
-    command started again."""
+    """The quorum engine's `Rejoin` for this launch (None when `job.quorum.max_starts` is 0).
+
+    A lost node that answers again goes through the launch's stages for that node alone —
+    pre-flight (`pf.preflight`: reachable, workdir, firewall, interface), sync, prepare — so one
+    that came back with a wiped disk gets its code, data and run configuration again; then what
+    this launch left there is reaped (its workers, by launch id and VPSC_NODE; the head's
+    lighthouse stays), and its command starts again on a fresh rendezvous port.
+
+    A node added to the cluster file (launch/grow.py; only where the run has one) is checked as
+    a new node (`grow.extended`, `grow.check_env`), goes through the same stages, and starts a
+    new replica group (the next replica index); one that fails is dropped again, the job goes on."""
     from vpscluster.cluster.inventory import executor_for
+    from vpscluster.launch import grow
     from vpscluster.launch import preflight as pf
-    from vpscluster.launch.quorum import Rejoin, first_sync_watch
+    from vpscluster.launch.quorum import Rejoin, first_sync_watch, join_sync_watch
     from vpscluster.launch.recovery import ready
     from vpscluster.launch.teardown import reap_node
 
     if job.quorum.max_starts <= 0:
         return None
+    planned = len(job.cluster.nodes)  # replica groups 0..planned-1 keep their data shards
+    indexes = {n.name: i for i, n in enumerate(job.cluster.nodes)}  # an added node's: the next, once
+    files = grow.ClusterFileWatch(job.cluster.source, job.known_nodes or [n.name for n in job.cluster.nodes]) \
+        if job.cluster.source and not job.cluster.is_local else None
 
     async def answers(nodes: list[str]) -> list[str]:
         return await ready(job.cluster, nodes)
+
+    async def bring_up(ex, on_line):
+        node = ex.node.name
+        # The launch's stages for this node: it may have come back with nothing on its disk.
+        (st,) = (await pf.preflight(job.cluster, [ex], {node: states[node].facts}, timeout_s)).values()
+        states[node] = st
+        await sync_items(job, [ex], states, synced, outcomes, timeout_s)
+        await prepare_nodes(job, [ex], states, synced, timeout_s)
+        # A node cut off (not rebooted) may still run its old workers: stop them first.
+        reaped = await reap_node(ex, rdzv_id, grace_s=job.stop_grace_s or 6.0, this_node_only=True)
+        if not reaped.clean:
+            raise RemoteError(f"what this launch left there is still running ({reaped.error or f'pids {reaped.left}'})")
+        own_ports[node] = await pf.free_port(ex, st.address, timeout_s)
+        (c,) = build_commands(job, states, synced, rdzv_id, port, own_ports, lighthouse_at, planned, only=node,
+                              indexes=indexes)
+        router.note(node, "$ " + c.shell())
+        return await start(c, on_line)
 
     async def start_again(node: str):
         ex = by_name[node]
@@ -481,18 +551,74 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, rdz
             fresh = executor_for(ex.node, job.cluster)
             executors[executors.index(ex)] = by_name[node] = fresh  # closed and torn down with the rest
             ex = fresh
-        # A node cut off (not rebooted) may still run its old workers: stop them first.
-        reaped = await reap_node(ex, rdzv_id, grace_s=job.stop_grace_s or 6.0, this_node_only=True)
-        if not reaped.clean:
-            raise RemoteError(f"what this launch left there is still running ({reaped.error or f'pids {reaped.left}'})")
-        own_ports[node] = await pf.free_port(ex, states[node].address, timeout_s)
-        (c,) = [c for c in build_commands(job, states, synced, rdzv_id, port, own_ports, lighthouse_at)
-                if c.node == node]
-        router.note(node, "answers again: starting its replica group again (it heals from a peer)")
-        router.note(node, "$ " + c.shell())
-        return await start(c, first_sync_watch(watched, node, router.for_node(node)))
+        router.note(node, "answers again: pre-flight and sync, then its replica group again (it heals from a peer)")
+        return await bring_up(ex, first_sync_watch(watched, node, router.for_node(node)))
 
-    return Rejoin(answers, start_again, job.quorum.rejoin_poll_s, job.quorum.max_starts)
+    def added_nodes(cluster) -> list[tuple[Any, str | None]]:
+        """(node, why it is refused or None) for each node new in the file (file reads and DNS:
+        run off the event loop)."""
+        out = []
+        for node in files.new():
+            try:
+                grow.extended(cluster, node)
+                out.append((node, None))
+            except UserError as e:
+                out.append((node, str(e)))
+        return out
+
+    async def joiners() -> list[tuple[str, float | None]]:
+        names = []
+        for node, refused in await asyncio.to_thread(added_nodes, job.cluster):
+            if refused:
+                job.say(f"node {node.name} not added to the running job: {refused}")
+                files.forget(node.name)
+                continue
+            # Its commands, and `ready` for it, see it from now on.
+            job.cluster = dataclasses.replace(job.cluster, nodes=(*job.cluster.nodes, node))
+            indexes.setdefault(node.name, max(indexes.values()) + 1)
+            ex = executor_for(node, job.cluster)
+            executors.append(ex)  # closed and torn down with the rest
+            by_name[node.name] = ex
+            outcomes[node.name] = NodeOutcome(node.name)
+            router.add_node(node.name)
+            states[node.name] = pf.NodeState(node.name, node.host, node.workdir)  # until its pre-flight
+            names.append((node.name, files.changed_at))
+        return names
+
+    async def join(node: str):
+        ex = by_name[node]
+        try:
+            router.note(node, "added to the cluster file: pre-flight, environment, sync, then a new replica group")
+            facts = await grow.check_env(job.cluster, ex, [states[n].facts for n in states if n != node and states[n].facts])
+            states[node].facts = facts
+            return await bring_up(ex, join_sync_watch(watched, node, router.for_node(node)))
+        except BaseException:  # not added: the launch forgets it (its teardown would not reach it either)
+            job.cluster = dataclasses.replace(job.cluster, nodes=tuple(n for n in job.cluster.nodes if n.name != node))
+            for d in (states, synced, own_ports, by_name, outcomes):
+                d.pop(node, None)
+            executors.remove(ex)
+            files.forget(node)
+            await asyncio.shield(_close_quietly(ex))
+            raise
+
+    return Rejoin(answers, start_again, job.quorum.rejoin_poll_s, job.quorum.max_starts,
+                  joiners=joiners if files is not None else None, join=join if files is not None else None)
+
+
+async def _close_quietly(ex) -> None:
+    try:
+        await asyncio.wait_for(ex.close(), 10.0)
+    except Exception:  # closing a connection to a node that failed its checks: nothing more to do
+        pass
+
+
+def _joins(job: Job, watched) -> dict[str, Any]:
+    """The LaunchResult fields of the nodes added to the running job."""
+    if watched is None or not watched.joined:
+        return {}
+    return {"joined_nodes": list(watched.joined), "joined_at": list(watched.joined_at),
+            "joined_file_at": list(watched.joined_file_at), "join_sync_at": list(watched.join_sync_at),
+            "added": [n for n in job.cluster.nodes if n.name in set(watched.joined)]}
 
 
 async def _quorum_ports(by_name, states, head, timeout_s: float) -> tuple[dict[str, int], int]:

@@ -21,7 +21,15 @@ one torchrun job over every node:
   is one; asked every `recovery.rejoin_poll_s`) is started again within the launch (`Rejoin`):
   what the launch left there is reaped, its torchrun gets a fresh port and the same replica
   group, and its first quorum finds it behind, so it heals from a peer and takes part from the
-  next sync. No relaunch, no checkpoint; at most `max_starts` times per node.
+  next sync. No relaunch, no checkpoint; at most `max_starts` times per node. It goes through
+  the launch's own pre-flight (reachable, workdir, firewall, interface), sync and prepare stages
+  for that node first, so one that came back with a wiped disk gets its code, data and run
+  configuration again;
+- a node added to the cluster file while the job runs (`Rejoin.joiners`, the cluster file looked
+  at every `rejoin_poll_s`: launch/grow.py) is checked like any node at the start (pre-flight,
+  its environment against the others', the overlay, the firewall), gets the code and data, and
+  starts a new replica group with a fresh replica id (`Rejoin.join`): it heals from a peer and
+  joins at the next sync. One that fails its checks gets one line and the job goes on.
 """
 
 from __future__ import annotations
@@ -125,6 +133,11 @@ class Rejoin:
     start: Callable[[str], Awaitable[Any]]
     poll_s: float
     max_starts: int = 2
+    # Nodes added to the running job: `joiners()` -> (name, when the cluster file was changed: Unix
+    # time or None) of each node new since it was last asked (asked every `poll_s`), `join(node)` -> the handle of its new replica group (its checks, sync
+    # and start; an exception: it was not added, the job goes on without it).
+    joiners: Callable[[], Awaitable[list[tuple[str, float | None]]]] | None = None
+    join: Callable[[str], Awaitable[Any]] | None = None
 
 
 @dataclass
@@ -139,11 +152,20 @@ class Watched:
     # (Lists in step with `lost` and `back`: a node may go and come back more than once.)
     back_at: list[float] = field(default_factory=list)
     first_sync_at: list[float | None] = field(default_factory=list)
+    # Nodes added to the running job (in order), when the launcher saw each in the cluster file,
+    # and when each new replica group logged its first outer sync (None: not (yet)).
+    joined: list[str] = field(default_factory=list)
+    joined_at: list[float] = field(default_factory=list)
+    joined_file_at: list[float | None] = field(default_factory=list)  # the file's change (Unix time)
+    join_sync_at: list[float | None] = field(default_factory=list)
 
     def synced(self, node: str) -> bool:
-        """Whether `node`'s latest start logged its first sync."""
+        """Whether `node`'s latest start (a restart, else its join) logged its first sync."""
         i = max((i for i, n in enumerate(self.back) if n == node), default=None)
-        return i is not None and self.first_sync_at[i] is not None
+        if i is not None:
+            return self.first_sync_at[i] is not None
+        j = max((j for j, n in enumerate(self.joined) if n == node), default=None)
+        return j is not None and self.join_sync_at[j] is not None
     failed: str | None = None  # the launch failed: the node to blame (the head for the lighthouse)
     lighthouse_ended: bool = False
     interrupted: bool = False
@@ -153,14 +175,24 @@ class Watched:
 def first_sync_watch(w: Watched, node: str, on_line):
     """`on_line` for a restarted node's output that also notes its first outer sync's hash line
     (`strategy.sync_hashes`) in `w.first_sync_at`: from then on it trains in the quorum."""
+
+    i = max(i for i, n in enumerate(w.back) if n == node)  # this start of it
+    return _noting_first_sync(w.first_sync_at, i, on_line)
+
+
+def join_sync_watch(w: Watched, node: str, on_line):
+    """`first_sync_watch` for a node added to the running job (its first sync in `w.join_sync_at`)."""
+    i = max(i for i, n in enumerate(w.joined) if n == node)
+    return _noting_first_sync(w.join_sync_at, i, on_line)
+
+
+def _noting_first_sync(times: list[float | None], i: int, on_line):
     from vpscluster.launch.logs import split_rank
     from vpscluster.train.strategies.diloco import parse_sync_hash
 
-    i = max(i for i, n in enumerate(w.back) if n == node)  # this start of it
-
     def line(stream: str, text: str) -> None:
-        if w.first_sync_at[i] is None and parse_sync_hash(split_rank(text)[1]) is not None:
-            w.first_sync_at[i] = time.monotonic()
+        if times[i] is None and parse_sync_hash(split_rank(text)[1]) is not None:
+            times[i] = time.monotonic()
         on_line(stream, text)
 
     return line
@@ -185,13 +217,15 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
     starts: dict[str, int] = {}
     probe: asyncio.Future | None = None  # rejoin.answers(out), under way
     starting: dict[asyncio.Future, str] = {}  # rejoin.start(node), under way
-    polled = float("-inf")
+    joining: dict[asyncio.Future, str] = {}  # rejoin.join(node), under way
+    looked: asyncio.Future | None = None  # rejoin.joiners(), under way
+    polled = looked_at = float("-inf")
     rejoined: set[asyncio.Future] = set()  # waits of the replica groups started again
     dropped: dict[asyncio.Future, asyncio.Future] = {}  # such a wait -> its stop, once the run ended without it
     ended_at: float | None = None  # when the first replica group finished
     try:
-        while pending or starting:
-            extra = ({probe} if probe else set()) | set(starting)
+        while pending or starting or joining:
+            extra = ({probe} if probe else set()) | ({looked} if looked else set()) | set(starting) | set(joining)
             done, _ = await asyncio.wait(pending | extra | {stop, beacon}, timeout=1.0,
                                          return_when=asyncio.FIRST_COMPLETED)
             if stop in done:
@@ -214,13 +248,37 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                     say(f"node {node} answers again: starting its replica group again (it heals from a peer "
                         f"and joins at the next sync; start {starts[node]} of {rejoin.max_starts})")
                     starting[asyncio.ensure_future(rejoin.start(node))] = node
-            for t in [t for t in done if t in starting]:
-                node = starting.pop(t)
+            if looked is not None and looked in done:
+                if looked.exception() is not None:
+                    say(f"could not look at the cluster file for added nodes: {looked.exception()}")
+                new = looked.result() if looked.exception() is None else []
+                looked = None
+                for node, file_at in new:
+                    if ok:  # the run is ending: too late to join
+                        say(f"node {node} was added to the cluster file as the run ends: not started")
+                        continue
+                    w.joined.append(node)
+                    w.joined_at.append(time.monotonic())
+                    w.joined_file_at.append(file_at)
+                    w.join_sync_at.append(None)
+                    say(f"node {node} added to the cluster file: checking it (pre-flight, environment, overlay, "
+                        "firewall), sending it the code and data, then starting a new replica group (it heals from "
+                        "a peer and joins at the next sync)")
+                    joining[asyncio.ensure_future(rejoin.join(node))] = node
+            for t in [t for t in done if t in starting or t in joining]:
+                added = t in joining
+                node = joining.pop(t) if added else starting.pop(t)
                 if t.exception() is not None:
+                    if added:
+                        say(f"node {node} not added to the running job: {t.exception()}; the job goes on without "
+                            "it (fix that and save the cluster file again to retry)")
+                        continue
                     say(f"node {node}: could not start its replica group again: {t.exception()}")
                     if starts[node] < rejoin.max_starts:
                         out.append(node)
                     continue
+                if added:
+                    say(f"node {node}: its replica group started; it joins the quorum at the next sync")
                 h = t.result()
                 handles.append(h)
                 f = asyncio.ensure_future(h.wait())
@@ -256,6 +314,10 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
             if out and probe is None and pending and time.monotonic() - polled >= rejoin.poll_s:
                 polled = time.monotonic()
                 probe = asyncio.ensure_future(rejoin.answers(list(out)))
+            if (rejoin is not None and rejoin.joiners is not None and looked is None and pending and not ok
+                    and time.monotonic() - looked_at >= rejoin.poll_s):
+                looked_at = time.monotonic()
+                looked = asyncio.ensure_future(rejoin.joiners())
             if silence_limits_s is not None and pending:
                 limit = silence_limits_s[1] if router.started else silence_limits_s[0]
                 silent = time.monotonic() - router.last_line_at
@@ -266,5 +328,6 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
             w.failed = w.lost[0] if w.lost else None
         return w
     finally:
-        for t in (stop, beacon, *pending, *([probe] if probe else []), *starting, *dropped.values()):
+        for t in (stop, beacon, *pending, *([probe] if probe else []), *([looked] if looked else []), *starting,
+                  *joining, *dropped.values()):
             t.cancel()

@@ -120,6 +120,7 @@ class Supervisor:
             out = [n for n in self.everyone if n not in self.current]
             job = make_job(cluster, self.resume)
             job.relaunch = bool(self.launch_ids)
+            job.known_nodes = list(self.everyone)  # a node in the cluster file beyond these: added while it runs
             theirs = job.on_event
             job.on_event = lambda e, theirs=theirs: (self.watch(e), theirs(e) if theirs is not None else None)
             if job.fetch_when_interrupted is None:  # a stop that saved its checkpoint also wrote the report
@@ -141,6 +142,8 @@ class Supervisor:
                 self._go_on_without(gone, f"the relaunch failed before training: {e}", gone[0], None)
                 continue
             self.launch_ids.append(result.rdzv_id)
+            first = len(self.recoveries)
+            self._take_added(result)
             if after_launch is not None:
                 after_launch(result, self.resumed_from)
             if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
@@ -148,6 +151,7 @@ class Supervisor:
                 continue
             if result.lost_nodes and not result.interrupted:
                 self._record_quorum_losses(result)
+            self.recoveries[first:] = sorted(self.recoveries[first:], key=lambda r: r.get("detected_at", 0))
             if result.interrupted or result.ok or self.restarts >= self.policy.max_restarts:
                 return result
             # A node that teardown could not reach is out (the watcher takes it back when it answers).
@@ -198,6 +202,29 @@ class Supervisor:
                      "after_step": max((s for t, s in self.step_seen if t <= at), default=0), **seen}
             if synced is not None:  # its first outer sync with the others, from when it answered again
                 entry.update(first_sync_after_s=round(synced - at, 1))
+            self.recoveries.append(entry)
+
+    def _take_added(self, result) -> None:
+        """Nodes added to the cluster file during the launch belong to the run from now on (a
+        relaunch includes them); each is recorded as a `quorum_join`, timed from the file's change
+        and from when the launcher saw it to its first outer sync."""
+        import dataclasses
+
+        for node in result.added:
+            if node.name not in self.everyone:
+                self.cluster = dataclasses.replace(self.cluster, nodes=(*self.cluster.nodes, node))
+                self.everyone.append(node.name)
+                self.current.append(node.name)
+        for node, at, file_at, synced in zip(result.joined_nodes, result.joined_at, result.joined_file_at,
+                                             result.join_sync_at):
+            seen = _seen(at)
+            at = seen.pop("_at")
+            entry = {"kind": "quorum_join", "joined": [node], "joined_ok": node in [n.name for n in result.added],
+                     "after_step": max((s for t, s in self.step_seen if t <= at), default=0), **seen}
+            if synced is not None:  # its first outer sync with the others
+                entry["first_sync_after_s"] = round(synced - at, 1)  # from when the launcher saw it
+                if file_at is not None:  # from the cluster file's change (the user's edit)
+                    entry["first_sync_after_added_s"] = round(synced - at + seen["detected_at"] - file_at, 1)
             self.recoveries.append(entry)
 
     def _take_back(self, out: list[str], ended_at: float | None) -> None:
