@@ -127,7 +127,7 @@ def _loop(rank, world, tmp, balance, resume=False):
     settings = {"strategy": {"name": "ddp", "micro_batches": 12 if balance or resume else 6,
                              "speeds": [1, 1, 1] if balance or resume else [3, 2, 1], "balance": balance,
                              "rebalance_every": 4}, "run_dir": str(tmp / f"r{int(balance or resume)}"), "resume": resume}
-    return user_loop(rank, world, settings, epochs=1, step_sleep=0.03 if balance else 0.0,
+    return user_loop(rank, world, settings, epochs=1, step_sleep=0.1 if balance else 0.0,
                      save_at=16 if balance else None)
 
 
@@ -148,7 +148,7 @@ def test_three_ranks_share_3_2_1_and_rebalance_from_measured_times(tmp_path):
     assert lines[-1]["shares"] == [3, 2, 1] and lines[-1]["batch_sizes"] == [12, 8, 4]
     assert lines[-1]["samples"] == 12  # rank 0's own
 
-    moved = [r[1] for r in ranks]  # even start, rank 2 sleeps 30 ms a step: its share shrinks
+    moved = [r[1] for r in ranks]  # even start, rank 2 sleeps 100 ms a step (far above a loaded machine's noise): its share shrinks
     rep = moved[0]["report"]
     assert rep["rebalances"] >= 1 and rep["shares"][2] < 4 and rep["batch_sizes"][2] < 8, rep
     assert len({r["hash"] for r in moved}) == 1 and [r["steps"] for r in moved] == [16, 16, 16]
