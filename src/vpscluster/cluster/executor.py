@@ -142,6 +142,10 @@ class Executor(ABC):
     async def close(self) -> None:
         """Close connections."""
 
+    def note_hung(self, why: str) -> None:
+        """The node's processes were found stopped (a frozen host, SIGSTOP): stopping a process
+        started there waits no longer for an exit status it cannot send. Commands still run."""
+
 
 def to_shell(command: str | Sequence[str]) -> str:
     """A shell command line: a string is used as written, an argv list is quoted word by word."""

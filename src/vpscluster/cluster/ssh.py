@@ -211,7 +211,8 @@ class SSHProcess(ProcessHandle):
         if self.pgid is not None:
             await self._executor.kill_group(self.pgid, grace_s)
         self._proc.close()  # the wrapper's watchdog ends the group if the kill above could not
-        await self.wait(1.0 if self._executor.dark() else grace_s + 10.0)  # a dark node sends no status
+        # a dark or hung node sends no status: the kill above (or the watchdog) does the work
+        await self.wait(1.0 if self._executor.dark() or self._executor.hung() else grace_s + 10.0)
 
 
 class SSHExecutor(Executor):
@@ -224,6 +225,7 @@ class SSHExecutor(Executor):
         self._sftp = None
         self._lost: str | None = None
         self._dark: str | None = None  # set when the node stopped answering (see _gone_dark)
+        self._hung: str | None = None  # set when the launch found its processes stopped (note_hung)
         self._silent_until = 0.0  # time.monotonic() until which a node lost to silence is not retried
         self._lock = asyncio.Lock()
         self._attempts = 0  # connection attempts made, to share one failure among waiters
@@ -240,6 +242,12 @@ class SSHExecutor(Executor):
 
     def dark(self) -> bool:
         return self._dark is not None
+
+    def hung(self) -> bool:
+        return self._hung is not None
+
+    def note_hung(self, why: str) -> None:
+        self._hung = why
 
     async def connect(self):
         """The open connection, made on first use; raises RemoteError with a one-line reason."""

@@ -395,6 +395,8 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
         seen_at = time.monotonic()
         if failed is not None or silent_s is not None:  # before teardown: a stopped node is still there to see
             hung = await find_hung(executors, rdzv_id)
+            if hung is not None:  # its channels send no exit status: teardown need not wait for one
+                by_name[hung[0]].note_hung(hung[1])
     finally:
         if stopper is not None:
             stopper.cancel()
