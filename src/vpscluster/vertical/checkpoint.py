@@ -73,7 +73,7 @@ class Store:
 def save(path: Path, model, opt, applied: int, store: Store | None = None, stage: str | None = None,
          **extra: Any) -> None:
     """Weights and optimizer after `applied` steps (and `extra`: plain ints, floats, lists, dicts),
-    on this node's disk and, with `store`, on the queue as `stage`."""
+    on this node's disk and, with `store`, on the queue as `stage` (its name there: `image.1`)."""
     import io
 
     import torch
@@ -85,7 +85,7 @@ def save(path: Path, model, opt, applied: int, store: Store | None = None, stage
     path.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_atomic(path, buf.getvalue())
     if store is not None:
-        store.put(stage or path.stem.removeprefix("checkpoint-"), buf.getvalue(), applied)
+        store.put(stage, buf.getvalue(), applied)
 
 
 def load(path: Path, store: Store | None = None, stage: str | None = None) -> dict[str, Any] | None:
@@ -97,7 +97,7 @@ def load(path: Path, store: Store | None = None, stage: str | None = None) -> di
 
     found = [torch.load(path, weights_only=True)] if path.is_file() else []
     if store is not None:
-        data = store.get(stage or path.stem.removeprefix("checkpoint-"))
+        data = store.get(stage)
         if data is not None:
             found.append(torch.load(io.BytesIO(data), weights_only=True))
     return max(found, key=lambda s: int(s["applied"]), default=None)

@@ -317,16 +317,16 @@ class _Mover:
         self.gone: set[str] = set()
 
     async def alive(self, node: str) -> bool:
-        ex = self.executors[node]
-        if ex.node.local:
+        """Whether `node` can take a stage: the launcher's own check (`launch.recovery.ready`: a
+        command over SSH within the connect time-out, and its overlay interface where there is one).
+        A node that fails it is gone for the rest of the run."""
+        from vpscluster.launch.recovery import ready
+
+        if self.executors[node].node.local:
             return True
         if node in self.gone:
             return False
-        t = self.cluster.connect_timeout_s + 5.0
-        try:
-            ok = (await asyncio.wait_for(ex.run("true", timeout_s=t), t + 5.0)).ok
-        except Exception:  # an SSH failure or a time-out: the node does not answer
-            ok = False
+        ok = node in await ready(self.cluster, [node])
         if not ok:
             self.gone.add(node)
         return ok
