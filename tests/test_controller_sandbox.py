@@ -192,7 +192,10 @@ def test_the_run_outlives_its_controller_node(tmp_path):
         print(f"resume on {other.name}: the command {t_resume:.1f} s; from the kill to the first step there "
               f"{first['t'] - killed_at:.1f} s (step {first['step']}, from the checkpoint of step {resumed[at]['step']})")
 
-        # A controller that does not answer: one line, naming it and the way on.
+        # A controller that does not answer: one line, naming it and the way on. Each command
+        # gives up after the cluster file's connect_timeout_s: 3 s here (the sandbox writes 10).
+        doc = yaml.safe_load(Path(info.cluster_file).read_text())
+        Path(info.cluster_file).write_text(yaml.safe_dump({**doc, "connect_timeout_s": 3}, sort_keys=False))
         faults.inject(info.name, other.name, "link-down", seconds=40)
         t0 = time.monotonic()
         lost = run_cli("attach", str(run), timeout=120)

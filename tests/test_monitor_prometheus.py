@@ -55,7 +55,9 @@ def test_monitor_up_scrapes_node_and_ranks_then_down(tmp_path, monkeypatch):
         assert (tmp_path / "monitor" / "prometheus.yml").exists()
 
         # A run publishes its ranks; Prometheus picks them up without a restart.
-        cfg = TrainConfig(nodes=2, max_steps=100000, time_budget_s=30, eval_every=100000, checkpoint_every=100000,
+        # The checks below need the run alive: they were done ~1 s after Prometheus first scraped
+        # both ranks (~2 s into the training) here; the rest of the budget is waited out after them.
+        cfg = TrainConfig(nodes=2, max_steps=100000, time_budget_s=15, eval_every=100000, checkpoint_every=100000,
                           threads_per_rank=1, run_dir=str(tmp_path / "runs" / "mon-run"))
         done: dict = {}
         # As the CLI does: monitoring subscribes to the launch's events (the launcher imports no monitoring).
