@@ -60,6 +60,8 @@ def test_detach_to_the_head_outlives_the_local_side(tmp_path):
         shipped = yaml.safe_load((support / "cluster.yaml").read_text())
         assert {n["identity_file"] for n in shipped["nodes"]} == {str(support / "id_ed25519")}
         assert shipped["known_hosts"] == str(support / "known_hosts")
+        # and the probe this side just took, beside that file: the head's launcher takes no second one
+        assert json.loads((support / ".vpscluster" / "cluster.probe.json").read_text())["nodes"]
 
         # The local side goes: a follower SIGKILLed while the run trains (the starter already returned).
         follower = subprocess.Popen([sys.executable, "-m", "vpscluster", "attach", str(run)], stdout=subprocess.PIPE,
@@ -76,6 +78,7 @@ def test_detach_to_the_head_outlives_the_local_side(tmp_path):
         done = run_cli("attach", str(run), timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"step {steps}: validation loss" in done.stdout and "exit status 0" in done.stderr, done.stdout[-2000:]
+        assert "running a quick one" not in Path(state["remote_log"]).read_text()
         assert time.monotonic() - t0 < 90
 
         r = run_cli("report", str(run), timeout=120)

@@ -218,7 +218,13 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
             (t / "known_hosts").write_text(hosts)
             (t / "cluster.yaml").write_text(yaml.safe_dump(node_cluster_doc(cluster, support, silent), sort_keys=False))
             rundir.write_config(cfg, t)
-            for name, src in (("id_ed25519", key), ("known_hosts", t / "known_hosts"), ("cluster.yaml", t / "cluster.yaml")):
+            shipped = [("id_ed25519", key), ("known_hosts", t / "known_hosts"), ("cluster.yaml", t / "cluster.yaml")]
+            probe = _fresh_probe(cluster)
+            if probe is not None:  # the probe just taken or saved here: NODE's pre-flight need not take another
+                (t / "cluster.probe.json").write_text(json.dumps(probe))
+                await ex.run(f"mkdir -p {shlex.quote(posixpath.join(support, '.vpscluster'))}", timeout_s=CONNECT_TIMEOUT_S)
+                shipped.append((posixpath.join(".vpscluster", "cluster.probe.json"), t / "cluster.probe.json"))
+            for name, src in shipped:
                 await ex.put(str(src), posixpath.join(support, name), timeout_s=CONNECT_TIMEOUT_S)
             await ex.put(str(t / rundir.CONFIG), posixpath.join(remote_run, rundir.CONFIG), timeout_s=CONNECT_TIMEOUT_S)
             history = Path(prepared.run_dir) / rundir.METRICS
@@ -241,6 +247,19 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
         except ValueError:
             raise RemoteError(f"controller node {node.name}: the launcher printed no JSON: {r.stdout[-300:]!r}") from None
         return {**where, "pid": started["pid"], "remote_log": started["log"], "host": node.host}
+
+
+def _fresh_probe(cluster) -> dict | None:
+    """The probe of `cluster` saved here and still fresh for a launch (what pre-flight would
+    reuse), to go beside the cluster file shipped to the controller node: the probe covers the
+    nodes (names, addresses, users, interpreters: `probe.store.fingerprint`), which the shipped
+    file keeps, so NODE finds it there (or its part, for a resume without silent nodes) instead of
+    spending a quick probe of its own on every start."""
+    from vpscluster.launch.preflight import PROBE_MAX_AGE_S
+    from vpscluster.probe.store import load_probe
+
+    probe = load_probe(cluster, PROBE_MAX_AGE_S)
+    return probe if probe and (probe.get("cluster") or {}).get("fingerprint") else None
 
 
 async def gather_history(prepared, executors) -> None:
