@@ -307,8 +307,14 @@ def test_run_goes_on_without_a_dead_node_from_the_session_checkpoint(sandbox3, t
     from sandbox_fixtures import ssh_run
 
     run_dir = tmp_path / "run"
+    # The module's cluster file with a 5 s SSH connect time-out (the file's own setting; 10 s by
+    # default): whether node-3, off the network, answers is looked at after the failure.
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(re.sub(r"(?m)^connect_timeout_s: .*$", "connect_timeout_s: 5",
+                                   Path(sandbox3.cluster_file).read_text()))
+    assert "connect_timeout_s: 5\n" in cluster_file.read_text()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vpscluster", "run", "--cluster", sandbox3.cluster_file, "--run-dir", str(run_dir),
+        [sys.executable, "-m", "vpscluster", "run", "--cluster", str(cluster_file), "--run-dir", str(run_dir),
          "--sync", str(REPO / "examples"), "--checkpoint-every", "10", "--collective-timeout", "5", "--json",
          "--", "python", "image_classifier.py", "--epochs", "2", "--samples", "9600"],
         stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +32,10 @@ from vpscluster.launch.logs import diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
+# One torch thread per rank: three ranks of two threads each on a 2-core machine spent ~3 s a
+# step in the first outer window after every launch (0.5 s later on).
 CONFIG = """\
+threads_per_rank: 1
 checkpoint_every: 5
 eval_every: 1000
 eval_batches: 2
@@ -66,11 +71,18 @@ def test_diloco_goes_on_without_a_dead_node_and_takes_it_back(tmp_path):
     factory = SandboxFactory()
     try:
         info = factory(nodes=3, bandwidth="1gbit", name=sandbox_name())
+        # The sandbox's cluster file with a 5 s SSH connect time-out (the file's own setting; 10 s
+        # by default): while node-3 is off the network, every look at whether it answers (after
+        # the failure, then each rejoin poll) waits that long.
+        cluster_file = tmp_path / "cluster.yaml"
+        cluster_file.write_text(re.sub(r"(?m)^connect_timeout_s: .*$", "connect_timeout_s: 5",
+                                       Path(info.cluster_file).read_text()))
+        assert "connect_timeout_s: 5\n" in cluster_file.read_text()
         config = tmp_path / "train.yaml"
         config.write_text(CONFIG)
         run_dir = tmp_path / "run"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--config", str(config),
+            [sys.executable, "-m", "vpscluster", "train", "--cluster", str(cluster_file), "--config", str(config),
              "--preset", "tiny", "--max-steps", str(MAX_STEPS), "--run-dir", str(run_dir), "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
