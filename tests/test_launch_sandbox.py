@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def test_diloco_keeps_the_egress_quota_written_in_the_cluster_file(sandbox3, cli
     from vpscluster.cluster.inventory import load_cluster
     from vpscluster.config import build
     from vpscluster.plan import auto
+    from vpscluster.probe.store import probe_path
     from vpscluster.train.config import TrainConfig
 
     # 40 steps of `tiny` on 3 ranks at H = 10: 4 syncs of 1.39 MB per rank in int8, 2.8 MB in
@@ -89,8 +91,14 @@ def test_diloco_keeps_the_egress_quota_written_in_the_cluster_file(sandbox3, cli
     doc = yaml.safe_load(Path(sandbox3.cluster_file).read_text())
     for node in doc["nodes"]:
         node["egress_quota"] = "8MB/month"
-    quota_file = tmp_path / "quota.yaml"
+    quota_file = tmp_path / "cluster.yaml"
     quota_file.write_text(yaml.safe_dump(doc))
+    # The same nodes: the probe an earlier run of this module saved beside the sandbox's cluster
+    # file (`.vpscluster/`) goes with the copy, so pre-flight does not probe them again (a quota
+    # is the cluster file's, not the probe's).
+    probe = probe_path(load_cluster(sandbox3.cluster_file))
+    if probe.exists():
+        shutil.copy(probe, probe_path(load_cluster(str(quota_file))))
     cfg = build(TrainConfig, {"preset": "tiny", "strategy": {"name": "diloco"}, "max_steps": 40,
                               "cluster": str(quota_file)})
     model, res, eff = auto.plan_inputs(cfg, load_cluster(sandbox3.cluster_file), None)

@@ -83,6 +83,14 @@ def sandbox():
         factory.close()
 
 
+@pytest.fixture(scope="module")
+def cluster_dir(tmp_path_factory):
+    """One folder for the module's cluster files (each test writes its own `cluster.yaml` there):
+    the quick probe pre-flight saves beside it (`.vpscluster/`) on the first run serves the next
+    run on the same nodes, as it serves a user's next run, instead of a fresh probe per test."""
+    return tmp_path_factory.mktemp("quorum-cluster")
+
+
 def cluster_file(sandbox, path, nodes: int, extra: list[dict] | None = None):
     """The sandbox's cluster file with its first `nodes` nodes (and `extra` entries), written at
     `path` in one step (an editor's save: a reader sees the old file or the new one)."""
@@ -145,13 +153,13 @@ def _wipe(workdir: str) -> None:
         shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.remove(entry.path)
 
 
-def test_an_added_node_joins_a_killed_one_costs_seconds_and_comes_back_wiped_and_healed(sandbox, tmp_path):
+def test_an_added_node_joins_a_killed_one_costs_seconds_and_comes_back_wiped_and_healed(sandbox, cluster_dir, tmp_path):
     from vpscluster.cluster.sandbox import faults
 
     config = tmp_path / "train.yaml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    cluster = cluster_file(sandbox, tmp_path / "cluster.yaml", 3)
+    cluster = cluster_file(sandbox, cluster_dir / "cluster.yaml", 3)
     proc, lines = _start_train(cluster, config, run_dir, MAX_STEPS)
     watch = StepWatch(run_dir / "logs" / "node-1.log")
     try:
@@ -282,7 +290,7 @@ def _lighthouse_pid(sandbox, faults) -> int | None:
     return None
 
 
-def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, tmp_path):
+def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, cluster_dir, tmp_path):
     """The lighthouse's failure story: the launcher sees it end, stops the run and relaunches
     from the last checkpoint with a new lighthouse (the documented fallback); the run finishes,
     and every outer sync of both launches agrees across the replicas (issue #34: a replica
@@ -293,7 +301,7 @@ def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, 
     config.write_text(CONFIG.replace("checkpoint_every: 100", "checkpoint_every: 10"))
     run_dir = tmp_path / "run"
     max_steps = 30
-    proc, lines = _start_train(cluster_file(sandbox, tmp_path / "cluster.yaml", 3), config, run_dir, max_steps)
+    proc, lines = _start_train(cluster_file(sandbox, cluster_dir / "cluster.yaml", 3), config, run_dir, max_steps)
     watch = StepWatch(run_dir / "logs" / "node-1.log")
     try:
         deadline = time.monotonic() + 150

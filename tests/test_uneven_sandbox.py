@@ -1,7 +1,8 @@
 """Uneven nodes on the sandbox: a node throttled mid-run (`sandbox set --cpu`) gets less work.
 
-Two nodes at 0.25 core train with `--micro-batches 8 --balance`; after a few steps node2's
-quota drops to 0.08 core through the CLI, live. Within a few rebalancing looks its share falls
+Two nodes at half a core train with `--micro-batches 8 --balance`; after a few steps node2's
+quota drops to 0.16 core through the CLI, live (a third of its share, as from 0.25 to 0.08: half a
+core starts torch and steps twice as fast). Within a few rebalancing looks its share falls
 and node1's rises; the report counts the rebalances and metrics.jsonl has the shares per step.
 The sandbox is named "[test prefix]ue-...".
 """
@@ -60,7 +61,7 @@ def _latest_step(run_dir: Path) -> int:
 def test_throttled_node_gets_fewer_micro_batches(make_sandbox, cli, tmp_path):
     # The test suite's sandbox prefix where there is one (teardown and `down --prefix` find it).
     name = f"{getattr(sandbox_fixtures, 'TEST_PREFIX', '')}ue-{secrets.token_hex(3)}"
-    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.25,0.25", name=name)
+    info = make_sandbox(nodes=2, bandwidth="1gbit", cpu="0.5,0.5", name=name)
     _full_weight(info.nodes[0].cgroup)
     run_dir = tmp_path / "run"
     throttle_after = 6
@@ -75,10 +76,10 @@ def test_throttled_node_gets_fewer_micro_batches(make_sandbox, cli, tmp_path):
         while proc.poll() is None and _latest_step(run_dir) < throttle_after and time.monotonic() < deadline:
             time.sleep(0.3)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
-        r = cli("sandbox", "set", "--name", info.name, "--node", info.nodes[1].name, "--cpu", "0.08", "--json")
+        r = cli("sandbox", "set", "--name", info.name, "--node", info.nodes[1].name, "--cpu", "0.16", "--json")
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["cpu"] == pytest.approx(0.08)
-        assert _quota(info.nodes[1].cgroup) == pytest.approx(0.08)  # live in the kernel's cgroup
+        assert json.loads(r.stdout)["cpu"] == pytest.approx(0.16)
+        assert _quota(info.nodes[1].cgroup) == pytest.approx(0.16)  # live in the kernel's cgroup
         throttled_at = _latest_step(run_dir)
         out, err = proc.communicate(timeout=400)
     finally:

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from sandbox_fixtures import SandboxFactory
+from vpscluster.cluster.inventory import load_cluster
 from vpscluster.plan.balance import choose_split
+from vpscluster.probe.store import load_probe
 from vpscluster.train.shares import split
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -70,9 +72,11 @@ def test_starting_shares_follow_the_probe(uneven2, cli, tmp_path):
     assert "--speeds gives 3 figures but this run has 2 ranks" in bad.stderr.strip().splitlines()[-1], bad.stderr
     assert not (tmp_path / "bad").exists()
 
-    r = cli("probe", "--cluster", info.cluster_file, "--quick", "--json", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    flops = {n["name"]: n["flops"] for n in json.loads(r.stdout)["nodes"]}
+    # The quick probe the first run's pre-flight took is saved beside the cluster file, as
+    # `vpscluster probe --quick` saves its own: the run below starts from it.
+    probe = load_probe(load_cluster(info.cluster_file))
+    assert probe is not None and probe["quick"] and probe["cluster"]["nodes"] == [fast, slow], probe
+    flops = {n["name"]: n["flops"] for n in probe["nodes"]}
     assert flops[info.nodes[0].name] > 1.5 * flops[info.nodes[1].name]  # the quotas are felt
 
     r = cli(*train, "--balance", "--run-dir", str(tmp_path / "run"), "--json", timeout=400)
