@@ -18,7 +18,7 @@ from typing import Callable
 
 from vpscluster.probe.collectives import SweepSettings, run_sweep
 from vpscluster.probe.facts import FactsSettings, gather_facts
-from vpscluster.probe.links import LinkSettings, measure_links, step_count
+from vpscluster.probe.links import LinkSettings, measure_links
 from vpscluster.probe.problems import Thresholds, blocking_problems, find_problems  # noqa: F401 (re-exported)
 
 # progress(task, completed, total): task is "nodes", "links" or "collectives".
@@ -41,7 +41,7 @@ class ProbeSettings:
         t = thresholds or Thresholds()
         if quick:
             s = cls(FactsSettings(compute_seconds=0.3, disk_bytes=16 << 20, disk_budget_s=1.0),
-                    LinkSettings(duration_s=1.0, warmup_s=0.3, streams=streams, rtt_samples=10, duplex=True), None, t)
+                    LinkSettings(duration_s=1.0, warmup_s=0.3, streams=streams, rtt_samples=10), None, t)
         else:
             s = cls(FactsSettings(), LinkSettings(streams=streams), SweepSettings(), t)
         if sweep is True and s.sweep is None:
@@ -89,7 +89,7 @@ async def run_probe_async(cluster, settings: ProbeSettings, quick: bool = False,
     facts = {r["name"]: r for r in records}
     up = [n for n in nodes if facts[n.name]["reachable"]]
 
-    steps = step_count(len(up), settings.links.duplex)
+    steps = 2 * (len(up) - 1 + len(up) % 2) if len(up) > 1 else 0
     if steps:
         report("links", 0, steps)
     links = await measure_links(up, executors, settings.links, lambda i, total: report("links", i, total))

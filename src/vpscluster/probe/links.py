@@ -6,13 +6,6 @@ node resting per round) pairs every node with a different partner. Every round i
 two steps, a->b for all its pairs at once and then b->a, so no node is in two tests at a time and
 the whole matrix costs 2(N-1) test durations, linear in N.
 
-A quick probe (`LinkSettings.duplex`) uses the shorter `shifts` schedule instead: step k has
-every node i send to node i+k (mod N) at once, so each node sends one stream and receives one
-(its link's two directions, which a full-duplex link carries independently), and the matrix
-costs N-1 test durations: 2 instead of 6 for three nodes. Round-trip times are measured in a
-pass of their own before any bulk transfer starts (a ping queued behind another test's stream
-would read that queue, not the link).
-
 Each node runs `nodeside/links.py server`; each test runs `nodeside/links.py client` on the sender
 against the receiver's server (see that script for what is measured and how).
 """
@@ -20,7 +13,7 @@ against the receiver's server (see that script for what is measured and how).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from vpscluster import nodeside
@@ -43,24 +36,6 @@ def round_robin(names: Sequence[str]) -> list[list[tuple[str, str]]]:
     return steps
 
 
-def shifts(names: Sequence[str]) -> list[list[tuple[str, str]]]:
-    """N-1 steps covering every ordered pair once; in each, every node sends once and receives once."""
-    names = list(names)
-    n = len(names)
-    return [[(names[i], names[(i + k) % n]) for i in range(n)] for k in range(1, n)] if n > 1 else []
-
-
-def schedule(names: Sequence[str], duplex: bool) -> list[list[tuple[str, str]]]:
-    return shifts(names) if duplex else round_robin(names)
-
-
-def step_count(n: int, duplex: bool) -> int:
-    """How many steps `measure_links` reports for `n` nodes (the duplex pass counts its RTT steps)."""
-    if n < 2:
-        return 0
-    return 2 * (n - 1) if duplex else 2 * (n - 1 + n % 2)
-
-
 @dataclass(frozen=True)
 class LinkSettings:
     duration_s: float = 2.0
@@ -69,7 +44,6 @@ class LinkSettings:
     rtt_samples: int = 20
     server_start_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    duplex: bool = False  # the `shifts` schedule: N-1 bandwidth steps, RTTs in a pass of their own
 
 
 class _Server:
@@ -95,11 +69,7 @@ async def measure_links(
     by_name = {n.name: n for n in nodes}
     servers = {n.name: _Server() for n in nodes}
     handles = {}
-    steps = schedule([n.name for n in nodes], settings.duplex)
-    # Duplex: a first pass of RTT-only tests (no bulk stream anywhere), then the bandwidth-only ones.
-    passes = [(replace(settings, duration_s=0.0), steps), (replace(settings, rtt_samples=0), steps)] \
-        if settings.duplex else [(settings, steps)]
-    total = sum(len(p[1]) for p in passes)
+    steps = round_robin([n.name for n in nodes])
     # Idle long enough to outlive the slowest step, short enough to never linger.
     idle_s = max(60.0, 3 * (settings.duration_s + settings.warmup_s + 20))
     try:
@@ -114,31 +84,15 @@ async def measure_links(
             except Exception as e:  # the node went away since its facts: its links report it
                 servers[n.name].lines.append(f"{type(e).__name__}: {e}")
         await asyncio.gather(*(_wait_ready(s, settings.server_start_timeout_s) for s in servers.values()))
-        records: dict[tuple[str, str], dict] = {}
-        done = 0
-        for s, pass_steps in passes:
-            for step in pass_steps:
-                got = await asyncio.gather(*(
-                    _measure_pair(by_name[a], by_name[b], servers[b], executors[a], s) for a, b in step))
-                for r in got:
-                    _merge(records.setdefault((r["src"], r["dst"]), r), r)
-                done += 1
-                if on_step:
-                    on_step(done, total)
-        return list(records.values())
+        links: list[dict] = []
+        for i, step in enumerate(steps):
+            links += await asyncio.gather(*(
+                _measure_pair(by_name[a], by_name[b], servers[b], executors[a], settings) for a, b in step))
+            if on_step:
+                on_step(i + 1, len(steps))
+        return links
     finally:
         await asyncio.gather(*(h.stop(grace_s=2.0) for h in handles.values()), return_exceptions=True)
-
-
-def _merge(into: dict, r: dict) -> None:
-    """One pair's record from its passes: measured values kept, the first error kept."""
-    if into is r:
-        return
-    for k, v in r.items():
-        if k == "error":
-            into.setdefault("error", v)
-        elif v is not None or k not in into:
-            into[k] = v
 
 
 def _address(host: str) -> str:
