@@ -344,3 +344,17 @@ def test_calibration_runs_on_a_node_without_vpscluster(tmp_path):
     model = ModelSpec("tiny", ModelShape(d_model=32, n_layer=1, n_head=2, seq_len=16, batch_size=2))
     value = calibrate_on_node(cluster, model, threads=1, matmul_threads=1, timeout_s=300)
     assert 0 < value < 10
+
+
+def test_torchrun_rendezvous_polls_its_store_faster_keeping_the_random_skew():
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
+
+    from vpscluster.nodeside import torchrun
+
+    assert callable(dynamic._delay)  # the torch installed has the pause the wrapper shortens
+    calls = []
+    delay = torchrun.shorter_sync(calls.append)
+    delay(1)
+    delay((0, 0.3))
+    delay(0.05)
+    assert calls == [torchrun.SYNC_POLL_S, (0, 0.3), 0.05]

@@ -116,3 +116,21 @@ def test_the_server_binds_the_address_given_and_falls_back_where_it_is_not_its_o
         finally:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_warmup_outlasts_slow_start_on_a_long_round_trip():
+    # A LAN keeps the asked warm-up; a 50 ms WAN link gets 12 round trips of slow start; capped.
+    assert links.warmup_for(0.2, 0.08) == 0.2
+    assert links.warmup_for(0.2, None) == 0.2
+    assert links.warmup_for(0.2, 50.0) == pytest.approx(0.6)
+    assert links.warmup_for(0.5, 50.0) == pytest.approx(0.6)
+    assert links.warmup_for(0.2, 2000.0) == links.MAX_WARMUP_S
+
+
+def test_client_reports_the_warmup_it_used(server):
+    _, port = server
+    out = subprocess.run(nodeside.command(sys.executable, "links", "client", "--peer", f"127.0.0.1:{port}",
+                                          "--duration-s", "0.2", "--warmup-s", "0.1", "--rtt-samples", "5"),
+                         capture_output=True, text=True, timeout=30)
+    doc = parse_json_output(out.stdout)
+    assert doc["warmup_s"] == links.warmup_for(0.1, doc["rtt_ms_min"]) and doc["bandwidth_mbit"] > 0

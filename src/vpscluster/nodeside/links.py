@@ -3,8 +3,10 @@
 Sent to each node as source (standard library only; see `vpscluster.nodeside`). Like iperf3, bandwidth is what the
 *receiver* counts: the server counts the bytes that arrive on each stream during a fixed window
 that opens `warmup_s` after the first byte (so TCP slow start and a shaper's initial burst are
-left out), then reports the count back on the same connection. Round-trip time is a ping-pong of
-one byte on a TCP_NODELAY connection; each reply carries the server's wall clock, which gives
+left out), then reports the count back on the same connection. The warm-up lasts at least
+`SLOW_START_RTTS` round trips of the link (measured first): slow start doubles the window each
+round trip, so a warm-up that is plenty on a LAN is stretched on a WAN link, never counting its
+ramp-up. Round-trip time is a ping-pong of one byte on a TCP_NODELAY connection; each reply carries the server's wall clock, which gives
 the NTP-style clock offset (server time minus the midpoint of the client's send and receive).
 
     server --bind ADDR [--port P] [--idle-timeout-s S]   prints "LISTENING <port>", serves
@@ -23,6 +25,15 @@ import threading
 import time
 
 CHUNK = 256 * 1024
+SLOW_START_RTTS = 12  # 2**12 initial windows (~60 MB): past any link's bandwidth-delay product
+MAX_WARMUP_S = 3.0
+
+
+def warmup_for(warmup_s, rtt_ms_min):
+    """The warm-up to use: `warmup_s`, or longer where the link's round trip needs it."""
+    if rtt_ms_min is None:
+        return warmup_s
+    return max(warmup_s, min(MAX_WARMUP_S, SLOW_START_RTTS * rtt_ms_min / 1000.0))
 
 
 def _recv_line(sock, limit=4096):
@@ -243,7 +254,8 @@ def main(argv):
         if args.rtt_samples > 0:
             out.update(measure_rtt(host, int(port), args.rtt_samples, args.timeout_s))
         if args.duration_s > 0:
-            out.update(measure_bandwidth(host, int(port), args.streams, args.warmup_s, args.duration_s, args.timeout_s))
+            out["warmup_s"] = warmup_for(args.warmup_s, out.get("rtt_ms_min"))
+            out.update(measure_bandwidth(host, int(port), args.streams, out["warmup_s"], args.duration_s, args.timeout_s))
     except OSError as e:
         out["error"] = f"{host}:{port}: {e.strerror or e}"
     print(json.dumps(out), flush=True)

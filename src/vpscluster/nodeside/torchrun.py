@@ -8,12 +8,20 @@ rendezvous endpoint on the head, the node's --local-addr for the shared store. W
 is not the node's own (a provider's 1:1 NAT), torch does as it always did (the firewall then
 closes the port); a host name is left to torch too (the launcher always gives addresses).
 
+And the c10d rendezvous polls its store every `SYNC_POLL_S` instead of every second: a node that
+joined waits for the last one by re-reading the rendezvous state after a fixed 1 s pause
+(`dynamic_rendezvous._delay(seconds=1)`), so every launch lost up to a second (half on average)
+before its workers started, and again on every restart; a small store read five times a second
+is nothing for the head.
+
     torchrun.py ARGS...     exactly torchrun's arguments
 """
 
 import ipaddress
 import socket
 import sys
+
+SYNC_POLL_S = 0.2
 
 
 def bound_store(base):
@@ -42,11 +50,26 @@ def bound_store(base):
     return BoundTCPStore
 
 
+def shorter_sync(delay):
+    """torch's rendezvous `_delay`, with its fixed pauses (the 1 s polls) capped at SYNC_POLL_S;
+    random pauses (a tuple of bounds: the first join's skew) are left as they are."""
+
+    def _delay(seconds):
+        if not isinstance(seconds, tuple):
+            seconds = min(seconds, SYNC_POLL_S)
+        return delay(seconds)
+
+    return _delay
+
+
 def main(argv):
     import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
 
     dist.TCPStore = c10d_backend.TCPStore = bound_store(dist.TCPStore)
+    if callable(getattr(dynamic, "_delay", None)):  # a private name: a torch without it is left as it is
+        dynamic._delay = shorter_sync(dynamic._delay)
     from torch.distributed.run import main as torchrun
 
     sys.argv = ["torchrun", *argv]

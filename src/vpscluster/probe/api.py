@@ -41,7 +41,7 @@ class ProbeSettings:
         t = thresholds or Thresholds()
         if quick:
             s = cls(FactsSettings(compute_seconds=0.3, disk_bytes=16 << 20, disk_budget_s=1.0),
-                    LinkSettings(duration_s=1.0, warmup_s=0.3, streams=streams, rtt_samples=10), None, t)
+                    LinkSettings(duration_s=0.5, warmup_s=0.2, streams=streams, rtt_samples=10), None, t)
         else:
             s = cls(FactsSettings(), LinkSettings(streams=streams), SweepSettings(), t)
         if sweep is True and s.sweep is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from vpscluster import nodeside
+from vpscluster.nodeside.links import MAX_WARMUP_S
 
 
 def round_robin(names: Sequence[str]) -> list[list[tuple[str, str]]]:
@@ -71,7 +72,7 @@ async def measure_links(
     handles = {}
     steps = round_robin([n.name for n in nodes])
     # Idle long enough to outlive the slowest step, short enough to never linger.
-    idle_s = max(60.0, 3 * (settings.duration_s + settings.warmup_s + 20))
+    idle_s = max(60.0, 3 * (settings.duration_s + max(settings.warmup_s, MAX_WARMUP_S) + 20))
     try:
         for n in nodes:
             # The address its peers connect to, not every interface (the server is unauthenticated);
@@ -122,7 +123,7 @@ async def _measure_pair(src, dst, server: _Server, ex, s: LinkSettings) -> dict:
                          "--rtt-samples", str(s.rtt_samples), "--duration-s", str(s.duration_s),
                          "--warmup-s", str(s.warmup_s), "--streams", str(s.streams),
                          "--timeout-s", str(s.connect_timeout_s))
-    timeout_s = s.duration_s + s.warmup_s + 2 * s.connect_timeout_s + 30
+    timeout_s = s.duration_s + max(s.warmup_s, MAX_WARMUP_S) + 2 * s.connect_timeout_s + 30
     result = await ex.run(cmd, timeout_s=timeout_s)
     data = nodeside.parse_json_output(result.stdout) if result.stdout else None
     if data is None:
