@@ -88,7 +88,7 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, awaiting its parent
-    except (FileNotFoundError, IndexError):
+    except (OSError, IndexError):  # gone: before the open (ENOENT) or between open and read (ESRCH)
         return False
 
 

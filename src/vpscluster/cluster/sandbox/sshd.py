@@ -142,7 +142,7 @@ def alive(pid: int | None) -> bool:
     """Whether `pid` is a running sshd (a killed one may linger as a zombie until reaped)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text() if pid else ""
-    except FileNotFoundError:
+    except OSError:  # gone: before the open (ENOENT) or between open and read (ESRCH)
         return False
     comm, _, rest = stat.partition("(")[2].rpartition(")")
     return comm == "sshd" and rest.split()[:1] != ["Z"]
