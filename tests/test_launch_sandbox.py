@@ -56,7 +56,8 @@ def test_train_cluster_completes_and_learns(sandbox3, cli, tmp_path):
     with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
         corpus.write_text(f.read(400_000))
     run_dir = tmp_path / "run"
-    r = cli("train", "--cluster", sandbox3.cluster_file, "--max-steps", "16", "--eval-every", "8",
+    # One thread per rank: the sandbox's three nodes share this machine's 2 cores (real nodes have their own).
+    r = cli("train", "--cluster", sandbox3.cluster_file, "--max-steps", "16", "--eval-every", "8", "--threads-per-rank", "1",
             "--data", str(corpus), "--run-dir", str(run_dir), "--json", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
@@ -105,7 +106,7 @@ def test_diloco_keeps_the_egress_quota_written_in_the_cluster_file(sandbox3, cli
     free = auto.plan_diloco(cfg, model, res, eff.value, given=set())
     assert free.sync_every == 10 and free.wire_dtype in ("fp32", "bf16")  # without the quota
     r = cli("train", "--cluster", str(quota_file), "--preset", "tiny", "--strategy", "diloco", "--max-steps", "40",
-            "--eval-every", "20", "--run-dir", str(tmp_path / "run"), "--json", timeout=400)
+            "--eval-every", "20", "--threads-per-rank", "1", "--run-dir", str(tmp_path / "run"), "--json", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     d = report["strategy_details"]
