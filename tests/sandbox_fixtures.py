@@ -94,6 +94,18 @@ def sandbox3():
         factory.close()
 
 
+def cluster_file_with(info, path, **settings) -> Path:
+    """A copy of the sandbox's cluster file at `path` (the file itself when `path` is it) with
+    top-level `settings` changed, e.g. `connect_timeout_s=5`: a test's shorter waits, set through
+    the file's own keys."""
+    import yaml
+
+    doc = yaml.safe_load(Path(info.cluster_file).read_text())
+    path = Path(path)
+    path.write_text(yaml.safe_dump({**doc, **settings}, sort_keys=False))
+    return path
+
+
 def ssh_run(info, node: str, command: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
     """Run `command` on sandbox node `node` through ssh, as a real remote command."""
     from vpscluster.cluster.sandbox import ssh_command

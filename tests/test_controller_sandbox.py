@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import pid_alive, processes_mentioning, run_cli
-from sandbox_fixtures import SandboxFactory, node_run_dir
+from sandbox_fixtures import SandboxFactory, cluster_file_with, node_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,8 +197,7 @@ def test_the_run_outlives_its_controller_node(tmp_path):
 
         # A controller that does not answer: one line, naming it and the way on. Each command
         # gives up after the cluster file's connect_timeout_s: 3 s here (the sandbox writes 10).
-        doc = yaml.safe_load(Path(info.cluster_file).read_text())
-        Path(info.cluster_file).write_text(yaml.safe_dump({**doc, "connect_timeout_s": 3}, sort_keys=False))
+        cluster_file_with(info, info.cluster_file, connect_timeout_s=3)
         faults.inject(info.name, other.name, "link-down", seconds=40)
         t0 = time.monotonic()
         lost = run_cli("attach", str(run), timeout=120)

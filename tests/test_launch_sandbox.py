@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sandbox_fixtures import node_run_dir
+from sandbox_fixtures import cluster_file_with, node_run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -318,9 +318,7 @@ def test_run_goes_on_without_a_dead_node_from_the_session_checkpoint(sandbox3, t
     run_dir = tmp_path / "run"
     # The module's cluster file with a 5 s SSH connect time-out (the file's own setting; 10 s by
     # default): whether node-3, off the network, answers is looked at after the failure.
-    cluster_file = tmp_path / "cluster.yaml"
-    cluster_file.write_text(re.sub(r"(?m)^connect_timeout_s: .*$", "connect_timeout_s: 5",
-                                   Path(sandbox3.cluster_file).read_text()))
+    cluster_file = cluster_file_with(sandbox3, tmp_path / "cluster.yaml", connect_timeout_s=5)
     assert "connect_timeout_s: 5\n" in cluster_file.read_text()
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "run", "--cluster", str(cluster_file), "--run-dir", str(run_dir),

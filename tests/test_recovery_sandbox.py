@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from fault_helpers import sandbox_name
-from sandbox_fixtures import SandboxFactory, cmdline
+from sandbox_fixtures import SandboxFactory, cluster_file_with, cmdline
 from vpscluster.launch.logs import diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -74,9 +72,7 @@ def test_diloco_goes_on_without_a_dead_node_and_takes_it_back(tmp_path):
         # The sandbox's cluster file with a 5 s SSH connect time-out (the file's own setting; 10 s
         # by default): while node-3 is off the network, every look at whether it answers (after
         # the failure, then each rejoin poll) waits that long.
-        cluster_file = tmp_path / "cluster.yaml"
-        cluster_file.write_text(re.sub(r"(?m)^connect_timeout_s: .*$", "connect_timeout_s: 5",
-                                       Path(info.cluster_file).read_text()))
+        cluster_file = cluster_file_with(info, tmp_path / "cluster.yaml", connect_timeout_s=5)
         assert "connect_timeout_s: 5\n" in cluster_file.read_text()
         config = tmp_path / "train.yaml"
         config.write_text(CONFIG)

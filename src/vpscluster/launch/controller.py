@@ -196,7 +196,8 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
         remote_run = posixpath.join(workdir, "controller-runs", run_name)
         pkg = await sync_dir(ex, package_dir(), posixpath.join(workdir, PACKAGE_ON_NODE), timeout_s=SYNC_TIMEOUT_S, say=say)
         pythonpath = posixpath.dirname(pkg.remote_path.rstrip("/"))
-        r = await ex.run(f"mkdir -p {shlex.quote(support)}/data {shlex.quote(remote_run)}/logs {shlex.quote(remote_run)}/checkpoints"
+        r = await ex.run(f"mkdir -p {shlex.quote(support)}/data {shlex.quote(support)}/.vpscluster"
+                         f" {shlex.quote(remote_run)}/logs {shlex.quote(remote_run)}/checkpoints"
                          f" && chmod 700 {shlex.quote(support)}", timeout_s=CONNECT_TIMEOUT_S)
         if not r.ok:
             raise RemoteError(f"controller node {node.name}: cannot make {support}: {r.reason()}")
@@ -222,7 +223,6 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
             probe = _fresh_probe(cluster)
             if probe is not None:  # the probe just taken or saved here: NODE's pre-flight need not take another
                 (t / "cluster.probe.json").write_text(json.dumps(probe))
-                await ex.run(f"mkdir -p {shlex.quote(posixpath.join(support, '.vpscluster'))}", timeout_s=CONNECT_TIMEOUT_S)
                 shipped.append((posixpath.join(".vpscluster", "cluster.probe.json"), t / "cluster.probe.json"))
             for name, src in shipped:
                 await ex.put(str(src), posixpath.join(support, name), timeout_s=CONNECT_TIMEOUT_S)
@@ -258,8 +258,7 @@ def _fresh_probe(cluster) -> dict | None:
     from vpscluster.launch.preflight import PROBE_MAX_AGE_S
     from vpscluster.probe.store import load_probe
 
-    probe = load_probe(cluster, PROBE_MAX_AGE_S)
-    return probe if probe and (probe.get("cluster") or {}).get("fingerprint") else None
+    return load_probe(cluster, PROBE_MAX_AGE_S)
 
 
 async def gather_history(prepared, executors) -> None:
