@@ -116,15 +116,16 @@ def test_run_detached_to_the_head_outlives_the_local_side(head2, tmp_path):
     absolute path, and a likely secret beside it): the folder goes to the head less the secret,
     the head runs `vpscluster run` from that copy; the local side is SIGKILLed while the run
     waits (the script holds its ranks until a file appears); `attach`, `logs`, `report` and
-    `stop` reach it on the head, and report.json comes back readable here."""
+    `stop` reach it on the head, and report.json comes back readable here. `run --resume RUN
+    --detach --controller node-2` then continues it there from the nodes' newest checkpoint."""
     info, head, steps = head2, head2.nodes[0], 6
     t0 = time.monotonic()
     proj, go, run = tmp_path / "proj", tmp_path / "go", tmp_path / "run"
     proj.mkdir()
     shutil.copy(REPO / "tests" / "scripts" / "session_steps.py", proj / "steps.py")
     (proj / "id_ed25519").write_text("a key of the user's: never shipped")
-    r = run_cli("run", "--cluster", info.cluster_file, "--sync", str(proj), "--nproc-per-node", "1", "--detach",
-                "--controller", "head", "--run-dir", str(run), "--json",
+    r = run_cli("run", "--cluster", info.cluster_file, "--sync", str(proj), "--nproc-per-node", "1", "--checkpoint-every", "3",
+                "--detach", "--controller", "head", "--run-dir", str(run), "--json",
                 "--", "python", str(proj / "steps.py"), "--steps", str(steps), "--wait-for", str(go),
                 timeout=120, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -140,7 +141,7 @@ def test_run_detached_to_the_head_outlives_the_local_side(head2, tmp_path):
     assert not (shipped / "id_ed25519").exists()
     there = json.loads((Path(state["remote_run_dir"]) / "launcher.json").read_text())["argv"]
     at = there.index("--")
-    assert there[:at] == ["run", "--nproc-per-node", "1", "--cluster", str(support / "cluster.yaml"), "--sync", str(shipped),
+    assert there[:at] == ["run", "--nproc-per-node", "1", "--checkpoint-every", "3", "--cluster", str(support / "cluster.yaml"), "--sync", str(shipped),
                           "--run-dir", state["remote_run_dir"], "--detached-child"], there
     assert there[at + 1:] == ["python", "steps.py", "--steps", str(steps), "--wait-for", str(go)]
 
@@ -168,8 +169,25 @@ def test_run_detached_to_the_head_outlives_the_local_side(head2, tmp_path):
     assert tail.returncode == 0 and f"session_steps done: {steps} steps" in tail.stdout, tail.stdout[-2000:]
     halt = run_cli("stop", str(run), timeout=60)
     assert halt.returncode == 2 and f"its launcher on {head.name} is gone" in halt.stderr, halt.stderr
+    assert f"vpscluster run --resume {run} --detach --controller {head.name} --cluster " in halt.stderr, halt.stderr
     assert not pid_alive(pid)
-    print(f"run --detach --controller head: {time.monotonic() - t0:.1f} s")
+    first = time.monotonic() - t0
+
+    # Continued on the other node: from the nodes' checkpoint of step 6, up to 8 steps in all.
+    other = info.nodes[1]
+    again = run_cli("run", "--resume", str(run), "--cluster", info.cluster_file, "--sync", str(proj), "--nproc-per-node", "1",
+                    "--detach", "--controller", other.name, "--", "python", "steps.py", "--steps", str(steps + 2),
+                    timeout=120, cwd=str(tmp_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    moved = json.loads((run / "launcher.json").read_text())
+    assert moved["controller"] == other.name and moved["previous_controllers"][0]["controller"] == head.name
+    assert run_cli("attach", str(run), timeout=120).returncode == 0
+    assert run_cli("report", str(run), timeout=60).returncode == 0
+    report = json.loads((run / "report.json").read_text())
+    assert report["steps"] == steps + 2 and report["resumed_from_step"] == steps, report
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 3))  # the history from the head, then node-2's steps
+    print(f"run --detach --controller head: {first:.1f} s; resumed on {other.name}: {time.monotonic() - t0 - first:.1f} s")
 
 def test_unreachable_controller_is_one_line(tmp_path):
     """The controller node refuses SSH: one line naming it, and no run dir left behind."""

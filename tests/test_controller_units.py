@@ -233,3 +233,24 @@ def test_run_on_a_controller_refuses_mistakes_in_one_line_before_anything_starts
     local = run_cli("run", "--nodes", "2", "--detach", "--controller", "head", "--run-dir", str(run), "--", "python", "t.py",
                     timeout=120, cwd=str(tmp_path / "proj"))
     assert local.returncode == 2 and "--controller needs a cluster file" in local.stderr and not run.exists(), local.stderr
+
+
+def test_a_run_is_continued_with_run_resume_and_its_command(tmp_path):
+    """How to go on once a controller's launcher is gone: `train --resume`, or for a `run` its own
+    `run --resume` with the cluster file and the command it ran; check_free says the same."""
+    from vpscluster import fsutil
+    from vpscluster.cli.detach import run_argv_for_controller
+    from vpscluster.launch import detached
+
+    state = {"controller": "n1", "command": "run", "cluster": "/c/c.yaml",
+             "argv": ["run", "--cluster", "c.yaml", "--detach", "--controller", "n1", "--", "python", "my train.py", "-x"]}
+    assert controller.continue_command(state, "runs/r", "n2") == \
+        "vpscluster run --resume runs/r --detach --controller n2 --cluster /c/c.yaml -- python 'my train.py' -x"
+    assert controller.continue_command({"controller": "n1"}, "runs/r") == "vpscluster train --resume runs/r --detach --controller NODE"
+    fsutil.write_json(tmp_path / detached.STATE, state)
+    with pytest.raises(UserError, match=r"vpscluster run --resume .* --detach --controller NODE --cluster /c/c.yaml -- python"):
+        detached.check_free(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    typed = ["run", "--resume", "runs/r", "--cluster", "c.yaml", "--detach", "--controller", "n2", "--", "python", "t.py"]
+    argv = run_argv_for_controller(_run_parser(), typed, typed[-3:], str(tmp_path), resume=True)("/c", "/d", "/w/r")
+    assert argv == ["run", "--cluster", "/c", "--sync", "/d", "--resume", "/w/r", "--detach", "--json", "--", "python", "t.py"]

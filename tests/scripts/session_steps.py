@@ -3,6 +3,9 @@ one thread per rank, for tests of `vpscluster run` on a cluster.
 
     python session_steps.py [--steps 8] [--wait-for PATH]   # waits (at most 120 s) for PATH first
 
+Under `vpscluster run --resume` it continues from the newest checkpoint (`--checkpoint-every N`)
+up to `--steps` in all.
+
 `--wait-for` holds every rank after the group formed until the file appears, so a test can act
 on a run that is certainly still going (the sandbox's nodes see this machine's files).
 """
@@ -27,13 +30,14 @@ def main() -> None:
     torch.manual_seed(0)
     model = s.setup(nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    s.resume(optimizer)
     if args.wait_for:
         deadline = time.monotonic() + 120
         while not os.path.exists(args.wait_for) and time.monotonic() < deadline:
             time.sleep(0.2)
     g = torch.Generator().manual_seed(s.rank)
     w = torch.arange(8.0) / 8
-    for _ in range(args.steps):
+    while s.steps < args.steps:
         x = torch.randn(16, 8, generator=g)
         loss = ((model(x).squeeze(1) - x @ w) ** 2).mean()
         loss.backward()

@@ -100,7 +100,7 @@ def _started(args: argparse.Namespace, run_dir: Path, state: dict, out) -> int:
 
 # `run`'s options that the controller node gets its own value of (or none): the cluster file, the
 # folder and the run dir as shipped there, and the words of this detaching command itself.
-RUN_OPTIONS_REPLACED = ("cluster", "sync", "run_dir", "detach", "controller", "json", "detached_child",
+RUN_OPTIONS_REPLACED = ("cluster", "sync", "run_dir", "resume", "detach", "controller", "json", "detached_child",
                         "accept_new_host_keys", "dry_run")
 
 
@@ -158,11 +158,13 @@ def program_for_controller(program: list[str], root: str) -> list[str]:
     return words[:at] + [os.path.relpath(target, real_root)] + words[at + 1:]
 
 
-def run_argv_for_controller(parser: argparse.ArgumentParser, argv: list[str], program: list[str], root: str):
+def run_argv_for_controller(parser: argparse.ArgumentParser, argv: list[str], program: list[str], root: str,
+                            resume: bool = False):
     """`run ... --detach --controller NODE -- PROGRAM` as typed (`argv`, the subcommand's name
     first; `program`: its trailing words) -> a function of (the cluster file, the shipped folder,
     the run dir, as on NODE) giving the `run` command NODE starts: the same options, with
-    RUN_OPTIONS_REPLACED given NODE's values, detached there, printing JSON."""
+    RUN_OPTIONS_REPLACED given NODE's values, detached there, printing JSON; `resume`: that run
+    dir continued (`--resume`), not a new one (`--run-dir`)."""
     if argv[:1] != ["run"]:
         raise ValueError(f"not a `run` command line: {argv[:1]}")
     at = len(argv) - len(program)
@@ -170,7 +172,7 @@ def run_argv_for_controller(parser: argparse.ArgumentParser, argv: list[str], pr
     words = program_for_controller(program, root)
 
     def argv_on(cluster_file: str, shipped: str, run_dir: str) -> list[str]:
-        return ["run", *kept, "--cluster", cluster_file, "--sync", shipped, "--run-dir", run_dir,
+        return ["run", *kept, "--cluster", cluster_file, "--sync", shipped, "--resume" if resume else "--run-dir", run_dir,
                 "--detach", "--json", "--", *words]
 
     return argv_on
@@ -180,15 +182,12 @@ def start_run_on_controller(args: argparse.Namespace, parser: argparse.ArgumentP
     """`run --detach --controller NODE`: the user's folder and the launcher on NODE (launch/controller.py)."""
     import os
 
-    from vpscluster.errors import UserError
     from vpscluster.launch import controller
 
-    if args.resume:
-        raise UserError("--resume and --controller do not go together for `run` yet; continue the run from this "
-                        "machine (drop --detach --controller) or start a new one")
     root = os.path.abspath(args.sync or os.getcwd())
     node = controller.resolve_node(job.cluster, args.controller)  # before anything is shipped
-    argv_on = run_argv_for_controller(parser, list(args._argv), list(args.program), root)
+    argv_on = run_argv_for_controller(parser, list(args._argv), list(args.program), root, resume=bool(args.resume))
     say = (lambda _line: None) if args.json else (lambda line: out.print(line, markup=False, soft_wrap=True))
-    state = controller.start_run(job.cluster, node.name, job.run_dir, root, argv_on, list(args._argv), say=say)
+    begin = controller.resume_run if args.resume else controller.start_run
+    state = begin(job.cluster, node.name, job.run_dir, root, argv_on, list(args._argv), say=say)
     return _started(args, Path(job.run_dir), state, out)

@@ -158,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume and not args.dry_run and not args.detached_child:  # one launcher per run
         from vpscluster.launch import detached
 
-        detached.check_free(args.resume)
+        detached.check_free(args.resume, controller=args.controller if args.detach else None)
     console = make_console(args.json)
     cluster = load(args)
     if args.insecure_network:

@@ -212,21 +212,25 @@ class RunShipment:
     (cli/detach.py `run_argv_for_controller`)."""
 
     command = "run"
-    resume = False
 
-    def __init__(self, run_dir: Path, root: str, argv: Callable[[str, str, str], list[str]]):
+    def __init__(self, run_dir: Path, root: str, argv: Callable[[str, str, str], list[str]], resume: bool = False):
         self.run_dir = Path(run_dir)
         self.root = os.path.abspath(root)
         self.argv = argv
+        self.resume = resume  # `run --resume`: the run's metrics so far go along (launch/run.py merges them)
 
     async def before(self, executors, say: Callable[[str], None]) -> None:
         return None  # NODE's pre-flight balances the run, from the probe shipped along when it is fresh
 
     async def ship(self, ex, support: str, remote_run: str, tmp: Path, say: Callable[[str], None]) -> list[str]:
         from vpscluster.launch.sync import sync_dir
+        from vpscluster.train.rundir import METRICS
 
         target = posixpath.join(support, "code", os.path.basename(self.root.rstrip("/")) or "root")
         await sync_dir(ex, self.root, target, timeout_s=SYNC_TIMEOUT_S, detect_shared=False, say=say)
+        history = self.run_dir / METRICS
+        if self.resume and history.is_file():
+            await ex.put(str(history), posixpath.join(remote_run, METRICS), timeout_s=SYNC_TIMEOUT_S)
         return self.argv(posixpath.join(support, "cluster.yaml"), target, remote_run)
 
 
@@ -425,12 +429,22 @@ def resume(prepared, node_name: str, argv: list[str], say: Callable[[str], None]
     checkpoint the nodes hold: after its controller node died or its launcher was stopped or
     killed (or for a run launched from here). Refused while its launcher still runs. The metrics
     the previous controller holds come here first (when it answers), then go along."""
+    return _resume(prepared.cluster, Path(prepared.run_dir), node_name, TrainShipment(prepared), argv, say)
+
+
+def resume_run(cluster, node_name: str, run_dir: Path, root: str, run_argv: Callable[[str, str, str], list[str]],
+               argv: list[str], say: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
+    """`run --resume RUN --detach --controller NODE`: as `resume`, for a run of the user's script:
+    its folder shipped again, `vpscluster run --resume` on NODE (the script's `session.resume()`
+    continues from the newest checkpoint the nodes hold), the run's metrics so far along."""
+    return _resume(cluster, Path(run_dir), node_name, RunShipment(run_dir, root, run_argv, resume=True), argv, say)
+
+
+def _resume(cluster, run_dir: Path, node_name: str, shipment, argv: list[str], say: Callable[[str], None]) -> dict[str, Any]:
     from vpscluster.launch import detached
     from vpscluster.train import rundir
 
-    cluster = prepared.cluster
     node = resolve_node(cluster, node_name)
-    run_dir = Path(prepared.run_dir)
     old = detached.read_state(run_dir) or {}
     previous = list(old.get("previous_controllers") or [])
     if is_remote(old):
@@ -447,11 +461,22 @@ def resume(prepared, node_name: str, argv: list[str], say: Callable[[str], None]
             say(f"controller {old['controller']} does not answer ({where}); continuing the run on {node.name} "
                 "(should its launcher still run, the nodes refuse the second launch of the run)")
         previous.append({k: old.get(k) for k in ("controller", "remote_run_dir", "started")})
-    where = asyncio.run(_ship(cluster, node, TrainShipment(prepared), say))
+    where = asyncio.run(_ship(cluster, node, shipment, say))
     state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time(),
              "run_dir": str(run_dir), "previous_controllers": previous}
     fsutil.write_json(run_dir / detached.STATE, state)
     return state
+
+
+def continue_command(state: dict[str, Any], run_dir, node: str = "NODE") -> str:
+    """How to continue a run whose launcher was on a controller node, on `node`: `train --resume`,
+    or for a `run`, `run --resume` with its cluster file and command."""
+    if state.get("command") != "run":
+        return f"vpscluster train --resume {run_dir} --detach --controller {node}"
+    argv = list(state.get("argv") or [])
+    program = argv[argv.index("--") + 1:] if "--" in argv else ["COMMAND"]
+    return (f"vpscluster run --resume {run_dir} --detach --controller {node} --cluster {state.get('cluster', 'FILE')} -- "
+            + " ".join(shlex.quote(w) for w in program))
 
 
 _LAUNCHER_CHECK = ("import sys; from vpscluster.launch import detached, runlock; d = sys.argv[1]; "
@@ -487,7 +512,7 @@ def no_answer(state: dict[str, Any], why: str) -> UserError:
     node = state["controller"]
     return UserError(f"controller node {node} ({state.get('host', '?')}) does not answer: {why.rstrip(' .;')}; the run goes on "
                      f"there if the node does: try again later; if {node} is gone, continue the run from its newest "
-                     f"checkpoint on another node: vpscluster train --resume {run} --detach --controller NODE")
+                     f"checkpoint on another node: {continue_command(state, run)}")
 
 
 def _executor(state: dict[str, Any]):
