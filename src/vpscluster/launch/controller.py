@@ -1,4 +1,4 @@
-"""The controller on the cluster: `train --detach --controller NODE` runs the launcher on a node.
+"""The controller on the cluster: `train|run --detach --controller NODE` runs the launcher on a node.
 
 The laptop can then sleep, lose its network or be SIGKILLed: the launcher (and so the node-side
 guards' SSH sessions) lives on NODE (`head`: the cluster's head). What is shipped there:
@@ -9,6 +9,8 @@ guards' SSH sessions) lives on NODE (`head`: the cluster's head). What is shippe
     <workdir>/controller/<run>/known_hosts   the host keys the user already accepted, for these nodes only
     <workdir>/controller/<run>/id_ed25519    the cluster's controller key (never the user's own key)
     <workdir>/controller/<run>/data/NAME     the training data, where it is a local file or folder
+    <workdir>/controller/<run>/code/NAME     `run`: the user's folder (`--sync DIR` or the current one),
+                                             synced as `run` syncs it to the nodes
     <workdir>/controller-runs/<run>/         the run dir there: config.yaml (resolved here), then
                                              everything the launcher writes
 
@@ -17,7 +19,8 @@ The controller key pair is made once per cluster file and kept beside it
 added to every node's authorized_keys over the user's own SSH (`$VPSC_AUTHORIZED_KEYS` where the
 node's sshd names another file, as the sandbox's does). On NODE, the run is started as a
 detached `train --resume` of that run dir (launch/detached.py: a session of its own, no
-terminal), so the SSH session that started it may go.
+terminal), so the SSH session that started it may go; a `run` as a detached `vpscluster run` of
+the shipped folder, with the user's options (cli/detach.py `run_argv_for_controller`).
 
 Here, the run dir holds config.yaml and launcher.json with "controller", "remote_run_dir" and how
 to run vpscluster on NODE; `attach`, `logs`, `stop` and `report` run the same command on NODE over
