@@ -44,11 +44,11 @@ def test_detach_to_the_head_outlives_the_local_side(head2, tmp_path):
     with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
         corpus.write_text(f.read(100_000))
     run = tmp_path / "run"
-    steps = 40
+    steps = 20
     start = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
          "--strategy", "ddp", "--data", str(corpus), "--batch-size", "4", "--max-steps", str(steps),
-         "--eval-every", "20", "--checkpoint-every", "20", "--threads-per-rank", "1", "--detach", "--controller", "head",
+         "--eval-every", "10", "--checkpoint-every", "10", "--threads-per-rank", "1", "--detach", "--controller", "head",
          "--run-dir", str(run), "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out, err = start.communicate(timeout=120)
@@ -285,8 +285,8 @@ def test_the_run_outlives_its_controller_node(tmp_path):
               f"{first['t'] - killed_at:.1f} s (step {first['step']}, from the checkpoint of step {resumed[at]['step']})")
 
         # A controller that does not answer: one line, naming it and the way on. Each command
-        # gives up after the cluster file's connect_timeout_s: 3 s here (the sandbox writes 10).
-        cluster_file_with(info, info.cluster_file, connect_timeout_s=3)
+        # gives up after the cluster file's connect_timeout_s: 1 s here (the sandbox writes 10).
+        cluster_file_with(info, info.cluster_file, connect_timeout_s=1)
         faults.inject(info.name, other.name, "link-down", seconds=40)
         t0 = time.monotonic()
         lost = run_cli("attach", str(run), timeout=120)
