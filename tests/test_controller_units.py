@@ -142,3 +142,115 @@ def test_a_controller_run_is_continued_on_a_controller(tmp_path):
     with pytest.raises(UserError, match=rf"launcher on node n1.*vpscluster train --resume {tmp_path} --detach --controller NODE"):
         detached.check_free(tmp_path)
     detached.check_free(tmp_path, controller="n2")
+
+
+# `run --detach --controller NODE`: the command line the controller node runs (cli/detach.py).
+
+def _run_parser():
+    from vpscluster.cli import run
+
+    return run.parser()
+
+
+def test_run_options_rewritten_for_the_controller_in_every_form_argparse_reads(tmp_path):
+    """The options the controller gets its own value of go, with their values, however typed
+    (`--opt V`, `--opt=V`, an abbreviation); `--sync-every` is not `--sync`; the rest stays as typed."""
+    from vpscluster.cli.detach import run_argv_for_controller
+
+    (tmp_path / "train.py").write_text("")
+    typed = ["run", "--clu", "c.yaml", "--sync=" + str(tmp_path), "--strategy", "diloco", "--sync-every", "4",
+             "--run-dir", "runs/x", "--detach", "--contr", "head", "--json", "--accept-new-host-keys",
+             "--time-budget=60", "--no-balance", "--nproc-per-node", "1", "--max-restarts", "0"]
+    program = ["--", "python", "-u", str(tmp_path / "train.py"), "--steps", "5", "--sync", "mine"]
+    argv = run_argv_for_controller(_run_parser(), typed + program, program, str(tmp_path))("/w/c/cluster.yaml", "/w/c/code/d", "/w/runs/r")
+    assert argv == ["run", "--strategy", "diloco", "--sync-every", "4", "--time-budget=60", "--no-balance",
+                    "--nproc-per-node", "1", "--max-restarts", "0",
+                    "--cluster", "/w/c/cluster.yaml", "--sync", "/w/c/code/d", "--run-dir", "/w/runs/r", "--detach", "--json",
+                    "--", "python", "-u", "train.py", "--steps", "5", "--sync", "mine"]  # the script's own --sync stays
+
+
+def test_the_rewritten_run_reads_as_the_same_session_settings(tmp_path):
+    """What NODE's `vpscluster run` parses: the same session and recovery settings and command,
+    with the shipped cluster file, folder and run dir."""
+    from vpscluster.cli import build_parser
+    from vpscluster.cli.detach import run_argv_for_controller
+    from vpscluster.cli.run import recovery_settings, session_settings
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "s.py").write_text("")
+    program = ["python", "sub/s.py", "a"]
+    typed = ["run", "--cluster", "c.yaml", "--strategy", "diloco", "--sync-every", "8", "--wire-dtype", "int8",
+             "--min-nodes", "1", "--detach", "--controller", "n2", *program]
+    here = build_parser().parse_args(typed)
+    there = build_parser().parse_args(run_argv_for_controller(_run_parser(), typed, program, str(tmp_path))("/c.yaml", "/d", "/r"))
+    assert session_settings(there) == session_settings(here) and recovery_settings(there) == recovery_settings(here)
+    assert (there.cluster, there.sync, there.run_dir, there.detach, there.json, there.controller) == ("/c.yaml", "/d", "/r", True, True, None)
+    assert there.program[-3:] == program
+
+
+def test_the_program_as_the_controller_runs_it(tmp_path):
+    from vpscluster.cli.detach import program_for_controller
+
+    root = tmp_path / "proj"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "t.py").write_text("")
+    (tmp_path / "outside.py").write_text("")
+    assert program_for_controller(["--", "python3", str(root / "sub" / "t.py"), "x"], str(root)) == ["python3", "sub/t.py", "x"]
+    assert program_for_controller(["python", "./sub/../sub/t.py"], str(root)) == ["python", "sub/t.py"]
+    assert program_for_controller(["python", "-m", "pkg.mod", "/abs"], str(root)) == ["python", "-m", "pkg.mod", "/abs"]
+    assert program_for_controller(["./job.sh", "/abs"], str(root)) == ["./job.sh", "/abs"]
+    for outside in (str(tmp_path / "outside.py"), "../outside.py"):
+        with pytest.raises(UserError, match=r"outside\.py is outside the folder .*proj that goes to the controller node; .*--sync DIR"):
+            program_for_controller(["python", outside], str(root))
+
+
+def test_run_on_a_controller_refuses_mistakes_in_one_line_before_anything_starts(tmp_path):
+    """A --sync folder that does not exist, a script outside it, a controller not in the cluster
+    file, --controller without a cluster file: one line each, no run dir made, no node contacted
+    (the cluster's nodes do not exist)."""
+    from conftest import run_cli
+
+    key = tmp_path / "k"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
+    (tmp_path / "c.yaml").write_text(f"connect_timeout_s: 3\ndefaults: {{identity_file: {key}, port: 1}}\n"
+                                     "nodes:\n  - {name: a, host: 127.0.0.1}\n  - {name: b, host: 127.0.0.1, port: 2}\n")
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "t.py").write_text("")
+    (tmp_path / "elsewhere.py").write_text("")
+    run = tmp_path / "run"
+    base = ["run", "--cluster", str(tmp_path / "c.yaml"), "--run-dir", str(run), "--detach"]
+    cases = [
+        (["--controller", "a", "--sync", str(tmp_path / "nope"), "--", "python", "t.py"], "--sync " + str(tmp_path / "nope") + ": not a folder"),
+        (["--controller", "a", "--sync", str(tmp_path / "proj"), "--", "python", str(tmp_path / "elsewhere.py")], "is outside the synced directory"),
+        (["--controller", "a", "--sync", str(tmp_path / "proj"), "--", "python", "../elsewhere.py"], "is outside the folder"),
+        (["--controller", "zz", "--sync", str(tmp_path / "proj"), "--", "python", "t.py"], "--controller zz: no node zz in"),
+    ]
+    for extra, expected in cases:
+        r = run_cli(*base, *extra, timeout=120, cwd=str(tmp_path))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and expected in lines[0], (extra, r.stderr)
+        assert not run.exists()
+    local = run_cli("run", "--nodes", "2", "--detach", "--controller", "head", "--run-dir", str(run), "--", "python", "t.py",
+                    timeout=120, cwd=str(tmp_path / "proj"))
+    assert local.returncode == 2 and "--controller needs a cluster file" in local.stderr and not run.exists(), local.stderr
+
+
+def test_a_run_is_continued_with_run_resume_and_its_command(tmp_path):
+    """How to go on once a controller's launcher is gone: `train --resume`, or for a `run` its own
+    `run --resume` with the cluster file and the command it ran; check_free says the same."""
+    from vpscluster import fsutil
+    from vpscluster.cli.detach import run_argv_for_controller
+    from vpscluster.launch import detached
+
+    state = {"controller": "n1", "command": "run", "cluster": "/c/c.yaml",
+             "argv": ["run", "--cluster", "c.yaml", "--detach", "--controller", "n1", "--", "python", "my train.py", "-x"]}
+    assert controller.continue_command(state, "runs/r", "n2") == \
+        "vpscluster run --resume runs/r --detach --controller n2 --cluster /c/c.yaml -- python 'my train.py' -x"
+    assert controller.continue_command({"controller": "n1"}, "runs/r") == "vpscluster train --resume runs/r --detach --controller NODE"
+    fsutil.write_json(tmp_path / detached.STATE, state)
+    with pytest.raises(UserError, match=r"vpscluster run --resume .* --detach --controller NODE --cluster /c/c.yaml -- python"):
+        detached.check_free(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    typed = ["run", "--resume", "runs/r", "--cluster", "c.yaml", "--detach", "--controller", "n2", "--", "python", "t.py"]
+    argv = run_argv_for_controller(_run_parser(), typed, typed[-3:], str(tmp_path), resume=True)("/c", "/d", "/w/r")
+    assert argv == ["run", "--cluster", "/c", "--sync", "/d", "--resume", "/w/r", "--detach", "--json", "--", "python", "t.py"]

@@ -63,3 +63,18 @@ def test_report_renders_offline_in_headless_chromium(run_dir, tmp_path):
     urls = set(re.findall(r'"url":"([^"]+)"', net_log.read_text()))
     leaving = [u for u in urls if not u.startswith(("file:", "data:", "blob:")) and not BROWSER_SERVICES.match(u)]
     assert leaving == [], leaving
+
+
+def test_a_session_runs_report_counts_samples(tmp_path):
+    """A `vpscluster run` session's metrics count samples, not tokens: its throughput chart is in
+    samples/s (it failed with KeyError 'tokens' before)."""
+    from vpscluster.monitor.report import figures, write_report
+
+    lines = [{"step": s, "loss": 2.0 / s, "step_seconds": 0.5, "compute_seconds": 0.4, "comm_seconds": 0.1,
+              "samples": 16, "bytes_sent": 40} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "report.json").write_text(json.dumps({"strategy": "ddp", "world_size": 2, "steps": 5, "per_rank": []}))
+    figs = dict(figures(tmp_path)[0])
+    trace = figs["Throughput and communication"].data[0]
+    assert trace.name.startswith("samples/s") and list(trace.y) == [32.0] * 5
+    assert write_report(tmp_path).stat().st_size > 1000

@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             status = controller.remote_cli(state, ["attach", state["remote_run_dir"]], timeout_s=FOLLOW_S)
             if status != 0:  # the lines above name the run dir there; from here it goes on with:
-                print(f"continue it from its newest checkpoint: vpscluster train --resume {run_dir} --detach "
-                      f"--controller {state['controller']} (or another node)", file=sys.stderr)
+                print(f"continue it from its newest checkpoint: {controller.continue_command(state, run_dir, state['controller'])} "
+                      "(or another node)", file=sys.stderr)
             return status
         except KeyboardInterrupt:
             print(f"detached; the run goes on on {state['controller']} (vpscluster stop {run_dir} stops it)", file=sys.stderr)

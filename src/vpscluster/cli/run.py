@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="python script.py ARGS (or any program)")
 
 
+def parser() -> argparse.ArgumentParser:
+    """`run`'s own parser (its options, as `vpscluster run` reads them)."""
+    p = argparse.ArgumentParser(prog="vpscluster run")
+    add_arguments(p)
+    return p
+
+
 def load(args):
     import dataclasses
 
@@ -151,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume and not args.dry_run and not args.detached_child:  # one launcher per run
         from vpscluster.launch import detached
 
-        detached.check_free(args.resume)
+        detached.check_free(args.resume, controller=args.controller if args.detach else None)
     console = make_console(args.json)
     cluster = load(args)
     if args.insecure_network:
@@ -175,6 +182,8 @@ def _run(args: argparse.Namespace) -> int:
         from vpscluster.cluster.netsafety import require_safe_network
 
         require_safe_network(job.cluster)  # refused here, not in the background
+        if args.controller:
+            return detach.start_run_on_controller(args, parser(), job, console)
         return detach.start(args, job.run_dir, console, run_dir_given=bool(args.resume or args.run_dir),
                             program=list(args.program))
     if args.dry_run:

@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
             raise controller.no_answer(state, where)
         if where == "gone":
             raise UserError(f"run {run_dir} is not running: its launcher on {state['controller']} is gone (vpscluster "
-                            f"attach {run_dir} shows how it ended); continue it with: vpscluster train --resume {run_dir} "
-                            f"--detach --controller {state['controller']} (or another node)")
+                            f"attach {run_dir} shows how it ended); continue it with: "
+                            f"{controller.continue_command(state, run_dir, state['controller'])} (or another node)")
         argv = ["stop", state["remote_run_dir"], "--timeout", f"{timeout:g}"] + (["--json"] if args.json else [])
         return controller.remote_cli(state, argv, timeout_s=timeout + 60.0)
     if not detached.running(state):

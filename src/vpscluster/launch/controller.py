@@ -1,4 +1,4 @@
-"""The controller on the cluster: `train --detach --controller NODE` runs the launcher on a node.
+"""The controller on the cluster: `train|run --detach --controller NODE` runs the launcher on a node.
 
 The laptop can then sleep, lose its network or be SIGKILLed: the launcher (and so the node-side
 guards' SSH sessions) lives on NODE (`head`: the cluster's head). What is shipped there:
@@ -9,6 +9,8 @@ guards' SSH sessions) lives on NODE (`head`: the cluster's head). What is shippe
     <workdir>/controller/<run>/known_hosts   the host keys the user already accepted, for these nodes only
     <workdir>/controller/<run>/id_ed25519    the cluster's controller key (never the user's own key)
     <workdir>/controller/<run>/data/NAME     the training data, where it is a local file or folder
+    <workdir>/controller/<run>/code/NAME     `run`: the user's folder (`--sync DIR` or the current one),
+                                             synced as `run` syncs it to the nodes
     <workdir>/controller-runs/<run>/         the run dir there: config.yaml (resolved here), then
                                              everything the launcher writes
 
@@ -17,7 +19,8 @@ The controller key pair is made once per cluster file and kept beside it
 added to every node's authorized_keys over the user's own SSH (`$VPSC_AUTHORIZED_KEYS` where the
 node's sshd names another file, as the sandbox's does). On NODE, the run is started as a
 detached `train --resume` of that run dir (launch/detached.py: a session of its own, no
-terminal), so the SSH session that started it may go.
+terminal), so the SSH session that started it may go; a `run` as a detached `vpscluster run` of
+the shipped folder, with the user's options (cli/detach.py `run_argv_for_controller`).
 
 Here, the run dir holds config.yaml and launcher.json with "controller", "remote_run_dir" and how
 to run vpscluster on NODE; `attach`, `logs`, `stop` and `report` run the same command on NODE over
@@ -157,50 +160,33 @@ def _unreachable(node, why: str) -> UserError:
                      "(fix it, or pick another node with --controller NODE)")
 
 
-async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str, Any]:
-    """Everything the launcher needs on `node`, then the launcher itself; its launcher.json there.
+class TrainShipment:
+    """`train --detach --controller`: the resolved run (config.yaml, the data), started on NODE
+    as `train --resume` of its run dir there.
 
     A new run whose split is still open is balanced here first, from the probe pre-flight would
-    take (`decide_balance`): NODE starts it as a resume, which keeps the stored split. A resumed run (`prepared.resume`) leaves out the
-    nodes that do not answer now (the controller's own node must), and takes the run's metrics so
-    far (the local metrics.jsonl) along, so its history stays whole."""
-    from vpscluster.cluster.inventory import open_executors
-    from vpscluster.launch.preflight import resolve_workdirs
-    from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
-    from vpscluster.train import rundir
+    take (`decide_balance`): NODE starts it as a resume, which keeps the stored split. A resumed
+    run leaves out the nodes that do not answer now (the controller's own node must), and takes
+    the run's metrics so far (the local metrics.jsonl) along, so its history stays whole."""
 
-    async with open_executors(cluster) as executors:
-        ex = next(e for e in executors if e.node.name == node.name)
-        try:
-            workdir = (await resolve_workdirs([ex], CONNECT_TIMEOUT_S))[node.name]
-        except RemoteError as e:
-            raise _unreachable(node, str(e).split(": ", 1)[-1].split(" — ")[0]) from None
-        key, pub = ensure_key(cluster)
-        hosts = known_hosts_text(cluster)
-        say(f"controller {node.name}: adding the cluster's controller key to every node's authorized_keys")
-        results = await asyncio.gather(*(e.run(_authorize_command(pub), timeout_s=CONNECT_TIMEOUT_S) for e in executors))
-        silent = [r.node for r in results if (r.error or r.timed_out) and r.node != node.name] if prepared.resume else []
-        if silent:  # a resume goes on without them, as a relaunch would (the run's --min-nodes holds)
-            say(f"controller {node.name}: {', '.join(silent)} do{'es' if len(silent) == 1 else ''} not answer; "
-                "the run goes on without them (a later --resume takes them back)")
-            results = [r for r in results if r.node not in silent]
-        bad = [f"{r.node}: {r.reason()}" for r in results if not r.ok]
-        if bad:
-            raise RemoteError("cannot add the controller key on " + "; ".join(bad) + " — fix the node or remove it from the cluster file")
-        if not prepared.resume:
-            await decide_balance(prepared, executors, say)
+    command = "train"
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.resume = bool(prepared.resume)
+        self.run_dir = Path(prepared.run_dir)
+
+    async def before(self, executors, say: Callable[[str], None]) -> None:
+        if not self.resume:
+            await decide_balance(self.prepared, executors, say)
         else:
-            await gather_history(prepared, [e for e in executors if e.node.name not in silent])
-        run_name = prepared.run_dir.name
-        support = posixpath.join(workdir, "controller", run_name)
-        remote_run = posixpath.join(workdir, "controller-runs", run_name)
-        pkg = await sync_dir(ex, package_dir(), posixpath.join(workdir, PACKAGE_ON_NODE), timeout_s=SYNC_TIMEOUT_S, say=say)
-        pythonpath = posixpath.dirname(pkg.remote_path.rstrip("/"))
-        r = await ex.run(f"mkdir -p {shlex.quote(support)}/data {shlex.quote(support)}/.vpscluster"
-                         f" {shlex.quote(remote_run)}/logs {shlex.quote(remote_run)}/checkpoints"
-                         f" && chmod 700 {shlex.quote(support)}", timeout_s=CONNECT_TIMEOUT_S)
-        if not r.ok:
-            raise RemoteError(f"controller node {node.name}: cannot make {support}: {r.reason()}")
+            await gather_history(self.prepared, executors)
+
+    async def ship(self, ex, support: str, remote_run: str, tmp: Path, say: Callable[[str], None]) -> list[str]:
+        from vpscluster.launch.sync import sync_dir
+        from vpscluster.train import rundir
+
+        prepared = self.prepared
         cfg = copy.deepcopy(prepared.cfg)
         cfg.cluster = posixpath.join(support, "cluster.yaml")
         cfg.run_dir = remote_run
@@ -212,13 +198,89 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
             else:
                 await ex.put(data, target, timeout_s=SYNC_TIMEOUT_S)
             cfg.data = target
+        rundir.write_config(cfg, tmp)
+        await ex.put(str(tmp / rundir.CONFIG), posixpath.join(remote_run, rundir.CONFIG), timeout_s=CONNECT_TIMEOUT_S)
+        history = self.run_dir / rundir.METRICS
+        if self.resume and history.is_file():
+            await ex.put(str(history), posixpath.join(remote_run, rundir.METRICS), timeout_s=SYNC_TIMEOUT_S)
+        return (["train", "--resume", remote_run, "--detach", "--json"] + (["--force"] if prepared.force else [])
+                + (["--insecure-network"] if prepared.cluster.insecure_network else []))
+
+
+class RunShipment:
+    """`run --detach --controller`: the user's folder (what `run` syncs to the nodes: `--sync DIR`
+    or the current folder, less caches and likely secrets, launch/sync.py) goes to
+    `<support>/code/<its name>` on NODE, which starts `vpscluster run` there with the same
+    arguments, rewritten to the shipped paths: `argv(cluster_file, shipped_folder, remote_run)`
+    (cli/detach.py `run_argv_for_controller`)."""
+
+    command = "run"
+
+    def __init__(self, run_dir: Path, root: str, argv: Callable[[str, str, str], list[str]], resume: bool = False):
+        self.run_dir = Path(run_dir)
+        self.root = os.path.abspath(root)
+        self.argv = argv
+        self.resume = resume  # `run --resume`: the run's metrics so far go along (launch/run.py merges them)
+
+    async def before(self, executors, say: Callable[[str], None]) -> None:
+        return None  # NODE's pre-flight balances the run, from the probe shipped along when it is fresh
+
+    async def ship(self, ex, support: str, remote_run: str, tmp: Path, say: Callable[[str], None]) -> list[str]:
+        from vpscluster.launch.sync import sync_dir
+        from vpscluster.train.rundir import METRICS
+
+        target = posixpath.join(support, "code", os.path.basename(self.root.rstrip("/")) or "root")
+        await sync_dir(ex, self.root, target, timeout_s=SYNC_TIMEOUT_S, detect_shared=False, say=say)
+        history = self.run_dir / METRICS
+        if self.resume and history.is_file():
+            await ex.put(str(history), posixpath.join(remote_run, METRICS), timeout_s=SYNC_TIMEOUT_S)
+        return self.argv(posixpath.join(support, "cluster.yaml"), target, remote_run)
+
+
+async def _ship(cluster, node, shipment, say: Callable[[str], None]) -> dict[str, Any]:
+    """Everything the launcher needs on `node` (the package, the cluster file as NODE sees it,
+    the controller key, known_hosts, a fresh probe, and what `shipment` adds: TrainShipment,
+    RunShipment), then the launcher itself; its launcher.json there."""
+    from vpscluster.cluster.inventory import open_executors
+    from vpscluster.launch.preflight import resolve_workdirs
+    from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
+
+    async with open_executors(cluster) as executors:
+        ex = next(e for e in executors if e.node.name == node.name)
+        try:
+            workdir = (await resolve_workdirs([ex], CONNECT_TIMEOUT_S))[node.name]
+        except RemoteError as e:
+            raise _unreachable(node, str(e).split(": ", 1)[-1].split(" — ")[0]) from None
+        key, pub = ensure_key(cluster)
+        hosts = known_hosts_text(cluster)
+        say(f"controller {node.name}: adding the cluster's controller key to every node's authorized_keys")
+        results = await asyncio.gather(*(e.run(_authorize_command(pub), timeout_s=CONNECT_TIMEOUT_S) for e in executors))
+        silent = [r.node for r in results if (r.error or r.timed_out) and r.node != node.name] if shipment.resume else []
+        if silent:  # a resume goes on without them, as a relaunch would (the run's --min-nodes holds)
+            say(f"controller {node.name}: {', '.join(silent)} do{'es' if len(silent) == 1 else ''} not answer; "
+                "the run goes on without them (a later --resume takes them back)")
+            results = [r for r in results if r.node not in silent]
+        bad = [f"{r.node}: {r.reason()}" for r in results if not r.ok]
+        if bad:
+            raise RemoteError("cannot add the controller key on " + "; ".join(bad) + " — fix the node or remove it from the cluster file")
+        await shipment.before([e for e in executors if e.node.name not in silent], say)
+        run_name = shipment.run_dir.name
+        support = posixpath.join(workdir, "controller", run_name)
+        remote_run = posixpath.join(workdir, "controller-runs", run_name)
+        pkg = await sync_dir(ex, package_dir(), posixpath.join(workdir, PACKAGE_ON_NODE), timeout_s=SYNC_TIMEOUT_S, say=say)
+        pythonpath = posixpath.dirname(pkg.remote_path.rstrip("/"))
+        r = await ex.run(f"mkdir -p {shlex.quote(support)}/data {shlex.quote(support)}/.vpscluster"
+                         f" {shlex.quote(remote_run)}/logs {shlex.quote(remote_run)}/checkpoints"
+                         f" && chmod 700 {shlex.quote(support)}", timeout_s=CONNECT_TIMEOUT_S)
+        if not r.ok:
+            raise RemoteError(f"controller node {node.name}: cannot make {support}: {r.reason()}")
         with tempfile.TemporaryDirectory(prefix="vpsc-ctl-") as tmp:
             import yaml
 
             t = Path(tmp)
+            argv = await shipment.ship(ex, support, remote_run, t, say)
             (t / "known_hosts").write_text(hosts)
             (t / "cluster.yaml").write_text(yaml.safe_dump(node_cluster_doc(cluster, support, silent), sort_keys=False))
-            rundir.write_config(cfg, t)
             shipped = [("id_ed25519", key), ("known_hosts", t / "known_hosts"), ("cluster.yaml", t / "cluster.yaml")]
             probe = _fresh_probe(cluster)
             if probe is not None:  # the probe just taken or saved here: NODE's pre-flight need not take another
@@ -226,18 +288,11 @@ async def _ship(cluster, node, prepared, say: Callable[[str], None]) -> dict[str
                 shipped.append((posixpath.join(".vpscluster", "cluster.probe.json"), t / "cluster.probe.json"))
             for name, src in shipped:
                 await ex.put(str(src), posixpath.join(support, name), timeout_s=CONNECT_TIMEOUT_S)
-            await ex.put(str(t / rundir.CONFIG), posixpath.join(remote_run, rundir.CONFIG), timeout_s=CONNECT_TIMEOUT_S)
-            history = Path(prepared.run_dir) / rundir.METRICS
-            if prepared.resume and history.is_file():
-                await ex.put(str(history), posixpath.join(remote_run, rundir.METRICS), timeout_s=SYNC_TIMEOUT_S)
         r = await ex.run(f"chmod 600 {shlex.quote(posixpath.join(support, 'id_ed25519'))}", timeout_s=CONNECT_TIMEOUT_S)
         if not r.ok:
             raise RemoteError(f"controller node {node.name}: cannot protect the controller key: {r.reason()}")
         where = {"controller": node.name, "remote_run_dir": remote_run, "remote_cwd": support,
-                 "remote_python": node.python, "remote_pythonpath": pythonpath}
-        argv = ["train", "--resume", remote_run, "--detach", "--json"]
-        argv += ["--force"] if prepared.force else []
-        argv += ["--insecure-network"] if cluster.insecure_network else []
+                 "remote_python": node.python, "remote_pythonpath": pythonpath, "command": shipment.command}
         say(f"controller {node.name}: starting the launcher in {remote_run}")
         r = await ex.run(remote_command(where, argv), timeout_s=START_TIMEOUT_S)
         if not r.ok:
@@ -333,16 +388,39 @@ def remote_command(where: dict[str, Any], argv: list[str]) -> str:
 def start(prepared, node_name: str, argv: list[str], say: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
     """Run `prepared`'s launcher on node `node_name` (`head` for the head); record it here.
     Returns the local launcher.json."""
-    from vpscluster.launch import detached
     from vpscluster.train import rundir
 
     cluster = prepared.cluster
     node = resolve_node(cluster, node_name)
     run_dir = Path(prepared.run_dir)
     rundir.fresh_path(run_dir)  # refused before anything is shipped
-    where = asyncio.run(_ship(cluster, node, prepared, say))
+    where = asyncio.run(_ship(cluster, node, TrainShipment(prepared), say))
     rundir.create(run_dir)
     rundir.write_config(prepared.cfg, run_dir)
+    return _record(run_dir, cluster, where, argv)
+
+
+def start_run(cluster, node_name: str, run_dir: Path, root: str, run_argv: Callable[[str, str, str], list[str]],
+              argv: list[str], say: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
+    """`run --detach --controller NODE`: the user's folder `root` to NODE and `vpscluster run
+    RUN_ARGV(...)` started there (RunShipment); recorded in the local `run_dir` (logs/ and
+    launcher.json: what `attach`, `logs`, `stop` and `report` read). Returns the local launcher.json."""
+    from vpscluster.launch import detached
+    from vpscluster.train import rundir
+
+    node = resolve_node(cluster, node_name)
+    run_dir = Path(run_dir)
+    rundir.fresh_path(run_dir)  # refused before anything is shipped
+    if (run_dir / detached.STATE).exists():
+        raise UserError(f"--run-dir {run_dir} already holds a run; pick a new folder")
+    where = asyncio.run(_ship(cluster, node, RunShipment(run_dir, root, run_argv), say))
+    rundir.create(run_dir)
+    return _record(run_dir, cluster, where, argv)
+
+
+def _record(run_dir: Path, cluster, where: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    from vpscluster.launch import detached
+
     state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time(),
              "run_dir": str(run_dir)}
     fsutil.write_json(run_dir / detached.STATE, state)
@@ -354,12 +432,22 @@ def resume(prepared, node_name: str, argv: list[str], say: Callable[[str], None]
     checkpoint the nodes hold: after its controller node died or its launcher was stopped or
     killed (or for a run launched from here). Refused while its launcher still runs. The metrics
     the previous controller holds come here first (when it answers), then go along."""
+    return _resume(prepared.cluster, Path(prepared.run_dir), node_name, TrainShipment(prepared), argv, say)
+
+
+def resume_run(cluster, node_name: str, run_dir: Path, root: str, run_argv: Callable[[str, str, str], list[str]],
+               argv: list[str], say: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
+    """`run --resume RUN --detach --controller NODE`: as `resume`, for a run of the user's script:
+    its folder shipped again, `vpscluster run --resume` on NODE (the script's `session.resume()`
+    continues from the newest checkpoint the nodes hold), the run's metrics so far along."""
+    return _resume(cluster, Path(run_dir), node_name, RunShipment(run_dir, root, run_argv, resume=True), argv, say)
+
+
+def _resume(cluster, run_dir: Path, node_name: str, shipment, argv: list[str], say: Callable[[str], None]) -> dict[str, Any]:
     from vpscluster.launch import detached
     from vpscluster.train import rundir
 
-    cluster = prepared.cluster
     node = resolve_node(cluster, node_name)
-    run_dir = Path(prepared.run_dir)
     old = detached.read_state(run_dir) or {}
     previous = list(old.get("previous_controllers") or [])
     if is_remote(old):
@@ -376,11 +464,22 @@ def resume(prepared, node_name: str, argv: list[str], say: Callable[[str], None]
             say(f"controller {old['controller']} does not answer ({where}); continuing the run on {node.name} "
                 "(should its launcher still run, the nodes refuse the second launch of the run)")
         previous.append({k: old.get(k) for k in ("controller", "remote_run_dir", "started")})
-    where = asyncio.run(_ship(cluster, node, prepared, say))
+    where = asyncio.run(_ship(cluster, node, shipment, say))
     state = {**where, "cluster": str(Path(cluster.source).resolve()), "argv": argv, "started": time.time(),
              "run_dir": str(run_dir), "previous_controllers": previous}
     fsutil.write_json(run_dir / detached.STATE, state)
     return state
+
+
+def continue_command(state: dict[str, Any], run_dir, node: str = "NODE") -> str:
+    """How to continue a run whose launcher was on a controller node, on `node`: `train --resume`,
+    or for a `run`, `run --resume` with its cluster file and command."""
+    if state.get("command") != "run":
+        return f"vpscluster train --resume {run_dir} --detach --controller {node}"
+    argv = list(state.get("argv") or [])
+    program = argv[argv.index("--") + 1:] if "--" in argv else ["COMMAND"]
+    return (f"vpscluster run --resume {run_dir} --detach --controller {node} --cluster {state.get('cluster', 'FILE')} -- "
+            + " ".join(shlex.quote(w) for w in program))
 
 
 _LAUNCHER_CHECK = ("import sys; from vpscluster.launch import detached, runlock; d = sys.argv[1]; "
@@ -416,7 +515,7 @@ def no_answer(state: dict[str, Any], why: str) -> UserError:
     node = state["controller"]
     return UserError(f"controller node {node} ({state.get('host', '?')}) does not answer: {why.rstrip(' .;')}; the run goes on "
                      f"there if the node does: try again later; if {node} is gone, continue the run from its newest "
-                     f"checkpoint on another node: vpscluster train --resume {run} --detach --controller NODE")
+                     f"checkpoint on another node: {continue_command(state, run)}")
 
 
 def _executor(state: dict[str, Any]):

@@ -71,9 +71,11 @@ def check_free(run_dir: Path, controller: str | None = None) -> None:
         raise runlock.refusal(Path(run_dir), held)
     state = read_state(run_dir)
     if state is not None and state.get("controller") and not controller:
+        from vpscluster.launch.controller import continue_command
+
         raise UserError(f"run {run_dir} has its launcher on node {state['controller']}: follow it with vpscluster attach "
                         f"{run_dir}, stop it with vpscluster stop {run_dir}; to continue it once its launcher is gone, run "
-                        f"vpscluster train --resume {run_dir} --detach --controller NODE")
+                        f"{continue_command(state, run_dir)}")
     if state is not None and state.get("pid") != os.getpid() and running(state):
         import socket
 

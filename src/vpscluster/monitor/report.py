@@ -87,13 +87,15 @@ def figures(run_dir: Path) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     f.update_layout(xaxis_title="step", yaxis_title="loss")
     figs.append(("Loss", f))
 
-    tps = [x["tokens"] / x["step_seconds"] if x["step_seconds"] > 0 else 0.0 for x in steps]
+    # `train` counts tokens a step; a session (`vpscluster run`) counts the samples its script reports
+    unit = "tokens" if all("tokens" in x for x in steps) else "samples"
+    tps = [x.get(unit, 0) / x["step_seconds"] if x["step_seconds"] > 0 else 0.0 for x in steps]
     share = [x["comm_seconds"] / x["step_seconds"] if x["step_seconds"] > 0 else 0.0 for x in steps]
     f = make_subplots(specs=[[{"secondary_y": True}]])
-    f.add_scatter(x=[x["step"] for x in steps], y=_moving(tps, SMOOTH), name=f"tokens/s ({SMOOTH}-step mean)", mode="lines")
+    f.add_scatter(x=[x["step"] for x in steps], y=_moving(tps, SMOOTH), name=f"{unit}/s ({SMOOTH}-step mean)", mode="lines")
     f.add_scatter(x=[x["step"] for x in steps], y=_moving(share, SMOOTH), name="communication share", mode="lines",
                   secondary_y=True)
-    f.update_yaxes(title_text="tokens/s", secondary_y=False)
+    f.update_yaxes(title_text=f"{unit}/s", secondary_y=False)
     f.update_yaxes(title_text="communication share", range=[0, 1], tickformat=".0%", secondary_y=True)
     f.update_xaxes(title_text="step")
     figs.append(("Throughput and communication", f))
