@@ -17,6 +17,9 @@ A session's split keeps the script's batch: diloco's micro-batches are inner ste
 ddp's step of world x B samples is cut into k x world parts and rank i reads one batch of its
 parts' samples, its gradient weighted by that size (`session/shard.py`): the step's gradient is
 the mean over all world x B samples, as in the even split, and every rank makes the same steps.
+A session's `auto` starts as ddp and gets ddp's split; if it switches to diloco, the session
+re-chooses the split from the speeds it measured (`session/auto.py: carry_shares`). `train`'s
+auto is planned before the launch (ddp or diloco) and balanced as what it chose.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     if auto:
         name = "ddp"
     if name not in STRATEGIES or not costs_for(name).uneven_shares:
-        cfg.strategy.balance = False  # decided: this strategy (or auto, choosing later) keeps even shares
+        cfg.strategy.balance = False  # decided: this strategy keeps even shares
         return None
     speeds = node_speeds_from_probe(probe, ranks)
     if speeds is None:

@@ -16,6 +16,13 @@ the plain model that DiLoCo trains), with the same parameters throughout, so the
 script built keeps working. Every rank holds the same weights after a DDP step, so DiLoCo starts
 from them as from a fresh setup. The choice goes into checkpoints; a resumed run takes it again
 at once instead of measuring.
+
+Uneven shares (`--micro-batches`, or balancing by default) carry over: under ddp they are parts
+of a step of world x B samples, under diloco micro-batches of B, each an inner step. When the
+choice is diloco, `carry_shares` converts the speeds the ddp steps measured to diloco's unit and
+picks its split (`plan.balance.carry_to_diloco`); the split goes into the choice, so a resume
+replays it. The data position is kept in samples (`session/shard.py`), so the step that changes
+size mid-epoch skips and repeats no sample.
 """
 
 from __future__ import annotations
