@@ -131,6 +131,8 @@ def test_dry_run_says_balancing_in_one_line_and_no_balance_turns_it_off(cli, une
         "balancing: node-4 is 3.0x slower than node-1; micro-batches 5/5/5/1 of 16 a step, 1 sequence each "
         "(--no-balance to turn off)"]
     assert _dry(cli, cluster, "--strategy", "ddp", "--no-balance") == []
+    # auto: the plan chooses before the launch (ddp or diloco), and the choice is balanced alike
+    assert len(_dry(cli, cluster, "--strategy", "auto")) == 1
     assert _dry(cli, cluster, "--strategy", "ddp", "--micro-batches", "8") == []  # explicit flags win
     assert _dry(cli, cluster, "--strategy", "ddp", "--speeds", "1,1,1,1", "--micro-batches", "8") == []
     probe([4.5e10, 4.5e10, 4.5e10, 4.0e10])  # 12.5% apart: the even split
@@ -296,3 +298,38 @@ def test_run_flags_balance():
     assert session_settings(args).strategy.balance is False
     args = p.parse_args(["--cluster", "c.yaml", "--", "python", "x.py"])
     assert session_settings(args).strategy.balance is None  # undecided: the launcher decides
+
+
+def test_run_balances_an_auto_session_as_ddp_and_says_one_line(cli, uneven_cluster, tmp_path):
+    """`run --strategy auto` on uneven nodes: auto starts as ddp, so the session gets ddp's split
+    (parts of its step, decided once, balancing on); the line says it and what a switch to diloco
+    does with it. `--no-balance` and explicit shares are left alone. Through the CLI's dry run too."""
+    from vpscluster.session.config import SessionConfig, read, write
+    from vpscluster.train.config import StrategyConfig
+
+    cluster, _ = uneven_cluster
+    said: list[str] = []
+    session = SessionConfig(strategy=StrategyConfig(name="auto"))
+    _script_job(cluster, tmp_path, session, said)
+    s = session.strategy
+    assert (s.name, s.balance, s.micro_batches) == ("auto", True, 20)
+    assert s.launcher.node_speeds == {f"node-{i + 1}": pytest.approx(v * 1e11) for i, v in enumerate(ISSUE)}
+    assert said == ["balancing: node-4 is 3.0x slower than node-1; batches 1.2/1.2/1.2/0.4 x the script's batch size "
+                    "a rank (shares 6/6/6/2 of 20), each rank's gradient weighted by its batch; if auto switches to "
+                    "diloco, the split is re-chosen from the speeds measured under ddp (--no-balance to turn off)"]
+    back = read(write(session, tmp_path))  # what session.json carries: the session takes it (no refusal)
+    assert (back.strategy.name, back.strategy.micro_batches, back.strategy.balance) == ("auto", 20, True)
+    _script_job(cluster, tmp_path, session, said)  # decided once: a relaunch keeps the split, silently
+    assert len(said) == 1
+    for strategy in (StrategyConfig(name="auto", balance=False), StrategyConfig(name="auto", micro_batches=8)):
+        session = SessionConfig(strategy=strategy)
+        before = dict(vars(strategy))
+        _script_job(cluster, tmp_path, session, said)
+        assert vars(session.strategy) == before and len(said) == 1
+
+    (tmp_path / "train_me.py").write_text("print('hi')\n")
+    r = cli("run", "--cluster", str(cluster), "--dry-run", "--strategy", "auto", "--", "python", "train_me.py",
+            timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("balancing:")]
+    assert len(lines) == 1 and "if auto switches to diloco" in lines[0], r.stdout + r.stderr

@@ -274,12 +274,18 @@ def test_a_checkpoint_of_an_epochs_last_step_resumes_at_the_next_epoch():
     seen = []
     for batch in ShardLoader(f, list(range(12)), 4, None):  # 3 steps an epoch
         seen.append(dict(f._data))
-    assert seen == [{"epoch": 0, "index": 1}, {"epoch": 0, "index": 2}, {"epoch": 1, "index": 0}]
+    assert seen == [{"epoch": 0, "index": 1, "sample": 4}, {"epoch": 0, "index": 2, "sample": 8},
+                    {"epoch": 1, "index": 0, "sample": 0}]
     loader = ShardLoader(f, list(range(12)), 4, None)
     for batch in loader:
         break
-    assert f._data == {"epoch": 1, "index": 1}
-    assert len(list(loader)) == 2 and f._data == {"epoch": 2, "index": 0}  # the rest of epoch 1, once
+    assert f._data == {"epoch": 1, "index": 1, "sample": 4}
+    assert len(list(loader)) == 2 and f._data == {"epoch": 2, "index": 0, "sample": 0}  # the rest of epoch 1, once
     old = Fake()
     old._data = {"epoch": 0, "index": 3}  # a checkpoint written before this rule: the epoch had ended
-    assert len(list(ShardLoader(old, list(range(12)), 4, None))) == 3 and old._data == {"epoch": 2, "index": 0}
+    assert len(list(ShardLoader(old, list(range(12)), 4, None))) == 3 and old._data == {"epoch": 2, "index": 0,
+                                                                                         "sample": 0}
+    older = Fake()
+    older._data = {"epoch": 0, "index": 1}  # and one from before positions in samples, mid-epoch: steps of 4
+    assert [list(map(int, b)) for b in ShardLoader(older, list(range(12)), 4, None)] == \
+        [list(map(int, b)) for b in list(ShardLoader(Fake(), list(range(12)), 4, None))[1:]]

@@ -17,6 +17,9 @@ A session's split keeps the script's batch: diloco's micro-batches are inner ste
 ddp's step of world x B samples is cut into k x world parts and rank i reads one batch of its
 parts' samples, its gradient weighted by that size (`session/shard.py`): the step's gradient is
 the mean over all world x B samples, as in the even split, and every rank makes the same steps.
+A session's `auto` starts as ddp and gets ddp's split; if it switches to diloco, the session
+re-chooses the split from the speeds it measured (`session/auto.py: carry_shares`). `train`'s
+auto is planned before the launch (ddp or diloco) and balanced as what it chose.
 """
 
 from __future__ import annotations
@@ -85,13 +88,17 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
     `run`) in place and return the one line to say (None: nothing to say - already decided, no
     figures yet, or even enough)."""
     from vpscluster.train.shares import node_speeds_from_probe
-    from vpscluster.train.strategies import STRATEGIES, costs_for
+    from vpscluster.train.strategies import AUTO, STRATEGIES, costs_for
 
     if not undecided(cfg) or not ranks:
         return None
     name = cfg.strategy.name
+    batch = _batch(cfg)
+    auto = name == AUTO and batch is None  # a session's auto starts as ddp (session/auto.py): ddp's split
+    if auto:
+        name = "ddp"
     if name not in STRATEGIES or not costs_for(name).uneven_shares:
-        cfg.strategy.balance = False  # decided: this strategy (or auto, choosing later) keeps even shares
+        cfg.strategy.balance = False  # decided: this strategy keeps even shares
         return None
     speeds = node_speeds_from_probe(probe, ranks)
     if speeds is None:
@@ -101,8 +108,7 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
         s.balance = False  # the same CPUs and GPUs everywhere: a spread in the quick FLOP/s is noise
         return None
     per_rank = [speeds[node] for node, n in ranks.items() for _ in range(n)]
-    steps = costs_for(s.name).micro_batches_are_steps
-    batch = _batch(cfg)
+    steps = costs_for(name).micro_batches_are_steps
     # diloco: a round keeps a step per fragment and its overlapped sync (at most H - 1 steps).
     round_steps = max(s.fragments, min(s.overlap_steps, s.sync_every - 1) + 1)
     moved = None
@@ -137,4 +143,8 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
         if cfg.checkpoint_every:  # a session's 0: only where the script saves
             cfg.checkpoint_every = scaled_steps(cfg.checkpoint_every, k, choice.sync_every)
     line = balance_line(speeds, ranks, choice, session=batch is None)
+    if auto:  # the same line, and what a switch to diloco does with the split
+        line = line.replace(" (--no-balance to turn off)",
+                            "; if auto switches to diloco, the split is re-chosen from the speeds measured under ddp "
+                            "(--no-balance to turn off)")
     return f"{line}; {moved}" if moved else line

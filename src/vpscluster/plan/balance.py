@@ -134,6 +134,43 @@ def choose_split_near(speeds: Sequence[float], batch_size: int, sync_every: int,
     return best_h, best
 
 
+@dataclass(frozen=True)
+class CarriedSplit:
+    """`--strategy auto` on uneven shares switching from ddp to diloco (`session/auto.py`): the
+    shares diloco runs from the next step on."""
+
+    micro_batches: int  # micro-batches of the script's batch per step, all ranks together
+    sync_every: int  # steps per round
+    shares: tuple[int, ...]
+    speeds: tuple[float, ...]  # in diloco's unit: micro-batches of the script's batch per second
+    inner_steps: float  # inner steps per rank per round, on average (the sync rule's H, or near it)
+
+
+def carry_to_diloco(speeds: Sequence[float], ddp_shares: Sequence[int], inner_steps: int, min_round_steps: int = 1,
+                    min_share: int = 1, max_spread: float = 8.0, rechoose: bool = True) -> CarriedSplit:
+    """The split a ddp session on shares (`ddp_shares`, parts of its step of world x B samples;
+    `speeds` its estimates in parts per second) continues with as diloco at the sync rule's H
+    (`inner_steps`), each micro-batch an inner step of the script's batch B. The speeds carry
+    over, converted: a part was world x B / M samples, so v parts/s is v x world / M batches/s.
+
+    `rechoose` (balancing on): the split `choose_split` makes for diloco from those speeds, which
+    keeps H inner steps per rank per round exactly (k x world micro-batches a step, rounds of
+    H / k steps); the even split (one a rank, rounds of H steps) where none is better. Off (shares
+    fixed by the user): the same shares, now micro-batches, and rounds of H x world / M steps,
+    rounded (at least `min_round_steps`), so a round holds about H inner steps per rank."""
+    world, total = len(ddp_shares), sum(ddp_shares)
+    if len(speeds) != world or total <= 0:
+        raise ValueError(f"speeds {list(speeds)} and shares {list(ddp_shares)} must be one per rank, shares > 0")
+    carried = tuple(float(v) * world / total for v in speeds)
+    if rechoose:
+        c = choose_split(carried, None, True, inner_steps, min_round_steps, min_share, max_spread)
+        if c is None:  # even enough, or too coarse to beat the even split
+            return CarriedSplit(world, max(inner_steps, 1), (1,) * world, carried, float(inner_steps))
+        return CarriedSplit(c.micro_batches, c.sync_every, c.shares, carried, float(inner_steps))
+    rounds = max(1, min_round_steps, round(inner_steps * world / total))
+    return CarriedSplit(total, rounds, tuple(int(v) for v in ddp_shares), carried, rounds * total / world)
+
+
 def scaled_steps(steps: int, k: int, multiple_of: int = 1) -> int:
     """A count of even steps as steps of k times the tokens: rounded up, at least one, and a
     multiple of `multiple_of` (DiLoCo's checkpoints fall on outer steps)."""

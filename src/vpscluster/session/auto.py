@@ -16,6 +16,13 @@ the plain model that DiLoCo trains), with the same parameters throughout, so the
 script built keeps working. Every rank holds the same weights after a DDP step, so DiLoCo starts
 from them as from a fresh setup. The choice goes into checkpoints; a resumed run takes it again
 at once instead of measuring.
+
+Uneven shares (`--micro-batches`, or balancing by default) carry over: under ddp they are parts
+of a step of world x B samples, under diloco micro-batches of B, each an inner step. When the
+choice is diloco, `carry_shares` converts the speeds the ddp steps measured to diloco's unit and
+picks its split (`plan.balance.carry_to_diloco`); the split goes into the choice, so a resume
+replays it. The data position is kept in samples (`session/shard.py`), so the step that changes
+size mid-epoch skips and repeats no sample.
 """
 
 from __future__ import annotations
@@ -87,9 +94,33 @@ def choose(session, summaries: list[dict[str, float]]) -> dict[str, Any]:
     settings, reason = choose_measured(max(step_s, 1e-6), comm_s, num_params, session.world_size,
                                        inputs.bandwidth_bytes_s, inputs.latency_s, egress=egress,
                                        ddp_bytes_per_step=nbytes, overlap_steps=s.overlap_steps)
-    return {"settings": settings, "reason": f"{reason} (links: {inputs.source})" if inputs.source else reason,
+    made = {"settings": settings, "reason": f"{reason} (links: {inputs.source})" if inputs.source else reason,
             "at_step": session.steps,
             "measured": {"compute_s": step_s, "comm_s": comm_s, "bytes_per_step": nbytes, "num_params": num_params}}
+    if session.shares is not None and settings["name"] != "ddp":
+        carry_shares(session, made)
+    return made
+
+
+def carry_shares(session, made: dict[str, Any]) -> None:
+    """Uneven shares under ddp, diloco chosen: the split diloco runs on (`plan.balance.carry_to_diloco`),
+    from the speeds the ddp steps measured, in `made` (so a resume replays it, not re-derives it)."""
+    from vpscluster.plan.balance import carry_to_diloco
+
+    settings = made["settings"]
+    cfg = dataclasses.replace(session.cfg.strategy, **settings)
+    h = cfg.sync_every
+    round_steps = max(cfg.fragments, min(cfg.overlap_steps, h - 1) + 1)
+    shares = session.shares
+    c = carry_to_diloco(shares.speeds, shares.shares, h, round_steps, cfg.min_share, cfg.max_spread,
+                        rechoose=bool(cfg.balance))
+    made["settings"] = {**settings, "sync_every": c.sync_every, "micro_batches": c.micro_batches}
+    made["split"] = {"shares": list(c.shares), "speeds": list(c.speeds), "calibrated": shares.calibrated,
+                     "inner_steps": c.inner_steps}
+    r = "s" if c.sync_every != 1 else ""
+    made["reason"] += (f"; uneven shares carried over: batches {'/'.join(map(str, c.shares))} of {c.micro_batches} "
+                       f"a step (inner steps of the script's batch), rounds of {c.sync_every} step{r} "
+                       f"({c.inner_steps:g} inner steps per rank on average)")
 
 
 def switch(session, made: dict[str, Any]) -> None:
@@ -111,3 +142,28 @@ def switch(session, made: dict[str, Any]) -> None:
     object.__setattr__(session.model, "_active", active)
     end_startup(session.ctx, session.cfg.timeouts.train_collective_s, session.strategy.collective_groups())
     session.exporter.start_outer_count(getattr(session.strategy, "outer_steps", None))
+    if session.shares is not None:
+        _switch_shares(session, cfg, made.get("split"))
+
+
+def _switch_shares(session, cfg, split: dict[str, Any] | None) -> None:
+    """The shares from ddp's parts of a step to diloco's micro-batches (`carry_shares`), and the
+    data position settled for the new step size: within the epoch it is kept in samples
+    (`session/shard.py`), so no sample is skipped or read twice across the switch."""
+    from vpscluster.train.shares import ShareController, look_every
+
+    old = session.shares
+    world = session.world_size
+    if split is None or len(split["shares"]) != world:  # a checkpoint of another world: start even
+        cfg.micro_batches = max(cfg.micro_batches, world * max(1, cfg.min_share))
+        shares = ShareController.start(world, cfg.micro_batches, None, cfg.min_share, cfg.max_spread, bool(cfg.balance))
+    else:
+        shares = ShareController(cfg.micro_batches, [float(v) for v in split["speeds"]], cfg.min_share, cfg.max_spread,
+                                 bool(cfg.balance), shares=[int(v) for v in split["shares"]],
+                                 rebalances=old.rebalances, calibrated=bool(split["calibrated"]),
+                                 history=list(old.history))
+    session.shares = shares
+    session.weighted, session._sizes = False, None  # diloco: micro-batches of the script's batch
+    session.window = [0.0, 0]  # ddp's parts are another unit: the next look measures diloco's steps
+    session.look_every = look_every(cfg.rebalance_every, cfg.sync_every)
+    session._settle_data()

@@ -36,5 +36,5 @@ def look(s: Any) -> None:
             "rebalance", step=s.steps, shares_before=before, shares=list(shares.shares),
             speeds=[round(v, 4) for v in shares.speeds], rebalances=shares.rebalances,
             split_gap=round(shares.split_gap(), 4), batch_size=s.batch_size,
-            sync_every=s.cfg.strategy.sync_every if s.strategy.micro_batches_are_steps else None,
+            sync_every=s.strategy.config.sync_every if s.strategy.micro_batches_are_steps else None,
         )

@@ -72,9 +72,6 @@ class SessionConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.strategy.name == "auto" and self.strategy.micro_batches:
-            raise UserError("--strategy auto with uneven shares (--micro-batches) is not supported yet; "
-                            "give --strategy diloco with them")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise UserError(f"time_budget must be a positive number of seconds, got {self.time_budget_s}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:

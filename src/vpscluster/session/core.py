@@ -118,7 +118,10 @@ class Session:
         self.last_loss: float | None = None  # and its loss on this rank (None: it ran no micro-batch)
         self.model = None
         self._plain = None  # the unwrapped model, also after close
-        self._data = {"epoch": 0, "index": 0}  # Session.shard's position (session/shard.py)
+        # Session.shard's position (session/shard.py): the epoch, the steps started in it and the
+        # first sample of the next step in the epoch's order (samples: a step's size may change)
+        self._data = {"epoch": 0, "index": 0, "sample": 0}
+        self._loader: Any = None  # the last `shard` loader, whose position `_settle_data` settles
         self.data: Any = None  # or a sampler of the loop's own (state_dict, load_state_dict(state, recut))
         self._micro = (0, 1)  # (this micro-batch, this rank's micro-batches in the step)
         self._optimizer = None
@@ -276,7 +279,15 @@ class Session:
         from vpscluster.session.shard import ShardLoader
 
         self.batch_size = batch_size
-        return ShardLoader(self, dataset, batch_size, collate)
+        self._loader = ShardLoader(self, dataset, batch_size, collate)
+        return self._loader
+
+    def _settle_data(self) -> None:
+        """The step's size changed (auto's switch from ddp to diloco on shares): an epoch whose
+        rest holds no step of the new size ends now, so a checkpoint of this step resumes at the
+        next one (`Session.epoch`)."""
+        if self._loader is not None:
+            self._loader.settle()
 
     def unwrap(self):
         """The plain model (not the DDP wrapper): the one saved, hashed and evaluated."""
@@ -381,12 +392,12 @@ class Session:
                            nbytes, getattr(self.strategy, "outer_steps", None))
         self.last_step, self.last_loss = (step_s, comm_s), loss_value
         self._step_loss, self._step_samples = [], 0
-        if self.auto is not None and self.auto.record(self.steps, max(0.0, step_s - comm_s), comm_s, nbytes):
-            self._choose()  # from the next step on, the chosen strategy
-        if self.shares is not None:
+        if self.shares is not None:  # before auto's choice: the step ran on the shares it measures
             from vpscluster.session.balance import after_step
 
             after_step(self, step_s - comm_s)
+        if self.auto is not None and self.auto.record(self.steps, max(0.0, step_s - comm_s), comm_s, nbytes):
+            self._choose()  # from the next step on, the chosen strategy (and its shares)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def check_replicas(self) -> None:
@@ -489,7 +500,7 @@ class Session:
         if self.data is not None:
             self.data.load_state_dict(p["sampler"], recut=recut)
         else:
-            self._data = {"epoch": int(p["sampler"]["epoch"]), "index": int(p["sampler"]["index"])}
+            self._data = {k: int(v) for k, v in p["sampler"].items() if k in ("epoch", "index", "sample")}
         torch.set_rng_state(p["rng"]["torch"])
         if "cuda" in p["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(p["rng"]["cuda"], self.device)

@@ -56,7 +56,7 @@ def build_report(s) -> dict[str, Any]:
                                                  "reason": f"{s.strategy.name}: the run ended before the "
                                                            f"measured steps the choice needs"})}
            if s.auto is not None else {}),
-        **({"micro_batches": s.cfg.strategy.micro_batches, "shares": s._shares(), "balance": bool(s.cfg.strategy.balance),
+        **({"micro_batches": s.shares.total, "shares": s._shares(), "balance": bool(s.cfg.strategy.balance),
             "speeds": [round(v, 6) for v in s.shares.speeds], "rebalances": s.shares.rebalances,
             **({"batch_sizes": list(s._sizes[2])} if s.weighted and s._sizes is not None else {})}
            if s.shares is not None else {}),

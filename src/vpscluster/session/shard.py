@@ -13,9 +13,14 @@ that of the mean loss over all its samples, as in the even split. With even shar
 same number of steps per epoch (the samples of a last, incomplete step are left out, as with
 `drop_last`), so their collectives pair up.
 
-The position (epoch, steps started in it) lives in the session and is checkpointed with it: a
-new `shard(...)` call, or a new `for` over the same loader, goes on where the last one stopped,
-and an epoch that ended starts the next one in a new order. The epoch's last step already
+The position (epoch, steps started in it, and the first sample of the next step in the epoch's
+order) lives in the session and is checkpointed with it: a new `shard(...)` call, or a new `for`
+over the same loader, goes on where the last one stopped, and an epoch that ended starts the next
+one in a new order. It is kept in samples because a step's size can change mid-epoch: `--strategy
+auto` on uneven shares starts as ddp (world x batch_size samples a step) and may switch to diloco
+(the shares' micro-batches of batch_size a step, `session/auto.py`); the next step starts at the
+sample after the last one read, so within an epoch no sample is skipped or read twice, and an
+epoch whose rest holds no whole step of the new size ends at the switch (`settle`). The epoch's last step already
 counts as the next epoch's start (`Session.epoch`), so a script resumed from a checkpoint of
 that step (`for epoch in range(s.epoch, epochs)`) trains no epoch twice.
 """
@@ -38,21 +43,49 @@ class ShardLoader:
                             f"{type(dataset).__name__} has no len()") from None
         self.session, self.dataset, self.batch_size = session, dataset, batch_size
         self.collate = collate
-        shares = session._shares()
-        # ddp's shares (`weighted`): a step is world x batch_size samples whatever the split
-        self.weighted = bool(getattr(session, "weighted", False))
-        self.total = len(shares) if self.weighted else sum(shares)
-        self.steps_per_epoch = self.num_samples // (self.total * batch_size)
+        self._fits()
+
+    @property
+    def weighted(self) -> bool:
+        """ddp's shares (`Session.weighted`): a step is world x batch_size samples whatever the split."""
+        return bool(getattr(self.session, "weighted", False))
+
+    @property
+    def total(self) -> int:
+        """Batches of batch_size a step holds, all ranks together (ranks, or micro-batches)."""
+        shares = self.session._shares()
+        return len(shares) if self.weighted else sum(shares)
+
+    @property
+    def step_samples(self) -> int:
+        return self.total * self.batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps in a whole epoch at the current step size."""
+        return self.num_samples // self.step_samples
+
+    def _fits(self) -> None:
         if self.steps_per_epoch < 1:
             raise UserError(f"the dataset has {self.num_samples} samples, fewer than one step of {self.total} "
-                            f"{'ranks' if self.weighted else 'micro-batches'} of {batch_size}; use a smaller "
+                            f"{'ranks' if self.weighted else 'micro-batches'} of {self.batch_size}; use a smaller "
                             f"batch_size or more data")
 
     def __len__(self) -> int:
-        """Batches this rank reads per epoch."""
+        """Batches this rank reads in a whole epoch at the current split."""
         if self.weighted:
             return self.steps_per_epoch
         return self.steps_per_epoch * self.session._shares()[self.session._shard_index()]
+
+    def settle(self) -> None:
+        """An epoch whose rest holds no whole step at the current size ends here (its last samples
+        are left out, as with drop_last): the position moves to the next epoch's start."""
+        pos = self.session._data
+        size = self.step_samples
+        if "sample" not in pos:  # a checkpoint from before positions were kept in samples: steps of this size
+            pos["sample"] = pos["index"] * size
+        if self.num_samples - pos["sample"] < size:
+            pos["epoch"], pos["index"], pos["sample"] = pos["epoch"] + 1, 0, 0
 
     def _collate(self, items: list) -> Any:
         if self.collate is not None:
@@ -65,21 +98,26 @@ class ShardLoader:
         from vpscluster.train.data import shard_indices
 
         s = self.session
+        self._fits()  # a step of the current size (auto's diloco steps are larger than ddp's) fits the data
+        self.settle()  # the last epoch ended: a new order
         pos = s._data
-        if pos["index"] >= self.steps_per_epoch:  # the last epoch ended: a new order
-            pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
-        order = shard_indices(self.num_samples, 0, 1, s.cfg.seed, pos["epoch"])
+        epoch = pos["epoch"]
+        order = shard_indices(self.num_samples, 0, 1, s.cfg.seed, epoch)
         shard = s._shard_index()
         b = self.batch_size
         while True:
+            if pos["epoch"] != epoch:  # the step size grew past what is left of the epoch (`Session._settle_data`)
+                return
             shares = s._shares()  # the same on every rank
-            step_first = pos["index"] * self.total * b  # the step's first sample in this epoch's order
+            total, weighted = self.total, self.weighted
+            step_first = pos["sample"]  # the step's first sample in this epoch's order
             pos["index"] += 1
-            last = pos["index"] >= self.steps_per_epoch
+            pos["sample"] = step_first + total * b
+            last = self.num_samples - pos["sample"] < total * b
             if last:  # the epoch's last step: a checkpoint of it resumes at the next epoch (`Session.epoch`)
-                pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
-            if self.weighted:  # one batch of this rank's size; its gradient weighted by it
-                sizes = s._batch_sizes(self.total * b)
+                pos["epoch"], pos["index"], pos["sample"] = epoch + 1, 0, 0
+            if weighted:  # one batch of this rank's size; its gradient weighted by it
+                sizes = s._batch_sizes(total * b)
                 first = step_first + sum(sizes[:shard])
                 s._weigh(sizes)
                 yield self._collate([self.dataset[int(j)] for j in order[first: first + sizes[shard]]])

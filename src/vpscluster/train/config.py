@@ -184,13 +184,16 @@ class StrategyConfig:
     micro_batches: Int = field(default=0, metadata=flag(
         "--micro-batches", "micro-batches of --batch-size sequences per step in all, split among the ranks by speed "
         "(default: one per rank)", "uneven", metavar="N", commands=("train", "run"),
-        helps={"run": "diloco: micro-batches per step in all, split among the ranks by --speeds (default: one per rank)"}))
+        helps={"run": "shares per step in all, split among the ranks by --speeds (default: one per rank): ddp cuts "
+               "each step's world x B samples into them, diloco runs each as an inner step of the script's batch B, "
+               "auto starts as ddp and carries them over if it switches to diloco"}))
     balance: bool | None = field(default=None, metadata=flag(
         "--balance", "measure each rank's speed as it trains and re-split the micro-batches when it changes (default: "
         "on, with a split chosen from the probe, when the nodes' speeds differ by more than 15%%; --no-balance: the "
         "even split, every rank waits for the slowest)", "uneven", negatable=True, commands=("train", "run"),
         helps={"run": "uneven shares re-split from the measured speeds (default on a cluster whose probe shows nodes "
-               "of different CPUs or GPUs: diloco gives the faster nodes more inner steps of the script's batch; "
+               "of different CPUs or GPUs: ddp and auto give the faster nodes larger batches, diloco (and auto once "
+               "it switches to diloco) more inner steps of the script's batch; "
                "--no-balance: the even split, every rank waits for the slowest)"}))
     speeds: list[Float] | None = field(default=None, metadata=flag(
         "--speeds", "relative speed of each rank to start from (e.g. 3,1; default with --balance: the cluster's last "
