@@ -267,3 +267,65 @@ def test_train_quorum_dry_run_gives_each_node_its_own_rendezvous_and_replica_gro
     assert any("torchft's lighthouse on b" in note and "at least 2 replica groups" in note for note in doc["notes"])
     r = cli("train", "--quorum", "--strategy", "diloco", "--dry-run", timeout=60)
     assert r.returncode != 0 and "--quorum trains one replica group per node of a cluster file" in r.stderr
+
+
+def test_run_quorum_dry_run_launches_as_train_quorum_and_refuses_what_cannot_work(tmp_path, cli):
+    """`run --quorum` goes through train's quorum launch: one torchrun per node (its own store on
+    its own address), the replica group's environment beside the session's settings, the
+    lighthouse on the head's address at the run's recovery floor; nothing is contacted. A script
+    not on the session API, `--nodes N` and several ranks per node are refused in one line."""
+    cluster = _three_node_file(tmp_path)
+    base = ("run", "--cluster", str(cluster), "--dry-run", "--json", "--sync", str(SCRIPTS), "--strategy", "diloco",
+            "--quorum")
+    r = cli(*base, "--", "python", "session_loop.py", "20", "0", timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [n["head"] for n in doc["nodes"]] == [True, False, False]
+    for i, n in enumerate(doc["nodes"]):
+        argv = n["argv"]
+        assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--nproc-per-node") + 1] == "1"
+        assert argv[argv.index("--rdzv-endpoint") + 1].startswith(n["address"] + ":")
+        assert "is_host=1" in argv[argv.index("--rdzv-conf") + 1]
+        assert argv[-3:] == ["session_loop.py", "20", "0"]
+        assert n["env"]["VPSC_REPLICA_GROUP"] == f"{i}/3" and n["env"]["VPSC_REPLICA_ADDR"] == n["address"]
+        assert n["env"]["TORCHFT_LIGHTHOUSE"] == "http://192.0.2.50:PORT"
+        assert n["env"]["VPSC_SESSION"].endswith("/session.json")  # the session's settings: strategy.quorum
+    assert any("torchft's lighthouse on n0" in note and "at least 2 replica groups" in note for note in doc["notes"])
+    floor = json.loads(cli(*base, "--min-nodes", "3", "--", "python", "session_loop.py", "20", "0", timeout=60).stdout)
+    assert any("at least 3 replica groups" in note for note in floor["notes"]), floor["notes"]
+    plain = json.loads(cli(*base[:-1], "--", "python", "session_loop.py", "20", "0", timeout=60).stdout)
+    assert plain["nodes"][0]["argv"][plain["nodes"][0]["argv"].index("--nnodes") + 1] == "3"  # one job, no quorum
+    assert not any("TORCHFT_LIGHTHOUSE" in n["env"] for n in plain["nodes"])
+
+    for extra, argv, message in [
+        ((), ("ddp_tutorial.py",), "--quorum: ddp_tutorial.py does not use the session API; with --quorum every node "
+                                   "runs a replica group of its own"),
+        (("--nproc-per-node", "2"), ("session_loop.py", "2", "0"), "--quorum runs one rank per node for now"),
+    ]:
+        r = cli(*base, *extra, "--", "python", *argv, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert message in r.stderr, r.stderr
+    r = cli("run", "--nodes", "2", "--strategy", "diloco", "--quorum", "--dry-run", "--", "python", "session_loop.py",
+            "2", "0", cwd=str(SCRIPTS), timeout=60)
+    assert r.returncode == 2 and "give --cluster FILE instead of --nodes N" in r.stderr, r.stderr
+    r = cli(*base[:-3], "--quorum", "--", "python", "session_loop.py", "2", "0", timeout=60)
+    assert r.returncode == 2 and "quorum needs --strategy diloco" in r.stderr, r.stderr
+
+
+def test_the_quorum_refusal_follows_the_scripts_own_modules(tmp_path):
+    """A script whose loop lives in a module of its own (beside it, in a package, or imported
+    relatively) is on the session API; one that never imports it is not."""
+    from vpscluster.launch.script_hints import quorum_refusal, uses_session
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "loop.py").write_text("from . import inner\n")
+    (tmp_path / "pkg" / "inner.py").write_text("import vpscluster.session as vs\n")
+    (tmp_path / "main.py").write_text("from pkg.loop import train\ntrain()\n")
+    (tmp_path / "helper.py").write_text("from vpscluster.session import start\n")
+    (tmp_path / "uses_helper.py").write_text("import helper\n")
+    (tmp_path / "plain.py").write_text("import torch.distributed as dist\nimport json\ndist.init_process_group('gloo')\n")
+    assert uses_session(tmp_path / "main.py") and uses_session(tmp_path / "uses_helper.py")
+    assert uses_session(tmp_path / "plain.py") is False and uses_session(tmp_path / "missing.py") is None
+    assert quorum_refusal(tmp_path / "main.py", [tmp_path]) is None
+    assert quorum_refusal(tmp_path / "plain.py", [tmp_path]).startswith("--quorum: plain.py does not use the session API")

@@ -233,3 +233,37 @@ def test_a_node_added_during_a_launch_belongs_to_the_run_and_its_join_is_recorde
         ("quorum_join", ["d"], True, 4, 8.0), d
     assert abs(d["first_sync_after_added_s"] - 10.0) < 0.2, d
     assert (e["joined"], e["joined_ok"]) == (["e"], False) and "first_sync_after_s" not in e, e
+
+
+def test_a_quorum_launch_whose_lighthouse_ended_is_relaunched_even_without_a_checkpoint(monkeypatch):
+    """`run` does not relaunch a script that failed with no checkpoint while every node answers
+    (its own error would come again), but the lighthouse's end is the run's failure, not the
+    script's: `run --quorum` relaunches it (the documented fallback), as `train --quorum` does."""
+    from types import SimpleNamespace
+
+    from vpscluster.launch import pipeline
+    from vpscluster.launch.pipeline import LaunchResult
+    from vpscluster.launch.supervisor import Supervisor
+
+    def supervise(outcomes):
+        launched = []
+
+        def launch(job):
+            launched.append(job)
+            return outcomes[len(launched) - 1]
+
+        monkeypatch.setattr(pipeline, "launch", launch)
+        sup = Supervisor(Cluster(nodes=_cluster().nodes[:3], head="a"),
+                         recovery.Policy(max_restarts=3, min_nodes=2, nodes=3, by_default=True), rejoin_poll_s=1.0,
+                         stop_grace_s=1.0, continue_with="x", retry_without_progress=False)
+        result = sup.run(lambda cluster, resume: SimpleNamespace(on_event=None, fetch_when_interrupted=None))
+        return result, launched, sup
+
+    failed = dict(ok=False, exit_status=1, run_dir="r", rdzv_id="1", nodes=[], failed_node="a")
+    ok = LaunchResult(ok=True, exit_status=0, run_dir="r", rdzv_id="2", nodes=[])
+    result, launched, sup = supervise([LaunchResult(**failed, error="the quorum's lighthouse on a ended",
+                                                    lighthouse_ended=True), ok])
+    assert result.ok and len(launched) == 2 and launched[1].relaunch and sup.restarts == 1
+    assert sup.record()[0]["kind"] == "restart"
+    result, launched, sup = supervise([LaunchResult(**failed, error="node a failed (exit status 1)"), ok])
+    assert not result.ok and len(launched) == 1 and sup.restarts == 0

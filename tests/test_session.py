@@ -289,3 +289,40 @@ def test_a_checkpoint_of_an_epochs_last_step_resumes_at_the_next_epoch():
     older._data = {"epoch": 0, "index": 1}  # and one from before positions in samples, mid-epoch: steps of 4
     assert [list(map(int, b)) for b in ShardLoader(older, list(range(12)), 4, None)] == \
         [list(map(int, b)) for b in list(ShardLoader(Fake(), list(range(12)), 4, None))[1:]]
+
+
+def test_a_session_under_vpscluster_run_announces_its_step_now_and_then(tmp_path, monkeypatch):
+    """Under `vpscluster run` (VPSC_SESSION set) rank 0 writes a `step` event at most every
+    STEP_EVENT_S (the launcher's recovery record reads them); plain `python` writes none."""
+    import io
+    import json
+    import time
+
+    import torch
+
+    from vpscluster import session
+    from vpscluster.session.config import ENV, SessionConfig, write
+    from vpscluster.session.core import STEP_EVENT_S
+    from vpscluster.train.events import EventWriter, parse_event
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert session.start().step_events_s is None
+    monkeypatch.setenv(ENV, str(write(SessionConfig(), tmp_path)))
+    s = session.start()
+    assert s.step_events_s == STEP_EVENT_S
+    out = io.StringIO()
+    s.events = EventWriter(out)
+    model = s.setup(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(6):
+        model(torch.ones(1, 2)).sum().backward()
+        s.step(opt, samples=1, loss=torch.tensor(float(i)))
+        opt.zero_grad()
+        if i == 2:
+            time.sleep(STEP_EVENT_S + 0.05)
+    s.close()
+    steps = [e["step"] for e in map(parse_event, out.getvalue().splitlines()) if e and e["event"] == "step"]
+    # The first step, then the first after the pause; not every step (they take microseconds here).
+    assert steps[0] == 1 and 4 in steps and len(steps) < 6, out.getvalue()
+    assert json.loads(out.getvalue().splitlines()[0].split(" ", 1)[1])["loss"] == 0.0

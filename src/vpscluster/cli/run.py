@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     from vpscluster.cli.output import console as make_console, emit_json
     from vpscluster.errors import UserError
     from vpscluster.launch.pipeline import dry_run
-    from vpscluster.launch.run import launch_script, recovery_policy, script_job
+    from vpscluster.launch.run import launch_script, recovery_policy, script_job, with_quorum_floor
 
     command = list(args.program)
     if command and command[0] == "--":
@@ -169,8 +169,9 @@ def _run(args: argparse.Namespace) -> int:
     job = script_job(cluster, command, sync=args.sync, run_dir=run_dir,
                      nproc_per_node=args.nodes or args.nproc_per_node,
                      force=args.force, rdzv_id=args.rdzv_id, rdzv_port=args.rdzv_port,
-                     join_timeout_s=args.join_timeout, say=make_say(console), session=session,
-                     in_place=args.nodes is not None)
+                     join_timeout_s=args.join_timeout, say=make_say(console),
+                     session=with_quorum_floor(session, cluster, recovery_cfg),  # --quorum: the lighthouse's floor
+                     in_place=args.nodes is not None, rejoin_poll_s=recovery_cfg.rejoin_poll_s)
     hint = None
     if job.program.kind == "script":  # the hand-written mp.spawn + MASTER_ADDR recipe: one line on what to change
         from vpscluster.launch.script_hints import hint as script_hint

@@ -131,6 +131,9 @@ class LaunchResult:
     error: str | None = None
     interrupted: bool = False
     stopped_by_job: bool = False  # the interrupt came from Job.stop_when, not from a person
+    # The quorum engine's lighthouse ended: the run's own failure, not the program's (the relaunch
+    # path takes over even where the program saved no checkpoint).
+    lighthouse_ended: bool = False
     ended_at: float | None = None  # time.monotonic() when the end was seen (a failure: its detection)
     failed_node: str | None = None  # the node blamed for a failure (its outcome has the first error)
     rank0_node: str | None = None
@@ -453,6 +456,7 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
                         nodes=list(outcomes.values()), error=error, interrupted=was_interrupted,
                         stopped_by_job=was_interrupted and bool(by_job), ended_at=seen_at,
                         failed_node=failed, rank0_node=router.rank0_node, fetched=fetched,
+                        lighthouse_ended=bool(watched and watched.lighthouse_ended),
                         lost_nodes=list(watched.lost) if watched else [],
                         lost_at=list(watched.lost_at) if watched else [],
                         back_nodes=list(watched.back) if watched else [],

@@ -1,7 +1,8 @@
 """The quorum engine on a cluster: a lighthouse on the head, one replica group per node.
 
-`train --quorum` (strategy.quorum, `train/strategies/quorum_diloco.py`) launches differently from
-one torchrun job over every node:
+`train --quorum` and `run --quorum` (strategy.quorum, `train/strategies/quorum_diloco.py`; `run`'s
+script gets the engine from `session.start()`) launch differently from one torchrun job over every
+node (`quorum_launch`; the same pipeline stages otherwise):
 
 - the head runs torchft's lighthouse (`nodeside/lighthouse.py`), started like the workers (the
   executor, under the node-side guard, tagged with the launch id, so teardown finds it), bound
@@ -55,6 +56,26 @@ class QuorumPlan:
     # within the launch, at most max_starts times per node; 0: it stays out until a relaunch.
     rejoin_poll_s: float = 10.0
     max_starts: int = 2
+
+
+def quorum_floor(recovery_cfg, nodes: int, local: bool) -> int:
+    """The lighthouse's `min_replicas` for a run on `nodes` nodes: its recovery floor
+    (`recovery.policy`: `--min-nodes`, else half the nodes, rounded up). `train` and `run` set
+    `strategy.quorum_min_replicas` to it once, for the whole cluster (a relaunch on fewer nodes
+    keeps it)."""
+    from vpscluster.launch.recovery import policy
+
+    return policy(recovery_cfg, nodes, local).min_nodes
+
+
+def quorum_launch(strategy, rejoin_poll_s: float, nproc_per_node: int) -> tuple[QuorumPlan | None, int]:
+    """How `train` and `run` launch `strategy` (a `StrategyConfig`) through the pipeline: with
+    `strategy.quorum`, the lighthouse's plan (at least `strategy.quorum_min_replicas` replica
+    groups) and one rank per node (its replica group); else (None, `nproc_per_node`): one
+    torchrun job over every node."""
+    if not strategy.quorum:
+        return None, nproc_per_node
+    return QuorumPlan(min_replicas=strategy.quorum_min_replicas, rejoin_poll_s=rejoin_poll_s), 1
 
 
 # After the first replica group finished, how long one started again may still log its first sync

@@ -61,13 +61,48 @@ def auto_inputs(cluster, local_ranks: int = 0):
                       egress_quotas=[list(q) for q in egress.quotas] if egress else [], source=source)
 
 
+def with_quorum_floor(session, cluster, recovery_cfg):
+    """`session` (a SessionConfig) with `--quorum`'s lighthouse floor set for the run on the
+    whole `cluster` (`quorum.quorum_floor`, as `train` sets it); unchanged without --quorum."""
+    if session is None or not session.strategy.quorum:
+        return session
+    from vpscluster.launch.quorum import quorum_floor
+
+    floor = quorum_floor(recovery_cfg, len(cluster.nodes), all(n.local for n in cluster.nodes))
+    return dataclasses.replace(session, strategy=dataclasses.replace(session.strategy, quorum_min_replicas=floor))
+
+
+def check_quorum_script(program, root: str, nproc_per_node: int, in_place: bool) -> None:
+    """`run --quorum`'s refusals, one line each: the local processes of `--nodes N` (one node:
+    one replica group), more than one rank per node, and a script not on the session API (it
+    would train alone on every node: `script_hints.quorum_refusal`)."""
+    from vpscluster.launch.script_hints import module_file, quorum_refusal
+
+    if in_place:
+        raise UserError("--quorum trains one replica group per node of a cluster file: give --cluster FILE instead "
+                        "of --nodes N (this machine's processes are one node, one group), or leave --quorum out")
+    if nproc_per_node > 1:
+        raise UserError(f"--quorum runs one rank per node for now (its replica group); drop --nproc-per-node "
+                        f"{nproc_per_node} or leave --quorum out")
+    path = os.path.join(root, program.target) if program.kind == "script" else \
+        module_file(program.target, root) if program.kind == "module" else None
+    line = quorum_refusal(path, [root]) if path else None  # a program of another kind: nothing to read
+    if line:
+        raise UserError(line)
+
+
 def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: str | None = None,
                nproc_per_node: int = 0, force: bool = False, rdzv_id: str | None = None,
                rdzv_port: int | None = None, join_timeout_s: float = 600.0, say=print,
-               session=None, in_place: bool = False) -> Job:
+               session=None, in_place: bool = False, rejoin_poll_s: float = 10.0) -> Job:
     """The job for `argv` on `cluster`; `session`: the resolved `session.config.SessionConfig`
     handed to the script's `session.start()` (None: the defaults). `in_place` (`--nodes N`, a
-    cluster of this machine): run from the script's folder, nothing copied."""
+    cluster of this machine): run from the script's folder, nothing copied. With
+    `session.strategy.quorum` (`--quorum`, its floor set by `with_quorum_floor`): the quorum
+    engine's launch, as `train --quorum`'s (`quorum.quorum_launch`: a lighthouse on the head,
+    one replica group per node; `rejoin_poll_s`: how often a lost node is asked whether it
+    answers again)."""
+    from vpscluster.launch.quorum import quorum_launch
     from vpscluster.session.config import ENV, FILE, SessionConfig
 
     root = os.path.abspath(sync or os.getcwd())
@@ -76,6 +111,8 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
     program = relative_script(parse_program(argv), root)
     if program.kind == "script" and not os.path.isfile(os.path.join(root, program.target)):
         raise UserError(f"{program.target}: no such script in {root}; run from its folder or pass --sync DIR")
+    if session is not None and session.strategy.quorum:
+        check_quorum_script(program, root, nproc_per_node, in_place)
     run_id = "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + os.urandom(3).hex()
     local_run_dir = Path(run_dir) if run_dir else Path("runs") / run_id
     if run_dir:
@@ -147,8 +184,9 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
             except Exception as e:
                 raise RemoteError(f"node {ex.node.name}: could not write the session settings: {e}") from None
 
+    quorum, nproc_per_node = quorum_launch(session.strategy, rejoin_poll_s, nproc_per_node)
     job = Job(
-        cluster=cluster, program=program, run_dir=local_run_dir, run_id=run_id,
+        cluster=cluster, program=program, run_dir=local_run_dir, run_id=run_id, quorum=quorum,
         syncs=syncs, cwd_key=cwd_key, nproc_per_node=nproc_per_node, join_timeout_s=join_timeout_s,
         store_timeout_s=min(300.0, join_timeout_s), force=force, rdzv_id=rdzv_id, rdzv_port=rdzv_port, say=say,
         env_for=env_for, prepare=prepare, check_states=check_states, run_dir_on_node=run_dir_on_node, fetch=list(SESSION_FETCH), fetch_optional=True,
@@ -216,9 +254,10 @@ def launch_script(cluster, argv: list[str], *, recovery_cfg, session=None, say=p
     from vpscluster.train import rundir
     from vpscluster.train.metrics import merge_launch, read_metrics, write_metrics
 
-    session = session or SessionConfig()
+    session = with_quorum_floor(session or SessionConfig(), cluster, recovery_cfg)
     plan = recovery_policy(cluster, recovery_cfg)
     local = plan.local
+    job_args["rejoin_poll_s"] = recovery_cfg.rejoin_poll_s
     first = script_job(cluster, argv, session=session, say=say, in_place=in_place, **job_args)
     job_args["run_dir"] = str(first.run_dir)  # every launch runs in the first one's run dir (its checkpoints)
     say(plan.line())

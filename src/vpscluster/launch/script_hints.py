@@ -7,6 +7,11 @@ starts one process per rank and sets those variables for the rendezvous it runs,
 either overwrites them with an address the other nodes cannot reach or spawns a second set of
 processes per rank, and the group never forms. `hint` reads the script's syntax tree (nothing is
 run or imported) and returns one line naming what it found, with the lines, and what to change.
+
+`run --quorum` starts one replica group per node (its own rendezvous, one process) and only the
+session API joins those groups through the lighthouse (`strategies/quorum_diloco.py`), so a
+script that does not use it would train alone on every node. `quorum_refusal` says so in one
+line, from the script's syntax tree and those of the modules of its own it imports.
 """
 
 from __future__ import annotations
@@ -99,3 +104,105 @@ def hint(path: str | Path) -> str | None:
     if not found:
         return None
     return f"hint: {Path(path).name} {'; '.join(found)}, which cannot work under vpscluster run: {FIX}"
+
+
+# --- `run --quorum`: only a session gets the quorum ----------------------------------------------
+
+QUORUM_FIX = ("with --quorum every node runs a replica group of its own (one process, its own rendezvous) and only "
+              "the session API joins them through the lighthouse: a plain torchrun script would train alone on each "
+              "node, nothing synchronised. Put the loop on the session API (from vpscluster import session; "
+              "s = session.start(); see the README's bring-your-own-model section) or drop --quorum")
+MAX_SCANNED = 200  # local modules followed from the script, at most
+
+
+def imports_session(tree: ast.AST) -> bool:
+    """Whether the module imports the session API (`from vpscluster import session`,
+    `import vpscluster.session`, `from vpscluster.session import ...`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            if any(a.name == "vpscluster.session" or a.name.startswith("vpscluster.session.") for a in node.names):
+                return True
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "vpscluster" and any(a.name == "session" for a in node.names):
+                return True
+            if node.module == "vpscluster.session" or node.module.startswith("vpscluster.session."):
+                return True
+    return False
+
+
+def _imported(tree: ast.AST, here: Path) -> list[tuple[str, Path | None]]:
+    """(dotted module, the folder a relative import starts from, else None) of each import,
+    with the names a `from M import a, b` imports as candidates M.a, M.b (a submodule or not)."""
+    out: list[tuple[str, Path | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here
+            for _ in range(max(0, node.level - 1)):
+                base = base.parent
+            start = base if node.level else None
+            module = node.module or ""
+            if module:
+                out.append((module, start))
+            out += [(f"{module}.{a.name}" if module else a.name, start) for a in node.names if a.name != "*"]
+    return out
+
+
+def _module_files(dotted: str, folders: list[Path]) -> list[Path]:
+    """The files of `dotted` (and of its parent packages) found under `folders`."""
+    parts = dotted.split(".")
+    found = []
+    for folder in folders:
+        for i in range(1, len(parts) + 1):
+            stem = folder.joinpath(*parts[:i])
+            for f in (stem.with_suffix(".py"), stem / "__init__.py", stem / "__main__.py" if i == len(parts) else None):
+                if f is not None and f.is_file():
+                    found.append(f)
+    return found
+
+
+def uses_session(path: str | Path, roots: list[str | Path] = ()) -> bool | None:
+    """Whether the script at `path`, or a module of its own it imports (found beside it or under
+    `roots`, followed up to MAX_SCANNED files), imports the session API; None when the script
+    cannot be read (nothing to say)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    folders = [path.parent.resolve(), *(Path(r).resolve() for r in roots)]
+    seen: set[Path] = set()
+    todo = [path.resolve()]
+    while todo and len(seen) < MAX_SCANNED:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            tree = ast.parse(f.read_text(errors="replace"))
+        except (OSError, SyntaxError, ValueError):
+            if f == path.resolve():
+                return None  # Python will say so itself
+            continue
+        if imports_session(tree):
+            return True
+        for dotted, start in _imported(tree, f.parent):
+            if dotted.split(".")[0] in ("vpscluster", "torch", "__future__"):
+                continue  # not the user's own code
+            todo += [m.resolve() for m in _module_files(dotted, [start] if start else folders)]
+    return False
+
+
+def quorum_refusal(path: str | Path, roots: list[str | Path] = ()) -> str | None:
+    """`run --quorum`'s one line for a script that is not on the session API, else None."""
+    if uses_session(path, roots) is not False:
+        return None
+    return f"--quorum: {Path(path).name} does not use the session API; {QUORUM_FIX}"
+
+
+def module_file(dotted: str, root: str | Path) -> Path | None:
+    """The file `python -m dotted` runs when the module is the user's own, under `root`; else None."""
+    stem = Path(root).joinpath(*dotted.split("."))
+    for f in (stem / "__main__.py", stem.with_suffix(".py")):
+        if f.is_file():
+            return f
+    return None

@@ -47,7 +47,8 @@ class Supervisor:
     launch resumes (`--resume`); `continue_with`: the command a user runs to go on by hand when
     too few nodes answer (said in the error); `min_nodes_given`: `--min-nodes` came from the user;
     `retry_without_progress` False: a launch that failed while every node still answers and that
-    saved no checkpoint is not relaunched (a script's own error would only come again: `run`)."""
+    saved no checkpoint is not relaunched (a script's own error would only come again: `run`),
+    unless the quorum's lighthouse ended (no error of the script's: `run --quorum` relaunches)."""
 
     def __init__(self, cluster, policy: recovery.Policy, *, rejoin_poll_s: float, stop_grace_s: float | None,
                  resume: bool = False, continue_with: str, min_nodes_given: bool = False,
@@ -156,7 +157,7 @@ class Supervisor:
                 return result
             # A node that teardown could not reach is out (the watcher takes it back when it answers).
             unreached = [o.name for o in result.nodes if o.name in self.current and o.teardown_error]
-            if not unreached and not self.saved and not self.retry_without_progress:
+            if not unreached and not self.saved and not self.retry_without_progress and not result.lighthouse_ended:
                 self.say("not relaunched: every node still answers and the launch saved no checkpoint, "
                          "so a relaunch would only meet the same failure")
                 return result

@@ -151,9 +151,9 @@ def prepare_training(cfg, *, resume_dir: str | os.PathLike | None = None, force:
         cfg.validate()
     load_dataset(cfg.data, get_preset(cfg.preset).seq_len, cfg.val_fraction)
     if cfg.strategy.quorum and resume_dir is None:  # the lighthouse's floor is the run's recovery floor
-        from vpscluster.launch.recovery import policy
+        from vpscluster.launch.quorum import quorum_floor
 
-        cfg.strategy.quorum_min_replicas = policy(cfg.recovery, n, not cfg.cluster).min_nodes
+        cfg.strategy.quorum_min_replicas = quorum_floor(cfg.recovery, n, not cfg.cluster)
     speeds_note = None
     if resume_dir is None:
         speeds_note = balance_from_saved_probe(cfg, cluster) or starting_speeds(cfg, cluster)
@@ -293,12 +293,10 @@ def training_job(cfg, run_dir: Path, cluster, *, resume: bool = False, force: bo
             syncs.append(SyncItem("data", data, f"data/{os.path.basename(data)}" if os.path.isdir(data) else "data"))
     run_dir_on_node = _as_seen_here(run_dir, cluster) if here else None
     nproc = cfg.nodes if cfg.cluster is None else cfg.nproc_per_node
-    quorum = None
-    if cfg.strategy.quorum:  # one replica group per node, one rank each (launch/quorum.py)
-        from vpscluster.launch.quorum import QuorumPlan
+    from vpscluster.launch.quorum import quorum_launch
 
-        quorum, nproc = QuorumPlan(min_replicas=cfg.strategy.quorum_min_replicas,
-                                   rejoin_poll_s=cfg.recovery.rejoin_poll_s), 1
+    # --quorum: one replica group per node, one rank each, a lighthouse on the head (as `run`'s)
+    quorum, nproc = quorum_launch(cfg.strategy, cfg.recovery.rejoin_poll_s, nproc)
 
     def check_states(states) -> None:  # after pre-flight, before anything is created or started
         ranks = ranks_per_node(cfg, cluster, {n: st.gpus for n, st in states.items()})

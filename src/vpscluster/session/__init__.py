@@ -41,8 +41,10 @@ def start(backend: str = "auto", **settings):
     s = Session(cfg, backend)
     import os
 
-    if os.environ.get(ENV):  # started by `vpscluster run`: rank 0's few events (resume, checkpoint, stopping)
-        from vpscluster.train.events import event_writer  # reach the launcher's recovery (launch/supervisor.py)
+    if os.environ.get(ENV):  # started by `vpscluster run`: rank 0's few events (resume, checkpoint, stopping,
+        from vpscluster.session.core import STEP_EVENT_S  # its step now and then) reach the launcher's
+        from vpscluster.train.events import event_writer  # recovery (launch/supervisor.py)
 
         s.events = event_writer(s.rank)
+        s.step_events_s = STEP_EVENT_S
     return s

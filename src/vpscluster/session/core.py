@@ -43,6 +43,10 @@ from vpscluster.session.config import SessionConfig
 from vpscluster.train import checkpoint, events, exporter, metrics, rundir, stopping
 
 RECENT_LOSSES = 10  # final_train_loss: the mean of rank 0's last this-many step losses
+# A script started by `vpscluster run`: rank 0 announces its step at most this often (a `step`
+# event), so the launcher's recovery record knows where the run was and when the survivors of a
+# failure trained again (launch/supervisor.py); a fast loop's steps are not each a line.
+STEP_EVENT_S = 0.25
 
 
 class ReplicasDiverged(UserError):
@@ -68,6 +72,10 @@ class Session:
         else:
             self.ctx = init_distributed(cfg.timeouts.startup_collective_s, backend)
         self.events = events_out if events_out is not None else events.NullEventWriter()
+        # `step` events at most every this many seconds (`session.start` under `vpscluster run`);
+        # None: none (the built-in trainer announces its own steps).
+        self.step_events_s: float | None = None
+        self._step_event_at = float("-inf")
         # --strategy auto: DDP until the first steps are measured, then the plan's choice (session/auto.py).
         self.auto = None
         if s.name == "auto":
@@ -392,6 +400,9 @@ class Session:
                            nbytes, getattr(self.strategy, "outer_steps", None))
         self.last_step, self.last_loss = (step_s, comm_s), loss_value
         self._step_loss, self._step_samples = [], 0
+        if self.step_events_s is not None and now - self._step_event_at >= self.step_events_s:
+            self._step_event_at = now
+            self.events.emit("step", step=self.steps, loss=loss_value)
         if self.shares is not None:  # before auto's choice: the step ran on the shares it measures
             from vpscluster.session.balance import after_step
 

@@ -219,7 +219,10 @@ class StrategyConfig:
     quorum: bool = field(default=False, metadata=flag(
         "--quorum", "diloco on torchft's per-step quorum: a lighthouse on the head, one replica group per node with its "
         "own rendezvous; a node that dies is left out at the next sync and the others train on without a relaunch "
-        "(needs torchft 0.2.0 on the nodes; default off)", "strategy", negatable=True))
+        "(needs torchft 0.2.0 on the nodes; default off)", "strategy", negatable=True, commands=("train", "run"),
+        helps={"run": "diloco on torchft's per-step quorum: a lighthouse on the head, one replica group per node with "
+               "its own rendezvous; a node that dies is left out at the next sync and the others train on without a "
+               "relaunch (needs a cluster file, a script on the session API and torchft 0.2.0 on the nodes; default off)"}))
     quorum_min_replicas: Int = 2
     quorum_timeout_s: Float = 60.0
     # What the launcher chose and measured for this run (never the user's settings).

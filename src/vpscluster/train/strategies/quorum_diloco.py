@@ -85,7 +85,9 @@ class ReplicaGroup:
         lighthouse, group = os.environ.get(LIGHTHOUSE_ENV), os.environ.get(REPLICA_ENV, "")
         if not lighthouse:
             raise UserError(f"strategy.quorum needs the lighthouse's address in {LIGHTHOUSE_ENV} (http://HOST:PORT); "
-                            "start the run with `vpscluster train --quorum --cluster FILE`, or start a lighthouse and set it")
+                            "start the run with `vpscluster train --quorum --cluster FILE` (the built-in trainer) or "
+                            "`vpscluster run --cluster FILE --strategy diloco --quorum -- python script.py` (a script "
+                            "on the session API), or start a lighthouse and set it")
         try:
             index, count = (int(x) for x in group.split("/"))
             if not 0 <= index < count:
