@@ -9,7 +9,7 @@ also when the test fails (and `up` cleans up after itself when it fails half-way
 half-way is cleaned with `vpscluster sandbox down --prefix TEST_PREFIX`, which touches no other
 sandbox. TEST_PREFIX is `pt-`, or $VPSC_TEST_SANDBOX_PREFIX (CI sets one per run, so two runs on
 one machine never remove each other's). `sandbox3` is one 3-node sandbox shared by a test
-module. Where a sandbox cannot be built (not root, tools or cgroups missing) the test is skipped
+module, `shared2` one 2-node sandbox shared by the modules that only launch runs on it. Where a sandbox cannot be built (not root, tools or cgroups missing) the test is skipped
 with the exact reason, never silently (and fails instead under VPSC_TESTS_REQUIRE_SANDBOX=1, see
 conftest.py).
 
@@ -90,6 +90,20 @@ def sandbox3():
     factory = SandboxFactory(kind="m-")
     try:
         yield factory(nodes=3, bandwidth="100mbit")
+    finally:
+        factory.close()
+
+
+@pytest.fixture(scope="session")
+def shared2():
+    """One 2-node sandbox at 1 Gbit/s, unlimited CPU, shared by the modules whose tests only launch
+    runs on it and leave it as they found it (no faults, no firewall, no changed node, nothing
+    left running): the quick probe its first launch takes is saved beside its cluster file and
+    serves every later launch of the session, as it serves a user's next run, instead of one
+    sandbox and one probe per module."""
+    factory = SandboxFactory(kind="s2-")
+    try:
+        yield factory(nodes=2, bandwidth="1gbit")
     finally:
         factory.close()
 

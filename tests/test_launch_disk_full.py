@@ -87,8 +87,12 @@ def rank0_node(info, run_dir: Path) -> str:
 # other in it). Steps enough that rank 0's fill, which starts around step 15-20 and may need 30
 # steps to settle (a log's last page takes lines first), is cleared long before the end on a
 # fast machine too: the margin after the clear is the one the rank-0 test had alone (120 steps
-# for a fill at step 5).
-MAX_STEPS = 135
+# for a fill at step 5). One torch thread per rank: the two nodes share this machine's 2 cores,
+# and the module checks no speed figure. Steps are faster so, while the settling is partly a
+# wait in seconds (6 s of quiet): here (0.23-0.25 s a step) the fill began at step ~17 and was
+# cleared at step 85-100 (two runs); 180 steps keep 80-95 after the clear (the 2-thread runs kept
+# ~85 of 135), room for a machine twice as fast.
+MAX_STEPS = 180
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,8 @@ def two_fills(sandbox2, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("disk-full") / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "train", "--cluster", info.cluster_file, "--preset", "tiny",
-         "--max-steps", str(MAX_STEPS), "--checkpoint-every", "5", "--eval-every", "1000", "--run-dir", str(run_dir)],
+         "--max-steps", str(MAX_STEPS), "--checkpoint-every", "5", "--eval-every", "1000", "--threads-per-rank", "1",
+         "--run-dir", str(run_dir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from fault_helpers import sandbox_name
-from sandbox_fixtures import SandboxFactory
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -107,37 +105,35 @@ def _workers(run_dir: Path) -> list[str]:
 
 @pytest.mark.sandbox
 @pytest.mark.slow
-def test_sigkilled_launcher_leaves_nothing_on_sandbox_nodes(tmp_path):
-    factory = SandboxFactory()
+def test_sigkilled_launcher_leaves_nothing_on_sandbox_nodes(shared2, tmp_path):
+    # The session's shared 2-node sandbox: the guard leaves nothing of this launch behind (what
+    # this test checks), so later modules find the nodes as they were.
+    info = shared2
+    launch_id = f"ft{uuid.uuid4().hex[:12]}"
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vpscluster", "run", "--cluster", info.cluster_file, "--sync", str(SCRIPTS),
+         "--rdzv-id", launch_id, "--run-dir", str(run_dir), "--", "python", "sleep_forever.py"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
-        info = factory(nodes=2, bandwidth="1gbit", name=sandbox_name())
-        launch_id = f"ft{uuid.uuid4().hex[:12]}"
-        run_dir = tmp_path / "run"
-        proc = subprocess.Popen(
+        wait_for_log(run_dir, "ready rank", proc, timeout_s=90)
+        # Workers, torchrun agents and guards, on both nodes.
+        before = launch_processes(launch_id)
+        assert len(before) >= 4
+        # A second launch of the same run (its id: the run folder's name), from another local
+        # folder, as from another machine: the nodes' run lock refuses it; the first is unharmed.
+        second = subprocess.run(
             [sys.executable, "-m", "vpscluster", "run", "--cluster", info.cluster_file, "--sync", str(SCRIPTS),
-             "--rdzv-id", launch_id, "--run-dir", str(run_dir), "--", "python", "sleep_forever.py"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            wait_for_log(run_dir, "ready rank", proc, timeout_s=90)
-            # Workers, torchrun agents and guards, on both nodes.
-            before = launch_processes(launch_id)
-            assert len(before) >= 4
-            # A second launch of the same run (its id: the run folder's name), from another local
-            # folder, as from another machine: the nodes' run lock refuses it; the first is unharmed.
-            second = subprocess.run(
-                [sys.executable, "-m", "vpscluster", "run", "--cluster", info.cluster_file, "--sync", str(SCRIPTS),
-                 "--run-dir", str(tmp_path / "elsewhere" / "run"), "--", "python", "sleep_forever.py"],
-                capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            assert second.returncode != 0 and "run run already runs on this node" in second.stderr, second.stderr[-2000:]
-            assert f"(launch {launch_id}: its guard" in second.stderr, second.stderr[-2000:]
-            assert proc.poll() is None and launch_processes(launch_id) == before
-            kill_and_watch(proc, lambda: launch_processes(launch_id))
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+             "--run-dir", str(tmp_path / "elsewhere" / "run"), "--", "python", "sleep_forever.py"],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert second.returncode != 0 and "run run already runs on this node" in second.stderr, second.stderr[-2000:]
+        assert f"(launch {launch_id}: its guard" in second.stderr, second.stderr[-2000:]
+        assert proc.poll() is None and launch_processes(launch_id) == before
+        kill_and_watch(proc, lambda: launch_processes(launch_id))
     finally:
-        factory.close()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_node_lock_refuses_a_second_launch_of_the_run_while_the_first_lives(tmp_path):

@@ -298,7 +298,9 @@ def test_the_lighthouse_killed_falls_back_to_a_relaunch_without_a_hang(sandbox, 
     from vpscluster.cluster.sandbox import faults
 
     config = tmp_path / "train.yaml"
-    config.write_text(CONFIG.replace("checkpoint_every: 100", "checkpoint_every: 10"))
+    # One torch thread per rank: three ranks of two threads each crawl on a 2-core machine, and
+    # this test checks no speed figure (its step counts make no race with a start, as the first's do).
+    config.write_text("threads_per_rank: 1\n" + CONFIG.replace("checkpoint_every: 100", "checkpoint_every: 10"))
     run_dir = tmp_path / "run"
     max_steps = 30
     proc, lines = _start_train(cluster_file(sandbox, cluster_dir / "cluster.yaml", 3), config, run_dir, max_steps)

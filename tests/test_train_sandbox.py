@@ -3,8 +3,9 @@ what runs on the nodes: DiLoCo, bf16 gradient compression, `--strategy auto`, `-
 `--time-budget`, `--detach` then `stop` (a checkpoint on the nodes, nothing left running, a
 resume from it), and pre-flight refusing a node whose PyTorch differs.
 
-One sandbox serves the whole module (start-up is the expensive part); the smallest preset, few
-steps, small batches and one thread per rank keep each run short. After every run the ranks'
+One sandbox serves the whole module, shared with other launch-only modules (start-up and the
+first launch's quick probe are the expensive part); the smallest preset, few steps, small
+batches and one thread per rank keep each run short. After every run the ranks'
 final weights are compared by hash (`per_rank[].model_sha256`), not only their losses.
 """
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import pid_alive, processes_mentioning
-from sandbox_fixtures import SandboxFactory, node_run_dir
+from sandbox_fixtures import node_run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -27,12 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def sandbox2():
-    factory = SandboxFactory(kind="tr-")
-    try:
-        yield factory(nodes=2, bandwidth="1gbit")
-    finally:
-        factory.close()
+def sandbox2(shared2):
+    """The session's shared 2-node sandbox (sandbox_fixtures.shared2): these tests leave it as they
+    found it (test_preflight_refuses_a_node_whose_torch_differs changes a copy of its cluster file)."""
+    return shared2
 
 
 @pytest.fixture(scope="module")
