@@ -136,6 +136,25 @@ def test_dry_run_text_names_every_node(tmp_path, cli):
     assert "# a (192.0.2.50, head)" in r.stdout and "torchrun.py" in r.stdout
 
 
+def test_run_threads_per_rank_sets_omp_num_threads_on_every_node(tmp_path, cli):
+    """`run --threads-per-rank N`: OMP_NUM_THREADS=N in every node's environment (torch's own
+    choice without it); a negative N is a one-line error."""
+    key = tmp_path / "k"
+    key.write_text("x")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"defaults: {{identity_file: {key}}}\nnodes:\n  - {{name: a, host: 192.0.2.50}}\n"
+                       "  - {name: b, host: 192.0.2.51}\n")
+    argv = ["run", "--cluster", str(cluster), "--dry-run", "--json", "--sync", str(SCRIPTS)]
+    r = cli(*argv, "--threads-per-rank", "1", "--", "python", "ddp_tutorial.py", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [" OMP_NUM_THREADS=1 " in n["command"] for n in json.loads(r.stdout)["nodes"]] == [True, True]
+    r = cli(*argv, "--", "python", "ddp_tutorial.py", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not any("OMP_NUM_THREADS" in n["command"] for n in json.loads(r.stdout)["nodes"])
+    r = cli(*argv, "--threads-per-rank", "-2", "--", "python", "ddp_tutorial.py", timeout=60)
+    assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "threads_per_rank must not be negative" in r.stderr
+
+
 def test_run_without_command_is_one_line_error(tmp_path, cli):
     key = tmp_path / "k"
     key.write_text("x")

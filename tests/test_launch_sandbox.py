@@ -118,8 +118,9 @@ def test_diloco_keeps_the_egress_quota_written_in_the_cluster_file(sandbox3, cli
 
 def test_plain_ddp_script_runs_unchanged_with_identical_weights(sandbox3, cli, tmp_path):
     run_dir = tmp_path / "run"
+    # One torch thread per rank (OMP_NUM_THREADS): the three nodes share this machine's 2 cores.
     r = cli("run", "--cluster", sandbox3.cluster_file, "--json", "--run-dir", str(run_dir), "--sync", str(SCRIPTS),
-            "--", "python", "ddp_tutorial.py", "--epochs", "2", timeout=300)
+            "--threads-per-rank", "1", "--", "python", "ddp_tutorial.py", "--epochs", "2", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["ok"] and [n["exit_status"] for n in doc["nodes"]] == [0, 0, 0]
@@ -137,7 +138,7 @@ def test_failing_rank_is_named_and_nothing_is_left(sandbox3, cli, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     r = cli("run", "--cluster", sandbox3.cluster_file, "--run-dir", str(run_dir), "--sync", str(SCRIPTS),
-            "--", "python", "fail_on_rank.py", "--rank", "2", "--hang", timeout=300)
+            "--threads-per-rank", "1", "--", "python", "fail_on_rank.py", "--rank", "2", "--hang", timeout=300)
     assert r.returncode == 1
     # The node that ran rank 2 is named, with the last line of rank 2's traceback.
     culprit = next(n.name for n in sandbox3.nodes if "/2 " in (run_dir / "logs" / f"{n.name}.log").read_text())
@@ -170,9 +171,10 @@ def test_sync_copies_over_ssh_by_content_hash(sandbox3, tmp_path):
 
 def test_sigint_stops_every_process_on_every_node(sandbox3, tmp_path):
     run_dir = tmp_path / "run"
+    # One thread per rank: the three nodes share this machine's 2 cores (no speed figure is checked).
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "train", "--cluster", sandbox3.cluster_file, "--max-steps", "5000",
-         "--run-dir", str(run_dir)],
+         "--threads-per-rank", "1", "--run-dir", str(run_dir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -232,7 +234,8 @@ def test_train_from_copied_code_and_data_when_nothing_is_shared(sandbox3, tmp_pa
     corpus = tmp_path / "corpus.txt"
     with gzip.open(REPO / "src" / "vpscluster" / "data" / "kjv.txt.gz", "rt") as f:
         corpus.write_text(f.read(200_000))
-    cfg = build(TrainConfig, {"max_steps": 3, "eval_every": 3, "data": str(corpus), "cluster": sandbox3.cluster_file})
+    cfg = build(TrainConfig, {"max_steps": 3, "eval_every": 3, "threads_per_rank": 1, "data": str(corpus),
+                              "cluster": sandbox3.cluster_file})
     run_dir = rundir.create(tmp_path / "copied")
     rundir.write_config(cfg, run_dir)
     lines, events = [], []
@@ -291,7 +294,8 @@ def test_run_diloco_user_script_cuts_bytes_by_about_h_with_equal_hashes(sandbox3
     for name, flags in (("ddp", ()), ("diloco", ("--strategy", "diloco", "--sync-every", str(h)))):
         run_dir = tmp_path / name
         r = cli("run", "--cluster", sandbox3.cluster_file, "--run-dir", str(run_dir), "--sync", str(REPO / "examples"),
-                *flags, "--", "python", "image_classifier.py", "--epochs", "2", "--samples", "1536", timeout=300)
+                "--threads-per-rank", "1", *flags, "--", "python", "image_classifier.py", "--epochs", "2", "--samples", "1536",
+                timeout=300)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         report = json.loads((run_dir / "report.json").read_text())  # fetched from rank 0's node
         assert report["strategy"] == name and report["world_size"] == 3 and report["steps"] == 2 * 1536 // (3 * 32)
@@ -322,7 +326,8 @@ def test_run_goes_on_without_a_dead_node_from_the_session_checkpoint(sandbox3, t
     assert "connect_timeout_s: 5\n" in cluster_file.read_text()
     proc = subprocess.Popen(
         [sys.executable, "-m", "vpscluster", "run", "--cluster", str(cluster_file), "--run-dir", str(run_dir),
-         "--sync", str(REPO / "examples"), "--checkpoint-every", "10", "--collective-timeout", "5", "--json",
+         "--sync", str(REPO / "examples"), "--checkpoint-every", "10", "--collective-timeout", "5", "--threads-per-rank", "1",
+         "--json",
          "--", "python", "image_classifier.py", "--epochs", "2", "--samples", "9600"],
         stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import pid_alive, run_cli
 from test_monitor_exporters import scrape, value
-from sandbox_fixtures import node_run_dir
+from sandbox_fixtures import TEST_PREFIX, node_run_dir
 from test_monitor_prometheus import wait_for
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
@@ -32,7 +32,7 @@ def test_monitor_a_sandbox_run(make_sandbox, tmp_path):
     from vpscluster.monitor import query
     from vpscluster.train.config import TrainConfig
 
-    info = make_sandbox(nodes=3, bandwidth="100mbit", name=f"mon-{secrets.token_hex(3)}")
+    info = make_sandbox(nodes=3, bandwidth="100mbit", name=f"{TEST_PREFIX}mon-{secrets.token_hex(3)}")
     cluster = load_cluster(info.cluster_file)
     r = run_cli("monitor", "up", "--cluster", info.cluster_file, "--scrape-interval", "1", "--json", timeout=300)
     assert r.returncode == 0, r.stderr
@@ -50,8 +50,10 @@ def test_monitor_a_sandbox_run(make_sandbox, tmp_path):
             corpus.write_text(f.read(400_000))
         # The checks below need the run alive: they were done ~6 s into its training here (~17 s
         # once on a busier machine); the rest of the budget is waited out after them.
+        # One torch thread per rank: the sandbox's three nodes share this machine's 2 cores (no speed
+        # figure is checked).
         cfg = TrainConfig(cluster=info.cluster_file, data=str(corpus), max_steps=100000, time_budget_s=22,
-                          eval_every=100000, checkpoint_every=100000, run_dir=str(tmp_path / "mon-run"))
+                          eval_every=100000, checkpoint_every=100000, threads_per_rank=1, run_dir=str(tmp_path / "mon-run"))
         seen: dict = {}
         done: dict = {}
 

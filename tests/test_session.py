@@ -227,6 +227,24 @@ def test_one_process_without_a_launcher(tmp_path, monkeypatch):
     assert out["losses"][-1] < out["losses"][0]
 
 
+def test_threads_per_rank_sets_torchs_threads(monkeypatch):
+    """`run --threads-per-rank N` reaches the script as session.json's key (and OMP_NUM_THREADS,
+    test_launch_commands.py); `session.start` sets torch's intra-op threads from it."""
+    import torch
+
+    from vpscluster import session
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "VPSC_SESSION"):
+        monkeypatch.delenv(var, raising=False)
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        s = session.start(threads_per_rank=want)
+        assert torch.get_num_threads() == want and s.world_size == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_shard_splits_each_epoch_anew_and_covers_every_sample_once():
     from vpscluster.session.config import SessionConfig
 

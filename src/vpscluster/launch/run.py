@@ -167,8 +167,8 @@ def script_job(cluster, argv: list[str], *, sync: str | None = None, run_dir: st
         env = {ENV: posixpath.join(job.node_run_dir(state.workdir), FILE)}
         if "vpscluster" in where:
             env["PYTHONPATH"] = posixpath.dirname(where["vpscluster"])
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
+        if session.threads_per_rank or threads:  # the user's --threads-per-rank, else this machine's share
+            env["OMP_NUM_THREADS"] = str(session.threads_per_rank or threads)
         return env
 
     async def prepare(ex, state, where, node_run_dir) -> None:

@@ -38,6 +38,10 @@ def start(backend: str = "auto", **settings):
 
         raise UserError(f"session.start(backend={backend!r}): choose auto, gloo or nccl")
     cfg = from_environment(**settings)
+    if cfg.threads_per_rank:  # `run --threads-per-rank N` (OMP_NUM_THREADS too) or the script's own keyword
+        import torch
+
+        torch.set_num_threads(cfg.threads_per_rank)
     s = Session(cfg, backend)
     import os
 

@@ -55,6 +55,11 @@ class SessionConfig:
     time_budget_s: Float | None = field(default=None, metadata=flag(
         "--time-budget", "stop every rank after the same step once this much training time is spent", "what",
         metavar="SECONDS", commands=("run",)))
+    # torch threads per rank (OMP_NUM_THREADS on every node, and `session.start` sets it); 0: torch's
+    # own choice, or on this machine (`--nodes N`) its CPUs divided among the ranks
+    threads_per_rank: Int = field(default=0, metadata=flag(
+        "--threads-per-rank", "torch threads per rank on every node (OMP_NUM_THREADS; default: torch's own, "
+        "or with --nodes N this machine's CPUs divided among the ranks)", "what", metavar="N", commands=("run",)))
     seed: Int = 1337  # the data order of `Session.shard` (the same on every rank)
     # Where report.json, metrics.jsonl and checkpoints/ go on this node; None: nowhere (a plain
     # `python script.py` writes no files unless the script names a run dir).
@@ -79,6 +84,8 @@ class SessionConfig:
         name = self.strategy.name
         if self.strategy.compress != "none" and name in COSTS and not costs_for(name).takes("compress"):
             raise UserError(f"--compress applies to ddp; for {name} choose the pseudo-gradient's --wire-dtype")
+        if self.threads_per_rank < 0:
+            raise UserError(f"threads_per_rank must not be negative (0 = automatic), got {self.threads_per_rank}")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"seed must be between 0 and 2**32 - 1, got {self.seed}")
 
