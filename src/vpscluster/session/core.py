@@ -144,6 +144,10 @@ class Session:
         self._step_samples = 0
         self._finalized = False
         self._closed = False
+        if self._owns_group:  # a script that never calls close(): its groups go before the interpreter's teardown
+            import atexit
+
+            atexit.register(self._at_exit)
 
     # ---- where this process sits ----------------------------------------------------------
     @property
@@ -573,6 +577,18 @@ class Session:
         self.shutdown()
         return report
 
+    def _at_exit(self) -> None:
+        """atexit: `shutdown` for a script that ended without `close` (no final sync, no report),
+        so its process groups are destroyed and freed while the interpreter is whole
+        (`session/dist.py: release_groups`)."""
+        if self._closed:
+            return
+        try:
+            self.shutdown()
+        except Exception as e:  # the exit goes on; one line, not a traceback
+            print(f"vpscluster: the session's shutdown at exit failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+
     def shutdown(self) -> None:
         """The strategy's threads, the metrics file and the exporter closed; the process group
         destroyed when this session made it. Whatever holds the group (DDP's reducer) goes first:
@@ -582,6 +598,9 @@ class Session:
 
         import torch.distributed as dist
 
+        import atexit
+
+        atexit.unregister(self._at_exit)
         self._closed = True
         self.strategy.close()
         self.metrics.close()
@@ -591,3 +610,8 @@ class Session:
         gc.collect()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self._owns_group:  # the destroyed groups' backends freed now, their threads joined (release_groups)
+            from vpscluster.session.dist import release_groups
+
+            release_groups(self.ctx, self.strategy, self)
+            gc.collect()

@@ -5,6 +5,8 @@
   harness) created itself.
 - `end_startup`: start-up is over, the same groups' time-out drops to the training one
   (torchtitan's init/train time-outs), so a dead peer stops the job quickly instead of hanging it.
+- `release_groups`: after `destroy_process_group`, drop the references that would keep a
+  destroyed group's C++ backend (and gloo's threads) alive into the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def init_distributed(startup_collective_s: float, backend: str) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "MASTER_ADDR" in os.environ:
+        # Imported after the default group exists (a script's first optimizer imports it),
+        # torch._dynamo keeps that group's gloo backend alive past destroy_process_group (torch
+        # 2.13, seen here: its worker threads outlive `close`, into the interpreter's teardown;
+        # release_groups). Imported first, it does not. Every loop with an optimizer pays it anyway.
+        import torch._dynamo  # noqa: F401
+
         timeout = timedelta(seconds=startup_collective_s)
         dist.init_process_group(backend, store=_job_store(timeout), rank=rank, world_size=world, timeout=timeout)
         group = dist.group.WORLD
@@ -82,3 +90,28 @@ def end_startup(ctx: DistContext, train_collective_s: float, groups: list | tupl
     if set_timeout is not None:
         for group in (ctx.group, *groups):
             set_timeout(timedelta(seconds=train_collective_s), group)
+
+
+def release_groups(*holders: Any) -> int:
+    """Set every attribute of `holders` that is a process group to None; the count dropped.
+
+    `destroy_process_group` only unregisters a group: its C++ backend (gloo's worker and I/O
+    threads) lives on while any Python reference holds it (the context's `group`, a strategy's
+    sync or agreement group), and is then freed wherever the last reference goes - for a user's
+    script, in the interpreter's teardown. A gloo worker that still drops its last finished
+    work there (tensors whose Python objects it owns) takes the GIL of a finalizing interpreter,
+    is ended by pthread_exit inside a noexcept destructor, and the process aborts
+    ("terminate called without an active exception", SIGABRT; pytorch PR 179291 describes it for
+    a group never destroyed). Dropped here, the backend is freed at once: its destructor drains
+    the work queue and joins the threads while the interpreter is whole."""
+    import torch.distributed as dist
+
+    dropped = 0
+    for holder in holders:
+        if holder is None:
+            continue
+        for name, value in list(vars(holder).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(holder, name, None)
+                dropped += 1
+    return dropped
