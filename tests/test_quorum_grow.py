@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+import signal
+import time
 
 import pytest
 import yaml
@@ -72,7 +76,6 @@ def test_the_launch_loop_drains_a_removed_node_and_refuses_the_head(tmp_path):
     leaves (its DRAINED line, exit 0) and is reported once as drained at its step, cleaned up and
     not counted as the run's end (the others go on, not started again); the head's removal is refused."""
     import asyncio
-    import time
 
     from vpscluster.cluster.local import LocalExecutor
     from vpscluster.cluster.node import Node
@@ -160,3 +163,102 @@ def test_an_added_node_gets_a_fresh_replica_id_and_the_planned_ones_keep_their_s
         (c,) = build_commands(job, states, {}, "id", 1, {name: 100}, "http://h:1", planned=3, only=name, indexes=indexes)
         (groups[name],) = [w.split("=", 1)[1] for w in c.shell().split() if w.startswith("VPSC_REPLICA_GROUP=")]
     assert groups == {"n2": "1/3", "n4": "5/6", "n5": "4/5"}, groups
+
+
+# ---- the sandbox: a node removed from the cluster file of a running job ------------------------
+
+DRAIN_CONFIG = """\
+checkpoint_every: 100
+eval_every: 1000
+eval_batches: 2
+log_every: 1
+strategy: {name: diloco, sync_every: 10, wire_dtype: fp32, outer_warmup: 0, sync_timeout_s: 20, quorum_timeout_s: 30, sync_hashes: true}
+timeouts: {train_collective_s: 20, startup_collective_s: 60, rendezvous_s: 60, stop_grace_s: 10}
+recovery: {rejoin_poll_s: 1}
+"""
+DRAIN_STEPS = 60  # H = 10: a round (3-6 s here) outlasts the lighthouse's 2 s heartbeat time-out
+REMOVE_AT = 12  # node-3 leaves the file once rank 0 passed this step and node-3 took part in a sync
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_a_node_removed_from_the_cluster_file_drains_at_a_sync_and_the_others_go_on_at_once(tmp_path):
+    """Three sandbox nodes, `train --quorum`; node-3 goes out of the cluster file mid-run. Checked
+    from outside: it leaves right after an outer sync it took part in (the launcher's one line, its
+    exit 0, no relaunch, a `quorum_drain` in the report), its processes are gone while the others
+    still train, the survivors' step gap at their next quorum is that of their other quorums (no
+    time-out wait), and every outer sync's weights hash alike: the three's to the drain, then the
+    two's to the last step."""
+    from sandbox_fixtures import SandboxFactory, cmdline
+    from test_quorum_sandbox import StepWatch, _log, _start_train, cluster_file
+    from vpscluster.cluster.sandbox import faults
+    from vpscluster.launch.logs import diloco_sync_hashes
+
+    factory = SandboxFactory(kind="dr-")
+    try:
+        sandbox = factory(nodes=3, bandwidth="1gbit")
+        config = tmp_path / "train.yaml"
+        config.write_text(DRAIN_CONFIG)
+        run_dir = tmp_path / "run"
+        cluster = cluster_file(sandbox, tmp_path / "cluster.yaml", 3)
+        proc, lines = _start_train(cluster, config, run_dir, DRAIN_STEPS)
+        watch = StepWatch(run_dir / "logs" / "node-1.log")
+        workers = ("torch.distributed.run", "vpscluster.train.worker")
+        try:
+            deadline = time.monotonic() + 150
+            while watch.last_step() < REMOVE_AT or "world 3 sha256" not in _log(run_dir, "node-3"):
+                assert proc.poll() is None and time.monotonic() < deadline, "\n".join(lines[-40:])
+                time.sleep(0.05)
+            cluster_file(sandbox, cluster, 2)
+            removed_step = watch.last_step()
+            while not any("node-3 drained at step" in x for x in lines):
+                assert proc.poll() is None and time.monotonic() < deadline + 60, "\n".join(lines[-40:])
+                time.sleep(0.05)
+            time.sleep(2.0)  # the launcher's clean-up of node-3 (one SSH round trip)
+            running = watch.last_step()
+            left = [cmdline(p) for p in faults.node_pids(sandbox, sandbox.node("node-3"))
+                    if any(w in cmdline(p) for w in workers)]
+            proc.wait(timeout=200)
+            out = proc.stdout.read()
+        finally:
+            watch.stop()
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+    finally:
+        factory.close()
+    text = "\n".join(lines)
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    assert not left and running < DRAIN_STEPS, (left, running)  # gone while the others still trained
+    (said,) = [x for x in lines if "node-3 drained at step" in x]
+    step = int(re.search(r"node-3 drained at step (\d+): removed from the cluster file$", said).group(1))
+    # Its round's sync, or the next round's where less than the heartbeat time-out was left of it.
+    asked = [x for x in _log(run_dir, "node-3").splitlines() if "drain" in x and "$ " not in x]
+    assert step % 10 == 0 and removed_step < step <= removed_step + 30, (said, removed_step, asked)
+    print(f"drain: {asked}")
+    assert "relaunching" not in text and "node node-3 failed" not in text, text[-3000:]
+    report = json.loads(out)
+    assert report["steps"] == DRAIN_STEPS
+    (drain,) = report["recoveries"]
+    assert drain["kind"] == "quorum_drain" and drain["drained"] == ["node-3"] and drain["after_step"] == step, drain
+    assert f"replica group 2: drained at step {step}:" in _log(run_dir, "node-3")
+
+    # Every outer sync alike on the replicas that logged it: the three's to node-3's last, then the two's.
+    syncs = diloco_sync_hashes(run_dir / "logs")
+    assert all(len(by_hash) == 1 for by_hash in syncs.values()), syncs
+    for key, by_hash in syncs.items():
+        (ranks,) = by_hash.values()
+        want = {"node-1/0", "node-2/0", "node-3/0"} if key[3] <= step else {"node-1/0", "node-2/0"}
+        if key[3] > 10:  # node-3's start may miss the first quorum on a loaded machine
+            assert ranks == want and key[0] == len(want), (key, ranks)
+    assert max(k[3] for k in syncs) == DRAIN_STEPS and any(k[3] == step and k[0] == 3 for k in syncs), sorted(syncs)
+
+    # The survivors' wait at the quorum after the drain, against their waits at the other quorums
+    # (the step after each sync: a sync's reduction and the next quorum).
+    at = dict((s, t) for t, s in watch.seen)
+    # (Not the first sync's: a replica started late on a loaded machine may still be on its way.)
+    gap = {s: round(at[s + 1] - at[s], 2) for s in range(20, DRAIN_STEPS, 10) if s in at and s + 1 in at}
+    others = [g for s, g in gap.items() if s != step]
+    print(f"drain: node-3 removed after step {removed_step}, drained at step {step}; rank 0's gap after that sync "
+          f"{gap[step]:.2f} s, after its other syncs {min(others):.2f}-{max(others):.2f} s ({gap})")
+    assert gap[step] < max(others) + 0.5, gap  # no heartbeat (2 s) or failure time-out (20 s) waited for
