@@ -81,10 +81,12 @@ def test_the_launch_loop_drains_a_removed_node_and_refuses_the_head(tmp_path):
     from vpscluster.cluster.node import Node
     from vpscluster.launch.quorum import Rejoin, Watched, drain_watch, watch
 
-    drain = tmp_path / "drain"
-    scripts = {"node-1": "sleep 4; echo done", "node-2": "sleep 4; echo done",
+    drain, gone = tmp_path / "drain", tmp_path / "gone"
+    others = f"while [ ! -e {gone} ]; do sleep 0.05; done; sleep 1; echo done"  # they train on past the drain
+    scripts = {"node-1": others, "node-2": others,
                "node-3": f"while [ ! -e {drain} ]; do sleep 0.05; done; "
-                         "echo 'replica group 2: drained at step 35: left the quorum after outer step 7' >&2"}
+                         "echo 'replica group 2: drained at step 35: left the quorum after outer step 7' >&2; "
+                         f"touch {gone}"}
     lines: list[tuple[str, str]] = []
 
     class Router:
