@@ -167,6 +167,69 @@ def test_an_added_node_gets_a_fresh_replica_id_and_the_planned_ones_keep_their_s
     assert groups == {"n2": "1/3", "n4": "5/6", "n5": "4/5"}, groups
 
 
+def test_a_drained_replica_syncs_its_last_round_and_leaves_and_the_others_do_not_wait(tmp_path):
+    """The replica's side (session API, local processes, a real lighthouse): replica 2's drain file
+    created just after a sync, with more of the round left than the lighthouse's heartbeat
+    time-out. It stops heartbeating, takes part in that round's sync (its hash alike with the
+    others'), prints its DRAINED line, reports `stopped_by: drained` and exits 0; the others train
+    on to the end in syncs of two, and their step after that sync (their next quorum) takes no
+    longer than their other quorum steps: no heartbeat or failure time-out waited for."""
+    import subprocess
+    import sys
+
+    from test_quorum_session import HEARTBEAT_MS, SCRIPT, SRC, Replicas
+    from vpscluster.launch.lighthouse import start_lighthouse
+    from vpscluster.train.strategies.quorum_diloco import DRAIN_ENV, drained_step
+
+    every, step_s, steps = 10, 0.3, 40  # a round (3 s) outlasts the heartbeat time-out (2 s)
+
+    class Draining(Replicas):
+        """Replica groups with H = `every`, each with its drain file (VPSC_DRAIN_FILE) in `tmp`."""
+
+        def start(self, i, *extra):
+            env = {**os.environ, "TORCHFT_LIGHTHOUSE": self.lighthouse, "VPSC_REPLICA_GROUP": f"{i}/{self.count}",
+                   DRAIN_ENV: str(self.tmp / f"drain{i}"), "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}
+            with open(self.tmp / f"out{i}", "a") as out, open(self.tmp / f"err{i}", "a") as err:
+                self.procs[i] = subprocess.Popen(
+                    [sys.executable, str(SCRIPT), str(self.tmp / f"r{i}"), str(self.steps), str(every), "int8",
+                     str(self.step_s)], stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
+            return self.procs[i]
+
+    lh = start_lighthouse("127.0.0.1", min_replicas=2, heartbeat_timeout_ms=HEARTBEAT_MS, log=tmp_path / "lh.log")
+    run = Draining(tmp_path, lh.address, count=3, steps=steps, step_s=step_s)
+    try:
+        for i in range(3):
+            run.start(i)
+        run.wait_for_step(2, every + 1)
+        (tmp_path / "drain2").touch()
+        codes = run.wait_all(timeout_s=90)
+    finally:
+        run.stop_all()
+        lh.stop()
+    assert codes == {0: 0, 1: 0, 2: 0}, [run.stderr(i) for i in range(3)]
+    (left,) = [drained_step(x) for x in run.stderr(2).splitlines() if drained_step(x) is not None]
+    assert left == 2 * every, run.stderr(2)  # the round the request came in: seen with ~2.5 s of it left
+    assert "draining: out of the lighthouse's next quorum; its last outer sync is at step 20" in run.stderr(2)
+    (report,) = run.reports(2)
+    assert report["steps"] == left and report["strategy_details"]["drained_at"] == left, report
+    # Every outer sync alike; the drained one's last with all three, the later ones the others' alone.
+    by_step: dict[int, set[str]] = {}
+    worlds: dict[int, set[int]] = {}
+    for i in range(3):
+        for line in run.sync_lines(i):
+            by_step.setdefault(line["step"], set()).add(line["sha256"])
+            worlds.setdefault(line["step"], set()).add(line["world_size"])
+    assert all(len(v) == 1 for v in by_step.values()), by_step
+    assert worlds[left] == {3} and all(worlds[s] == {2} for s in by_step if s > left) and max(by_step) == steps, worlds
+    for i in (0, 1):
+        m = {x["step"]: x["step_seconds"] for x in run.metrics(i)}
+        assert sorted(m) == list(range(min(m), steps + 1)) and min(m) < left  # a late start heals to a peer's place
+        quorum_steps = [m[s + 1] for s in range(every, steps, every) if s != left and s + 1 in m]
+        print(f"drain (local): replica {i}'s step after the drain sync {m[left + 1]:.2f} s, after its other syncs "
+              f"{min(quorum_steps):.2f}-{max(quorum_steps):.2f} s")
+        assert m[left + 1] < max(quorum_steps) + 0.5, (m[left + 1], quorum_steps)
+
+
 # ---- the sandbox: a node removed from the cluster file of a running job ------------------------
 
 DRAIN_CONFIG = """\

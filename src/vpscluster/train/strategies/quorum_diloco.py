@@ -175,7 +175,8 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         # Draining: None, "next" (leave at the end of the next round), "this" (heartbeats stopped:
         # this round's sync is the last), "left" (done).
         self._drain: str | None = None
-        self._round_t0 = time.perf_counter()  # when this round's quorum formed
+        self._stepped_at: float | None = None  # perf_counter at the end of the last step
+        self._step_s: float | None = None  # seconds a step takes, smoothed (quorums and syncs included)
         self.drained_at: int | None = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -223,6 +224,10 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
     # -- the loop's calls -----------------------------------------------------------------------
 
     def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
+        if self._drain == "left":
+            raise UserError(f"replica group {self.replica.index} was drained at step {self.drained_at} and left the "
+                            "quorum, but the loop went on: stop it when session.should_stop is set "
+                            "(`if s.should_stop: break`)")
         if not self._round_open:
             self._quorum(step - 1)
             if self._moved is not None:  # healed from a peer: this is the step after the peer's last
@@ -232,6 +237,11 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         optimizer.step()
         self._step = step
         self.steps_since_sync[0] += 1
+        now = time.perf_counter()
+        if self._stepped_at is not None:
+            took = now - self._stepped_at
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        self._stepped_at = now
         if self._drain is None and self.replica.drain_file and os.path.exists(self.replica.drain_file):
             self._drain_requested(step)
         if step % self.config.sync_every == 0:
@@ -289,7 +299,6 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         self.quorums += 1
         self.participants_seen.append(self.participants())
         self._round_open = True
-        self._round_t0 = time.perf_counter()
 
     # -- draining ---------------------------------------------------------------------------------
 
@@ -299,8 +308,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         is left (the others' next quorum then finds it silent), else at the next round's."""
         every = self.config.sync_every
         left_steps = (every - step % every) % every
-        done = max(1, step - self._completed)
-        remaining_s = left_steps * (time.perf_counter() - self._round_t0) / done
+        remaining_s = left_steps * (self._step_s or 0.0)
         if left_steps and remaining_s >= self.replica.heartbeat_timeout_s:
             self._leave_this_round(step)
             return
