@@ -29,7 +29,11 @@ one torchrun job over every node:
   at every `rejoin_poll_s`: launch/grow.py) is checked like any node at the start (pre-flight,
   its environment against the others', the overlay, the firewall), gets the code and data, and
   starts a new replica group with a fresh replica id (`Rejoin.join`): it heals from a peer and
-  joins at the next sync. One that fails its checks gets one line and the job goes on.
+  joins at the next sync. One that fails its checks gets one line and the job goes on;
+- a node removed from the cluster file is drained (`Rejoin.drain`: its `DRAIN_FILE` created over
+  SSH; launch/grow.py says what is refused): its replica group takes part in one more outer sync
+  and exits 0, which `watch` counts as a drain, not as the run's end; the launcher says "NODE
+  drained at step N", reaps the node (`Rejoin.drained`) and the run forgets it.
 """
 
 from __future__ import annotations
