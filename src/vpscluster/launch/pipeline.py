@@ -560,6 +560,9 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
         """After `node` left: what this launch left there reaped, its drain file gone, the node
         forgotten by the launch (a node put back in the file joins as a new one)."""
         ex = by_name[node]
+        if job.on_event is not None:  # the run's event stream (a detached run's progress.jsonl too)
+            step = watched.drained_step[max(i for i, n in enumerate(watched.drained) if n == node)]
+            job.on_event({"event": "node_drained", "node": node, "step": step, "reason": "removed from the cluster file"})
         reaped = await reap_node(ex, rdzv_id, grace_s=job.stop_grace_s or 6.0, this_node_only=True)
         await ex.run(["rm", "-f", drain_path(node)], timeout_s=timeout_s)
         job.cluster = dataclasses.replace(job.cluster, nodes=tuple(n for n in job.cluster.nodes if n.name != node))
