@@ -181,7 +181,7 @@ def test_a_drained_replica_syncs_its_last_round_and_leaves_and_the_others_do_not
     from vpscluster.launch.lighthouse import start_lighthouse
     from vpscluster.train.strategies.quorum_diloco import DRAIN_ENV, drained_step
 
-    every, step_s, steps = 10, 0.3, 40  # a round (3 s) outlasts the heartbeat time-out (2 s)
+    every, step_s, steps = 10, 0.35, 40  # a round (3.5 s) outlasts the heartbeat time-out (2 s) by enough
 
     class Draining(Replicas):
         """Replica groups with H = `every`, each with its drain file (VPSC_DRAIN_FILE) in `tmp`."""
@@ -208,8 +208,9 @@ def test_a_drained_replica_syncs_its_last_round_and_leaves_and_the_others_do_not
         lh.stop()
     assert codes == {0: 0, 1: 0, 2: 0}, [run.stderr(i) for i in range(3)]
     (left,) = [drained_step(x) for x in run.stderr(2).splitlines() if drained_step(x) is not None]
-    assert left == 2 * every, run.stderr(2)  # the round the request came in: seen with ~2.5 s of it left
-    assert "draining: out of the lighthouse's next quorum; its last outer sync is at step 20" in run.stderr(2)
+    # The round the request came in (seen with >= 1.25 x the time-out of it left), else the next.
+    assert left in (2 * every, 3 * every), run.stderr(2)
+    assert f"draining: out of the lighthouse's next quorum; its last outer sync is at step {left}" in run.stderr(2)
     (report,) = run.reports(2)
     assert report["steps"] == left and report["strategy_details"]["drained_at"] == left, report
     # Every outer sync alike; the drained one's last with all three, the later ones the others' alone.
@@ -237,12 +238,13 @@ checkpoint_every: 100
 eval_every: 1000
 eval_batches: 2
 log_every: 1
-strategy: {name: diloco, sync_every: 10, wire_dtype: fp32, outer_warmup: 0, sync_timeout_s: 20, quorum_timeout_s: 30, sync_hashes: true}
+strategy: {name: diloco, sync_every: 20, wire_dtype: fp32, outer_warmup: 0, sync_timeout_s: 20, quorum_timeout_s: 30, sync_hashes: true}
 timeouts: {train_collective_s: 20, startup_collective_s: 60, rendezvous_s: 60, stop_grace_s: 10}
 recovery: {rejoin_poll_s: 1}
 """
-DRAIN_STEPS = 60  # H = 10: a round (3-6 s here) outlasts the lighthouse's 2 s heartbeat time-out
-REMOVE_AT = 12  # node-3 leaves the file once rank 0 passed this step and node-3 took part in a sync
+DRAIN_EVERY = 20  # H: a round (4-6 s here) outlasts the lighthouse's 2 s heartbeat time-out by enough
+DRAIN_STEPS = 100
+REMOVE_AT = 22  # node-3 leaves the file once rank 0 passed this step and node-3 took part in a sync
 
 
 @pytest.mark.sandbox
@@ -279,10 +281,12 @@ def test_a_node_removed_from_the_cluster_file_drains_at_a_sync_and_the_others_go
             while not any("node-3 drained at step" in x for x in lines):
                 assert proc.poll() is None and time.monotonic() < deadline + 60, "\n".join(lines[-40:])
                 time.sleep(0.05)
-            time.sleep(2.0)  # the launcher's clean-up of node-3 (one SSH round trip)
-            running = watch.last_step()
-            left = [cmdline(p) for p in faults.node_pids(sandbox, sandbox.node("node-3"))
-                    if any(w in cmdline(p) for w in workers)]
+            while True:  # the launcher's clean-up of node-3 (one SSH round trip)
+                left = [cmdline(p) for p in faults.node_pids(sandbox, sandbox.node("node-3"))
+                        if any(w in cmdline(p) for w in workers)]
+                if not left or time.monotonic() > deadline + 90:
+                    break
+                time.sleep(0.1)
             proc.wait(timeout=200)
             out = proc.stdout.read()
         finally:
@@ -294,12 +298,14 @@ def test_a_node_removed_from_the_cluster_file_drains_at_a_sync_and_the_others_go
         factory.close()
     text = "\n".join(lines)
     assert proc.returncode == 0, "\n".join(lines[-40:])
-    assert not left and running < DRAIN_STEPS, (left, running)  # gone while the others still trained
+    assert not left, left
     (said,) = [x for x in lines if "node-3 drained at step" in x]
     step = int(re.search(r"node-3 drained at step (\d+): removed from the cluster file$", said).group(1))
     # Its round's sync, or the next round's where less than the heartbeat time-out was left of it.
     asked = [x for x in _log(run_dir, "node-3").splitlines() if "drain" in x and "$ " not in x]
-    assert step % 10 == 0 and removed_step < step <= removed_step + 30, (said, removed_step, asked)
+    assert step % DRAIN_EVERY == 0 and removed_step < step <= removed_step + 2 * DRAIN_EVERY + 10, \
+        (said, removed_step, asked)
+    assert step < DRAIN_STEPS, (said, removed_step)  # the others trained on after it
     print(f"drain: {asked}")
     assert "relaunching" not in text and "node node-3 failed" not in text, text[-3000:]
     report = json.loads(out)
@@ -314,7 +320,7 @@ def test_a_node_removed_from_the_cluster_file_drains_at_a_sync_and_the_others_go
     for key, by_hash in syncs.items():
         (ranks,) = by_hash.values()
         want = {"node-1/0", "node-2/0", "node-3/0"} if key[3] <= step else {"node-1/0", "node-2/0"}
-        if key[3] > 10:  # node-3's start may miss the first quorum on a loaded machine
+        if key[3] > DRAIN_EVERY:  # node-3's start may miss the first quorum on a loaded machine
             assert ranks == want and key[0] == len(want), (key, ranks)
     assert max(k[3] for k in syncs) == DRAIN_STEPS and any(k[3] == step and k[0] == 3 for k in syncs), sorted(syncs)
 
@@ -322,7 +328,8 @@ def test_a_node_removed_from_the_cluster_file_drains_at_a_sync_and_the_others_go
     # (the step after each sync: a sync's reduction and the next quorum).
     at = dict((s, t) for t, s in watch.seen)
     # (Not the first sync's: a replica started late on a loaded machine may still be on its way.)
-    gap = {s: round(at[s + 1] - at[s], 2) for s in range(20, DRAIN_STEPS, 10) if s in at and s + 1 in at}
+    gap = {s: round(at[s + 1] - at[s], 2) for s in range(2 * DRAIN_EVERY, DRAIN_STEPS, DRAIN_EVERY)
+           if s in at and s + 1 in at}
     others = [g for s, g in gap.items() if s != step]
     print(f"drain: node-3 removed after step {removed_step}, drained at step {step}; rank 0's gap after that sync "
           f"{gap[step]:.2f} s, after its other syncs {min(others):.2f}-{max(others):.2f} s ({gap})")

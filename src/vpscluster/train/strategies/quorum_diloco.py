@@ -46,8 +46,9 @@ heartbeating to the lighthouse (its ManagerServer shut down) as soon as it knows
 its last: the lighthouse counts a replica as present until `heartbeat_timeout_ms` after its last
 heartbeat (`VPSC_HEARTBEAT_TIMEOUT_MS`), and a quorum waits for every present one. The sync
 itself needs no ManagerServer (the reduction runs on the round's process group; `should_commit`
-of a group of one is its own reduction's outcome). Where less than that time-out is left of the
-round when the request is seen (its end near), it leaves at the end of the next round instead.
+of a group of one is its own reduction's outcome). Where less than 1.25 times that time-out is
+left of the round when the request is seen (the median of its last inner steps' times the steps
+left), it stops heartbeating right after the next round's quorum and leaves at that round's end.
 
 Where things come from (set by the launcher, or by hand for local processes):
 `TORCHFT_LIGHTHOUSE` (torchft's own variable: http://HOST:PORT), `VPSC_REPLICA_GROUP`
@@ -176,7 +177,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         # this round's sync is the last), "left" (done).
         self._drain: str | None = None
         self._stepped_at: float | None = None  # perf_counter at the end of the last step
-        self._step_s: float | None = None  # seconds a step takes, smoothed (quorums and syncs included)
+        self._inner_s: list[float] = []  # the last inner steps' seconds (no quorum, no sync in them)
         self.drained_at: int | None = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -228,6 +229,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
             raise UserError(f"replica group {self.replica.index} was drained at step {self.drained_at} and left the "
                             "quorum, but the loop went on: stop it when session.should_stop is set "
                             "(`if s.should_stop: break`)")
+        inner = self._round_open  # no quorum in this step
         if not self._round_open:
             self._quorum(step - 1)
             if self._moved is not None:  # healed from a peer: this is the step after the peer's last
@@ -238,9 +240,8 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         self._step = step
         self.steps_since_sync[0] += 1
         now = time.perf_counter()
-        if self._stepped_at is not None:
-            took = now - self._stepped_at
-            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        if inner and self._stepped_at is not None:  # the last step had no sync (it would have closed the round)
+            self._inner_s = (self._inner_s + [now - self._stepped_at])[-9:]
         self._stepped_at = now
         if self._drain is None and self.replica.drain_file and os.path.exists(self.replica.drain_file):
             self._drain_requested(step)
@@ -308,8 +309,9 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         is left (the others' next quorum then finds it silent), else at the next round's."""
         every = self.config.sync_every
         left_steps = (every - step % every) % every
-        remaining_s = left_steps * (self._step_s or 0.0)
-        if left_steps and remaining_s >= self.replica.heartbeat_timeout_s:
+        median_s = sorted(self._inner_s)[len(self._inner_s) // 2] if self._inner_s else 0.0
+        # A quarter more than the time-out: step times jitter, and a late stop costs the others the rest.
+        if left_steps and left_steps * median_s >= 1.25 * self.replica.heartbeat_timeout_s:
             self._leave_this_round(step)
             return
         self._drain = "next"
