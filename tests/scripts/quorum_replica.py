@@ -45,8 +45,10 @@ def main(run_dir: str, steps: int, sync_every: int, wire: str, step_s: float, ch
             s.step(opt, samples=len(xb), loss=loss)
             opt.zero_grad()
             time.sleep(step_s)
-            if s.steps >= steps:
+            if s.steps >= steps or s.should_stop:  # should_stop: a drain (or a stop) asked at a sync
                 break
+        if s.should_stop:
+            break
     report = s.close()
     print(json.dumps({"report": {k: report[k] for k in ("steps", "model_sha256", "strategy_details")}}), flush=True)
     return 0

@@ -195,7 +195,7 @@ def describe_end(state: dict[str, Any]) -> str:
 
 
 PROGRESS = "progress.jsonl"
-_PROGRESS_KINDS = ("start", "resume", "step", "eval", "checkpoint", "end", "error")
+_PROGRESS_KINDS = ("start", "resume", "step", "eval", "checkpoint", "end", "error", "node_drained")
 
 
 def progress_sink(run_dir: Path):

@@ -156,6 +156,13 @@ class LaunchResult:
     joined_file_at: list[float | None] = field(default_factory=list)
     join_sync_at: list[float | None] = field(default_factory=list)
     added: list[Any] = field(default_factory=list)
+    # Nodes drained (removed from the cluster file: they left at a sync), when the launcher saw
+    # each end (time.monotonic()) and the step after which each left; `removed_nodes`: every node
+    # the file took out of the run (drained, or out of it already).
+    drained_nodes: list[str] = field(default_factory=list)
+    drained_at: list[float] = field(default_factory=list)
+    drained_step: list[int | None] = field(default_factory=list)
+    removed_nodes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -208,7 +215,7 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
     targets = node_targets(job, states, synced, nproc)
     if job.quorum is None:
         return build_node_commands(targets, job.cluster.head, program, options)
-    from vpscluster.launch.quorum import replica_env
+    from vpscluster.launch.quorum import DRAIN_FILE, replica_env
 
     commands = []
     planned = planned or len(targets)
@@ -217,7 +224,9 @@ def build_commands(job: Job, states, synced, rdzv_id: str, rdzv_port: int,
             continue
         i = (indexes or {}).get(t.name, place)
         count = planned if i < planned else i + 1
-        t = dataclasses.replace(t, env=t.env + tuple(replica_env(i, count, lighthouse, t.address).items()))
+        drain = posixpath.join(job.node_run_dir(states[t.name].workdir), DRAIN_FILE)
+        env = replica_env(i, count, lighthouse, t.address, drain, job.quorum.heartbeat_timeout_ms)
+        t = dataclasses.replace(t, env=t.env + tuple(env.items()))
         own = dataclasses.replace(options, rdzv_port=own_ports[t.name])
         (c,) = build_node_commands([t], t.name, program, own)  # is_host=1: its own store
         c.is_head = t.name == job.cluster.head  # the lighthouse's node
@@ -383,14 +392,16 @@ async def _stages(job: Job, executors, interrupted: asyncio.Event) -> LaunchResu
                            lock_path=posixpath.join(job.node_run_dir(states[c.node].workdir), NODE_LOCK))
             return await by_name[c.node].start(line, on_line=on_line)
 
+        if lighthouse is not None:
+            from vpscluster.launch.quorum import Watched, drain_watch, watch
+
+            watched = Watched()
         for c in commands:  # one by one into `handles`, so a failed start still stops the started
-            handles.append(await start(c, router.for_node(c.node)))
+            on_line = router.for_node(c.node)
+            handles.append(await start(c, drain_watch(watched, c.node, on_line) if watched is not None else on_line))
         if lighthouse is None:
             failed, was_interrupted, silent_s = await _watch(handles, interrupted, router, job.silence_limits_s)
         else:
-            from vpscluster.launch.quorum import Watched, watch
-
-            watched = Watched()
             rejoin = _quorum_rejoin(job, executors, by_name, states, synced, outcomes, rdzv_id, port, own_ports,
                                     lighthouse_at, router, watched, start, timeout_s)
             await watch(handles, lighthouse, interrupted, router, job.silence_limits_s, job.say, rejoin, watched)
@@ -520,7 +531,7 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
     from vpscluster.cluster.inventory import executor_for
     from vpscluster.launch import grow
     from vpscluster.launch import preflight as pf
-    from vpscluster.launch.quorum import Rejoin, first_sync_watch, join_sync_watch
+    from vpscluster.launch.quorum import DRAIN_FILE, Rejoin, drain_watch, first_sync_watch, join_sync_watch
     from vpscluster.launch.recovery import ready
     from vpscluster.launch.teardown import reap_node
 
@@ -530,6 +541,40 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
     indexes = {n.name: i for i, n in enumerate(job.cluster.nodes)}  # an added node's: the next, once
     files = grow.ClusterFileWatch(job.cluster.source, job.known_nodes or [n.name for n in job.cluster.nodes]) \
         if job.cluster.source and not job.cluster.is_local else None
+
+    retired: set[str] = set()  # drained nodes: put back in the file, they get a new replica index
+    removed_now: list[str] = []  # the names `joiners()` found gone from the file, for `leavers()`
+
+    def leavers() -> list[str]:
+        gone = list(removed_now)
+        removed_now.clear()
+        return gone
+
+    def drain_path(node: str) -> str:
+        return posixpath.join(job.node_run_dir(states[node].workdir), DRAIN_FILE)
+
+    async def drain(node: str) -> None:
+        """Ask `node`'s replica group to leave at a sync: its drain file, created over SSH."""
+        r = await by_name[node].run(["touch", drain_path(node)], timeout_s=timeout_s)
+        if not r.ok:
+            raise RemoteError(f"node {node}: cannot create {drain_path(node)}: {r.reason()}")
+        router.note(node, f"removed from the cluster file: asked to drain ({drain_path(node)})")
+
+    async def drained(node: str) -> None:
+        """After `node` left: what this launch left there reaped, its drain file gone, the node
+        forgotten by the launch (a node put back in the file joins as a new one)."""
+        ex = by_name[node]
+        if job.on_event is not None:  # the run's event stream (a detached run's progress.jsonl too)
+            step = watched.drained_step[max(i for i, n in enumerate(watched.drained) if n == node)]
+            job.on_event({"event": "node_drained", "node": node, "step": step, "reason": "removed from the cluster file"})
+        reaped = await reap_node(ex, rdzv_id, grace_s=job.stop_grace_s or 6.0, this_node_only=True)
+        await ex.run(["rm", "-f", drain_path(node)], timeout_s=timeout_s)
+        job.cluster = dataclasses.replace(job.cluster, nodes=tuple(n for n in job.cluster.nodes if n.name != node))
+        own_ports.pop(node, None)
+        retired.add(node)
+        if not reaped.clean:
+            raise RemoteError(f"node {node}: what this launch left there is still running "
+                              f"({reaped.error or f'pids {reaped.left}'}); teardown tries again at the end")
 
     async def answers(nodes: list[str]) -> list[str]:
         return await ready(job.cluster, nodes)
@@ -558,7 +603,7 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
             executors[executors.index(ex)] = by_name[node] = fresh  # closed and torn down with the rest
             ex = fresh
         router.note(node, "answers again: pre-flight and sync, then its replica group again (it heals from a peer)")
-        return await bring_up(ex, first_sync_watch(watched, node, router.for_node(node)))
+        return await bring_up(ex, drain_watch(watched, node, first_sync_watch(watched, node, router.for_node(node))))
 
     def added_nodes(cluster) -> list[tuple[Any, str | None]]:
         """(node, why it is refused or None) for each node new in the file (file reads and DNS:
@@ -574,14 +619,18 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
 
     async def joiners() -> list[tuple[str, float | None]]:
         names = []
-        for node, refused in await asyncio.to_thread(added_nodes, job.cluster):
+        found = await asyncio.to_thread(added_nodes, job.cluster)
+        removed_now.extend(files.removed())
+        for node, refused in found:
             if refused:
                 job.say(f"node {node.name} not added to the running job: {refused}")
                 files.forget(node.name)
                 continue
             # Its commands, and `ready` for it, see it from now on.
             job.cluster = dataclasses.replace(job.cluster, nodes=(*job.cluster.nodes, node))
-            indexes.setdefault(node.name, max(indexes.values()) + 1)
+            if node.name not in indexes or node.name in retired:  # new, or back after a drain: a fresh replica id
+                indexes[node.name] = max(indexes.values()) + 1
+                retired.discard(node.name)
             ex = executor_for(node, job.cluster)
             executors.append(ex)  # closed and torn down with the rest
             by_name[node.name] = ex
@@ -597,7 +646,7 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
             router.note(node, "added to the cluster file: pre-flight, environment, sync, then a new replica group")
             facts = await grow.check_env(job.cluster, ex, [states[n].facts for n in states if n != node and states[n].facts])
             states[node].facts = facts
-            return await bring_up(ex, join_sync_watch(watched, node, router.for_node(node)))
+            return await bring_up(ex, drain_watch(watched, node, join_sync_watch(watched, node, router.for_node(node))))
         except BaseException:  # not added: the launch forgets it (its teardown would not reach it either)
             job.cluster = dataclasses.replace(job.cluster, nodes=tuple(n for n in job.cluster.nodes if n.name != node))
             for d in (states, synced, own_ports, by_name, outcomes):
@@ -607,8 +656,12 @@ def _quorum_rejoin(job: Job, executors: list, by_name: dict, states, synced, out
             await asyncio.shield(_close_quietly(ex))
             raise
 
+    watching = files is not None
     return Rejoin(answers, start_again, job.quorum.rejoin_poll_s, job.quorum.max_starts,
-                  joiners=joiners if files is not None else None, join=join if files is not None else None)
+                  joiners=joiners if watching else None, join=join if watching else None,
+                  leavers=leavers if watching else None, drain=drain if watching else None,
+                  drained=drained if watching else None, keep=files.keep if watching else None,
+                  head=job.cluster.head, min_replicas=job.quorum.min_replicas)
 
 
 async def _close_quietly(ex) -> None:
@@ -619,10 +672,14 @@ async def _close_quietly(ex) -> None:
 
 
 def _joins(job: Job, watched) -> dict[str, Any]:
-    """The LaunchResult fields of the nodes added to the running job."""
-    if watched is None or not watched.joined:
+    """The LaunchResult fields of the nodes added to, and drained from, the running job."""
+    if watched is None:
         return {}
-    return {"joined_nodes": list(watched.joined), "joined_at": list(watched.joined_at),
+    drains = {"drained_nodes": list(watched.drained), "drained_at": list(watched.drained_at),
+              "drained_step": list(watched.drained_step), "removed_nodes": list(watched.removed)}
+    if not watched.joined:
+        return drains
+    return {**drains, "joined_nodes": list(watched.joined), "joined_at": list(watched.joined_at),
             "joined_file_at": list(watched.joined_file_at), "join_sync_at": list(watched.join_sync_at),
             "added": [n for n in job.cluster.nodes if n.name in set(watched.joined)]}
 

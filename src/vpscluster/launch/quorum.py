@@ -30,7 +30,11 @@ node (`quorum_launch`; the same pipeline stages otherwise):
   at every `rejoin_poll_s`: launch/grow.py) is checked like any node at the start (pre-flight,
   its environment against the others', the overlay, the firewall), gets the code and data, and
   starts a new replica group with a fresh replica id (`Rejoin.join`): it heals from a peer and
-  joins at the next sync. One that fails its checks gets one line and the job goes on.
+  joins at the next sync. One that fails its checks gets one line and the job goes on;
+- a node removed from the cluster file is drained (`Rejoin.drain`: its `DRAIN_FILE` created over
+  SSH; launch/grow.py says what is refused): its replica group takes part in one more outer sync
+  and exits 0, which `watch` counts as a drain, not as the run's end; the launcher says "NODE
+  drained at step N", reaps the node (`Rejoin.drained`) and the run forgets it.
 """
 
 from __future__ import annotations
@@ -88,12 +92,23 @@ def lighthouse_url(address: str, port: int | str) -> str:
     return f"http://{host}:{port}"
 
 
-def replica_env(index: int, count: int, lighthouse: str, address: str) -> dict[str, str]:
-    """What a node's ranks need to join the quorum (read by `quorum_diloco.ReplicaGroup`)."""
-    from vpscluster.train.strategies.quorum_diloco import ADDRESS_ENV, LIGHTHOUSE_ENV, REPLICA_ENV
+DRAIN_FILE = "drain"  # in a node's run dir: created by the launcher, it asks the replica to leave at a sync
+
+
+def replica_env(index: int, count: int, lighthouse: str, address: str, drain_file: str | None = None,
+                heartbeat_timeout_ms: int | None = None) -> dict[str, str]:
+    """What a node's ranks need to join the quorum (read by `quorum_diloco.ReplicaGroup`);
+    `drain_file`: the file whose existence asks it to leave (`Rejoin.drain`)."""
+    from vpscluster.train.strategies.quorum_diloco import (ADDRESS_ENV, DRAIN_ENV, HEARTBEAT_ENV, LIGHTHOUSE_ENV,
+                                                           REPLICA_ENV)
 
     # RUST_LOG: torchft's Manager logs every quorum and commit at info, several lines a step.
-    return {LIGHTHOUSE_ENV: lighthouse, REPLICA_ENV: f"{index}/{count}", ADDRESS_ENV: address, "RUST_LOG": "warn"}
+    env = {LIGHTHOUSE_ENV: lighthouse, REPLICA_ENV: f"{index}/{count}", ADDRESS_ENV: address, "RUST_LOG": "warn"}
+    if drain_file:
+        env[DRAIN_ENV] = drain_file
+    if heartbeat_timeout_ms:
+        env[HEARTBEAT_ENV] = str(heartbeat_timeout_ms)
+    return env
 
 
 def lighthouse_argv(python: str, address: str, port: int, plan: QuorumPlan) -> list[str]:
@@ -159,6 +174,16 @@ class Rejoin:
     # and start; an exception: it was not added, the job goes on without it).
     joiners: Callable[[], Awaitable[list[tuple[str, float | None]]]] | None = None
     join: Callable[[str], Awaitable[Any]] | None = None
+    # Nodes removed from the cluster file: `leavers()` -> the names removed at the last `joiners()`
+    # reading; `drain(node)` asks its replica group to leave at a sync (creates its drain file);
+    # `drained(node)` -> after it left: what the launch left there reaped, the node forgotten;
+    # `keep(node)`: its removal was refused, the next change of the file offers it again.
+    leavers: Callable[[], list[str]] | None = None
+    drain: Callable[[str], Awaitable[Any]] | None = None
+    drained: Callable[[str], Awaitable[Any]] | None = None
+    keep: Callable[[str], None] | None = None
+    head: str | None = None  # never drained: it runs the lighthouse
+    min_replicas: int = 1  # nor below this many replica groups
 
 
 @dataclass
@@ -179,6 +204,13 @@ class Watched:
     joined_at: list[float] = field(default_factory=list)
     joined_file_at: list[float | None] = field(default_factory=list)  # the file's change (Unix time)
     join_sync_at: list[float | None] = field(default_factory=list)
+    # Nodes drained (removed from the cluster file, they left at a sync and exited 0), when the
+    # launcher saw each end, and the step after which each left (its DRAINED line; None: not seen).
+    drained: list[str] = field(default_factory=list)
+    drained_at: list[float] = field(default_factory=list)
+    drained_step: list[int | None] = field(default_factory=list)
+    drain_steps: dict[str, int] = field(default_factory=dict)  # node -> the step of its last DRAINED line
+    removed: list[str] = field(default_factory=list)  # every node out of the run by the file (drained or not)
 
     def synced(self, node: str) -> bool:
         """Whether `node`'s latest start (a restart, else its join) logged its first sync."""
@@ -205,6 +237,20 @@ def join_sync_watch(w: Watched, node: str, on_line):
     """`first_sync_watch` for a node added to the running job (its first sync in `w.join_sync_at`)."""
     i = max(i for i, n in enumerate(w.joined) if n == node)
     return _noting_first_sync(w.join_sync_at, i, on_line)
+
+
+def drain_watch(w: Watched, node: str, on_line):
+    """`on_line` for a node's output that also notes the step of its DRAINED line in `w.drain_steps`."""
+    from vpscluster.launch.logs import split_rank
+    from vpscluster.train.strategies.quorum_diloco import drained_step
+
+    def line(stream: str, text: str) -> None:
+        step = drained_step(split_rank(text)[1])
+        if step is not None:
+            w.drain_steps[node] = step
+        on_line(stream, text)
+
+    return line
 
 
 def _noting_first_sync(times: list[float | None], i: int, on_line):
@@ -244,9 +290,43 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
     rejoined: set[asyncio.Future] = set()  # waits of the replica groups started again
     dropped: dict[asyncio.Future, asyncio.Future] = {}  # such a wait -> its stop, once the run ended without it
     ended_at: float | None = None  # when the first replica group finished
+    draining: dict[str, float] = {}  # nodes asked to drain -> when (time.monotonic())
+    asking: dict[asyncio.Future, str] = {}  # rejoin.drain(node), under way
+    cleaning: set[asyncio.Future] = set()  # rejoin.drained(node), under way
+
+    def removed(node: str) -> None:
+        """`node` was removed from the cluster file: drain it, or say why it stays."""
+        running = {waits[f].node for f in pending if f not in dropped}
+        if node in out:
+            out.remove(node)
+            w.removed.append(node)
+            say(f"node {node} removed from the cluster file: it was out of the run already and is not started again")
+            return
+        if node in starting.values() or node in joining.values():
+            say(f"node {node} stays: it is being started; remove it from the cluster file again once it trains")
+            rejoin.keep(node)
+            return
+        if node in draining:
+            return
+        if node not in running:
+            w.removed.append(node)
+            say(f"node {node} removed from the cluster file (not running in this launch)")
+            return
+        why = removal_refused(node, rejoin.head, len(running) - len(draining), rejoin.min_replicas)
+        if why:
+            say(why)
+            rejoin.keep(node)
+            return
+        draining[node] = time.monotonic()
+        say(f"node {node} removed from the cluster file: draining it (it finishes its round, takes part in that "
+            "round's outer sync, then leaves the quorum)")
+        asking[asyncio.ensure_future(rejoin.drain(node))] = node
+    from vpscluster.launch.grow import removal_refused
+
     try:
-        while pending or starting or joining:
-            extra = ({probe} if probe else set()) | ({looked} if looked else set()) | set(starting) | set(joining)
+        while pending or starting or joining or cleaning:
+            extra = ({probe} if probe else set()) | ({looked} if looked else set()) | set(starting) | set(joining) \
+                | set(asking) | cleaning
             done, _ = await asyncio.wait(pending | extra | {stop, beacon}, timeout=1.0,
                                          return_when=asyncio.FIRST_COMPLETED)
             if stop in done:
@@ -286,6 +366,19 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                         "firewall), sending it the code and data, then starting a new replica group (it heals from "
                         "a peer and joins at the next sync)")
                     joining[asyncio.ensure_future(rejoin.join(node))] = node
+                for node in (rejoin.leavers() if rejoin.leavers is not None else []):
+                    removed(node)
+            for t in [t for t in done if t in asking]:
+                node = asking.pop(t)
+                if t.exception() is not None and node in draining:
+                    draining.pop(node)
+                    say(f"node {node} stays: could not ask it to drain ({t.exception()}); save the cluster file "
+                        "again to retry")
+                    rejoin.keep(node)
+            for t in [t for t in done if t in cleaning]:
+                cleaning.discard(t)
+                if t.exception() is not None:
+                    say(f"after draining: {t.exception()}")
             for t in [t for t in done if t in starting or t in joining]:
                 added = t in joining
                 node = joining.pop(t) if added else starting.pop(t)
@@ -310,6 +403,22 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
                 pending.discard(t)
                 node = waits[t].node
                 if t in dropped:  # stopped on purpose: the run ended before it joined
+                    continue
+                if node in draining:
+                    draining.pop(node)
+                    if t.result() == 0:  # it took part in its last sync and left the quorum
+                        step = w.drain_steps.pop(node, None)
+                        w.drained.append(node)
+                        w.drained_at.append(time.monotonic())
+                        w.drained_step.append(step)
+                        w.removed.append(node)
+                        say(f"{node} drained at step {step if step is not None else '?'}: removed from the cluster file")
+                        cleaning.add(asyncio.ensure_future(rejoin.drained(node)))
+                        continue
+                    w.lost.append(node)  # failed while draining: out, and not started again (it was removed)
+                    w.lost_at.append(time.monotonic())
+                    w.removed.append(node)
+                    say(f"node {node} failed while draining (exit status {t.result()}); the others train on without it")
                     continue
                 if t.result() == 0:
                     ok.append(node)
@@ -350,5 +459,5 @@ async def watch(handles, lighthouse, interrupted: asyncio.Event, router, silence
         return w
     finally:
         for t in (stop, beacon, *pending, *([probe] if probe else []), *([looked] if looked else []), *starting,
-                  *joining, *dropped.values()):
+                  *joining, *dropped.values(), *asking, *cleaning):
             t.cancel()

@@ -145,6 +145,7 @@ class Supervisor:
             self.launch_ids.append(result.rdzv_id)
             first = len(self.recoveries)
             self._take_added(result)
+            self._take_removed(result)
             if after_launch is not None:
                 after_launch(result, self.resumed_from)
             if result.stopped_by_job:  # a node is back: it takes part from the checkpoint just saved
@@ -227,6 +228,23 @@ class Supervisor:
                 if file_at is not None:  # from the cluster file's change (the user's edit)
                     entry["first_sync_after_added_s"] = round(synced - at + seen["detected_at"] - file_at, 1)
             self.recoveries.append(entry)
+
+    def _take_removed(self, result) -> None:
+        """Nodes removed from the cluster file during the launch leave the run (a relaunch leaves
+        them out); each drained one is recorded as a `quorum_drain`, with the step after which it
+        left and when the launcher saw it go."""
+        import dataclasses
+
+        gone = set(result.removed_nodes)
+        if gone:
+            self.cluster = dataclasses.replace(self.cluster, nodes=tuple(n for n in self.cluster.nodes if n.name not in gone))
+            self.everyone = [n for n in self.everyone if n not in gone]
+            self.current = [n for n in self.current if n not in gone]
+        for node, at, step in zip(result.drained_nodes, result.drained_at, result.drained_step):
+            seen = _seen(at)
+            seen.pop("_at")
+            self.recoveries.append({"kind": "quorum_drain", "drained": [node], "after_step": step,
+                                    "reason": "removed from the cluster file", **seen})
 
     def _take_back(self, out: list[str], ended_at: float | None) -> None:
         back = asyncio.run(recovery.ready(self.cluster, out))

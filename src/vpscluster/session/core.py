@@ -373,6 +373,9 @@ class Session:
             code = stopping.agree(stopping.STOP_REQUESTED if self.stop_requested else int(over), self.ctx, strategy.comm)
             if code:
                 self.should_stop, self.stopped_by = True, stopping.STOPPED_BY[code]
+            elif strategy.left():  # drained (a quorum engine): its last sync done, the others go on
+                self.should_stop, self.stopped_by = True, "drained"
+                self.events.emit("drained", step=self.steps)
         self._record(started, log)
         every = self.cfg.checkpoint_every
         if every and self.run_dir is not None and self.steps % every == 0 and not self.should_stop:

@@ -2,7 +2,7 @@
 
 One event per line, flushed, in the form
 
-    VPSC_EVENT {"event": "start"|"step"|"eval"|"checkpoint"|"resume"|"end"|"error"|"rebalance"|"checkpoint_failed"|"prediction"|"replan"|"stopping"|"replicas_diverged", ...}
+    VPSC_EVENT {"event": "start"|"step"|"eval"|"checkpoint"|"resume"|"end"|"error"|"rebalance"|"checkpoint_failed"|"prediction"|"replan"|"stopping"|"replicas_diverged"|"drained", ...}
 
 so a launcher reading a worker's merged output (local pipes or SSH) can tell events from
 ordinary log lines without a second channel. `end` carries {"report": {...}}.
@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 PREFIX = "VPSC_EVENT "
 KINDS = ("start", "step", "eval", "checkpoint", "resume", "end", "error", "rebalance", "checkpoint_failed", "prediction", "replan",
-         "stopping", "replicas_diverged")
+         "stopping", "replicas_diverged", "drained")
 
 
 def format_event(event: str, **fields: Any) -> str:

@@ -252,8 +252,8 @@ class Trainer:
             if s.steps % cfg.checkpoint_every == 0:
                 s.save(opt)
         s.finalize()  # the final sync (DiLoCo ending mid-round); a requested stop gets its grace
-        if (val_step != s.steps or val_loss is None) and stopped_by != "stop_requested":
-            val_loss, val_step = evaluate(self), s.steps  # a stop saves its grace for the checkpoint
+        if (val_step != s.steps or val_loss is None) and stopped_by not in ("stop_requested", "drained"):
+            val_loss, val_step = evaluate(self), s.steps  # a stop saves its grace for the checkpoint; a drained node leaves
         if s.steps > start_step or not _has_checkpoint(self.run_dir, s.steps):
             s.save(opt)
         report = build_report(self, val_loss, stopped_by, start_step)

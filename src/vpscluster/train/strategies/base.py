@@ -168,6 +168,11 @@ class Strategy(ABC):
         loop goes on from there."""
         return None
 
+    def left(self) -> bool:
+        """Has this replica left the job on request (a quorum engine's drain: it took part in its
+        last outer sync and the others go on without it)? The loop then stops, like a stop. Default: never."""
+        return False
+
     def finalize(self, step: int) -> None:
         """Called once after the last step, on every rank (DiLoCo: a last outer sync mid-round)."""
 

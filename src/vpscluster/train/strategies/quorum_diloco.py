@@ -36,6 +36,20 @@ need no lighthouse), and the next quorum fails after `quorum_timeout_s` with one
 lighthouse; the process exits non-zero and the launcher's relaunch path (`--max-restarts`) takes
 over (`launch/lighthouse.py` says why a restarted lighthouse does not rescue the running job).
 
+Draining (a node removed from the cluster file of a running job: launch/grow.py): the launcher
+creates the file named by `VPSC_DRAIN_FILE` (in the node's run dir, over SSH; the replica looks
+for it after every inner step: one stat). The replica then finishes the round it is in, takes
+part in that round's outer sync (its pseudo-gradient counts: no round is lost) and leaves: the
+loop stops (`left`, the session's `stopped_by: "drained"`), it prints `DRAINED` with the step,
+and the process exits 0. So that the others' next quorum does not wait for it, it stops
+heartbeating to the lighthouse (its ManagerServer shut down) as soon as it knows that round is
+its last: the lighthouse counts a replica as present until `heartbeat_timeout_ms` after its last
+heartbeat (`VPSC_HEARTBEAT_TIMEOUT_MS`), and a quorum waits for every present one. The sync
+itself needs no ManagerServer (the reduction runs on the round's process group; `should_commit`
+of a group of one is its own reduction's outcome). Where less than 1.25 times that time-out is
+left of the round when the request is seen (the median of its last inner steps' times the steps
+left), it stops heartbeating right after the next round's quorum and leaves at that round's end.
+
 Where things come from (set by the launcher, or by hand for local processes):
 `TORCHFT_LIGHTHOUSE` (torchft's own variable: http://HOST:PORT), `VPSC_REPLICA_GROUP`
 ("INDEX/COUNT": this group's data shard of COUNT, and its id) and `VPSC_REPLICA_ADDR` (where
@@ -63,6 +77,17 @@ if TYPE_CHECKING:
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "VPSC_REPLICA_GROUP"
 ADDRESS_ENV = "VPSC_REPLICA_ADDR"
+DRAIN_ENV = "VPSC_DRAIN_FILE"  # its existence asks this replica group to leave at a sync
+HEARTBEAT_ENV = "VPSC_HEARTBEAT_TIMEOUT_MS"  # the lighthouse's: how long a silent replica still counts
+DRAINED = "drained at step "  # "replica group I: drained at step N ...": the launcher reads N
+
+
+def drained_step(line: str) -> int | None:
+    """The step of a `DRAINED` line (the replica left the quorum after it), else None."""
+    import re
+
+    m = re.search(r"replica group \d+: " + DRAINED + r"(\d+):", line)
+    return int(m.group(1)) if m else None
 
 
 class QuorumLost(RuntimeError):
@@ -75,6 +100,8 @@ class ReplicaGroup:
     count: int  # the replica groups the job was planned with (data shards)
     lighthouse: str
     address: str = "127.0.0.1"
+    drain_file: str | None = None  # exists: leave at a sync (the launcher's drain)
+    heartbeat_timeout_s: float = 2.0  # the lighthouse's (launch/quorum.py QuorumPlan)
 
     @property
     def replica_id(self) -> str:
@@ -95,7 +122,13 @@ class ReplicaGroup:
         except ValueError:
             raise UserError(f"{REPLICA_ENV}={group!r}: give INDEX/COUNT (this replica group's number and how many "
                             "there are, e.g. 0/3)") from None
-        return cls(index, count, lighthouse, os.environ.get(ADDRESS_ENV) or "127.0.0.1")
+        try:
+            heartbeat_s = int(os.environ.get(HEARTBEAT_ENV) or 2000) / 1000
+        except ValueError:
+            raise UserError(f"{HEARTBEAT_ENV}={os.environ.get(HEARTBEAT_ENV)!r}: give the lighthouse's "
+                            "heartbeat time-out in milliseconds (e.g. 2000)") from None
+        return cls(index, count, lighthouse, os.environ.get(ADDRESS_ENV) or "127.0.0.1",
+                   os.environ.get(DRAIN_ENV) or None, heartbeat_s)
 
 
 def checkpoint_transport(address: str, timeout_s: float):
@@ -142,6 +175,12 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         self.heals = 0
         self.quorum_wait_seconds = 0.0
         self.participants_seen: list[int] = []
+        # Draining: None, "next" (leave at the end of the next round), "this" (heartbeats stopped:
+        # this round's sync is the last), "left" (done).
+        self._drain: str | None = None
+        self._stepped_at: float | None = None  # perf_counter at the end of the last step
+        self._inner_s: list[float] = []  # the last inner steps' seconds (no quorum, no sync in them)
+        self.drained_at: int | None = None
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -188,22 +227,41 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
     # -- the loop's calls -----------------------------------------------------------------------
 
     def step(self, optimizer: "torch.optim.Optimizer", step: int) -> None:
+        if self._drain == "left":
+            raise UserError(f"replica group {self.replica.index} was drained at step {self.drained_at} and left the "
+                            "quorum, but the loop went on: stop it when session.should_stop is set "
+                            "(`if s.should_stop: break`)")
+        inner = self._round_open  # no quorum in this step
         if not self._round_open:
             self._quorum(step - 1)
             if self._moved is not None:  # healed from a peer: this is the step after the peer's last
                 step = self._moved["steps"] = int(self._moved["steps"]) + 1
+            if self._drain == "next":
+                self._leave_this_round(step)
         optimizer.step()
         self._step = step
         self.steps_since_sync[0] += 1
+        now = time.perf_counter()
+        if inner and self._stepped_at is not None:  # the last step had no sync (it would have closed the round)
+            self._inner_s = (self._inner_s + [now - self._stepped_at])[-9:]
+        self._stepped_at = now
+        if self._drain is None and self.replica.drain_file and os.path.exists(self.replica.drain_file):
+            self._drain_requested(step)
         if step % self.config.sync_every == 0:
             self._sync(0)
 
     def is_sync_point(self, step: int) -> bool:
         return step % self.config.sync_every == 0
 
+    def left(self) -> bool:
+        return self._drain == "left"
+
     def finalize(self, step: int) -> None:
-        """A last sync over the quorum when the loop stopped mid-round."""
+        """A last sync over the quorum when the loop stopped mid-round (not after a drain: the
+        replica took part in its last sync and is out of the quorum)."""
         self._step = step
+        if self._drain == "left":
+            return
         if self.steps_since_sync[0] > 0:
             if not self._round_open:
                 self._quorum(step)
@@ -245,6 +303,35 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
         self.participants_seen.append(self.participants())
         self._round_open = True
 
+    # -- draining ---------------------------------------------------------------------------------
+
+    def _drain_requested(self, step: int) -> None:
+        """The launcher asked this replica to leave (its drain file exists), seen after `step`:
+        leave at this round's sync when at least the lighthouse's heartbeat time-out of the round
+        is left (the others' next quorum then finds it silent), else at the next round's."""
+        every = self.config.sync_every
+        left_steps = (every - step % every) % every
+        median_s = sorted(self._inner_s)[len(self._inner_s) // 2] if self._inner_s else 0.0
+        # A quarter more than the time-out: step times jitter, and a late stop costs the others the rest.
+        if left_steps and left_steps * median_s >= 1.25 * self.replica.heartbeat_timeout_s:
+            self._leave_this_round(step)
+            return
+        self._drain = "next"
+        print(f"replica group {self.replica.index}: asked to drain at step {step}: leaving the quorum after the next "
+              "round's outer sync", file=sys.stderr, flush=True)
+
+    def _leave_this_round(self, step: int) -> None:
+        """Stop heartbeating to the lighthouse (the ManagerServer shut down; this round's sync
+        needs only the process group) and make this round's sync the last."""
+        self._drain = "this"
+        server = getattr(self.manager, "_manager", None)  # torchft 0.2.0: the ManagerServer of group rank 0
+        if server is not None:
+            server.shutdown()
+            self.manager._manager = None
+        last = step + (self.config.sync_every - step % self.config.sync_every) % self.config.sync_every
+        print(f"replica group {self.replica.index}: draining: out of the lighthouse's next quorum; its last outer "
+              f"sync is at step {last}", file=sys.stderr, flush=True)
+
     def _sync(self, f: int) -> None:
         """The round's outer sync over the quorum; skipped (nothing applied) where it failed."""
         from datetime import timedelta
@@ -268,10 +355,23 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
                 # Close this replica's connections now: a peer still waiting on it in this
                 # reduction fails at once instead of at its time-out (the next quorum rebuilds them).
                 self.pg.abort()
+        if self._drain == "this":  # its last sync: no ManagerServer to ask, a group of one commits its own outcome
+            self._drain, self.drained_at = "left", self._step
+            if reduced is None:
+                self.syncs_failed += 1
+            else:
+                self._commit(f, reduced)
+            lost = "" if reduced is not None else " (that sync failed: its last round's pseudo-gradient did not count)"
+            print(f"replica group {self.replica.index}: {DRAINED}{self._step}: left the quorum after outer step "
+                  f"{self.outer_steps}{lost}", file=sys.stderr, flush=True)
+            return
         commit = self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s))
         if not commit or reduced is None:
             self.syncs_failed += 1  # the next sync carries this round's steps and tokens
             return
+        self._commit(f, reduced)
+
+    def _commit(self, f: int, reduced) -> None:
         self._outer_update(f, reduced)
         self._write_local(f, self.global_flat[f])
         self.steps_since_sync[f] = 0
@@ -312,7 +412,7 @@ class QuorumDiLoCoStrategy(DiLoCoStrategy):
     # -- the rest -----------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "quorum": True, "replica_group": self.replica.index,
+        return {**super().describe(), "quorum": True, "replica_group": self.replica.index, "drained_at": self.drained_at,
                 "replica_groups": self.replica.count, "quorums": self.quorums, "heals": self.heals,
                 "quorum_wait_seconds": self.quorum_wait_seconds,
                 "participants_min": min(self.participants_seen, default=None),
