@@ -234,6 +234,7 @@ def test_a_drained_replica_syncs_its_last_round_and_leaves_and_the_others_do_not
 # ---- the sandbox: a node removed from the cluster file of a running job ------------------------
 
 DRAIN_CONFIG = """\
+threads_per_rank: 1
 checkpoint_every: 100
 eval_every: 1000
 eval_batches: 2
