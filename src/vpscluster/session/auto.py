@@ -78,7 +78,7 @@ class AutoChoice:
 
 def choose(session, summaries: list[dict[str, float]]) -> dict[str, Any]:
     """The choice on every rank's window (gathered: the same list on every rank)."""
-    from vpscluster.train.strategies import sync_rule
+    from vpscluster.train.strategies import costs_for, sync_rule
     from vpscluster.train.strategies.sync_rule import choose_measured
 
     cfg = session.cfg
@@ -97,8 +97,8 @@ def choose(session, summaries: list[dict[str, float]]) -> dict[str, Any]:
     made = {"settings": settings, "reason": f"{reason} (links: {inputs.source})" if inputs.source else reason,
             "at_step": session.steps,
             "measured": {"compute_s": step_s, "comm_s": comm_s, "bytes_per_step": nbytes, "num_params": num_params}}
-    if session.shares is not None and settings["name"] != "ddp":
-        carry_shares(session, made)
+    if session.shares is not None and costs_for(settings["name"]).micro_batches_are_steps:
+        carry_shares(session, made)  # diloco chosen: ddp's parts of a step become its micro-batches
     return made
 
 
