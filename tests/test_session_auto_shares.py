@@ -237,7 +237,12 @@ def test_auto_on_uneven_shares_switches_to_diloco_mid_epoch_and_reads_every_samp
     rep = balanced[0]["report"]
     split = rep["strategy_choice"]["split"]
     assert rep["strategy"] == "diloco" and rep["strategy_choice"]["settings"]["micro_batches"] == 6
-    assert split["shares"][2] < min(split["shares"][:2]) and split["inner_steps"] == H, split
+    # (The two fast ranks' steps take about a millisecond, so their measured speeds may differ by 2x
+    # and their shares with them; what is fixed is that rank 2 is measured slowest and gets the
+    # fewest micro-batches, fewer than the fastest rank's.)
+    shares, speeds = split["shares"], split["speeds"]
+    assert speeds[2] < min(speeds[:2]) and shares[2] == min(shares) < max(shares[:2]), split
+    assert split["inner_steps"] == H, split
     _every_sample_once(balanced)
     assert len({r["hash"] for r in balanced} | {p["model_sha256"] for p in rep["per_rank"]}) == 1
 
