@@ -106,10 +106,11 @@ def cluster_file(sandbox, path, nodes: int, extra: list[dict] | None = None):
 
 
 class StepWatch:
-    """Rank 0's step events in node-1's log, each stamped when this test first saw it."""
+    """Rank 0's step events in node-1's log (or the lines `pattern` matches, its group 1 the
+    step), each stamped when this test first saw it."""
 
-    def __init__(self, path) -> None:
-        self.path, self.seen, self._stop = path, [], threading.Event()
+    def __init__(self, path, pattern: re.Pattern = STEP_EVENT) -> None:
+        self.path, self.pattern, self.seen, self._stop = path, pattern, [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -118,7 +119,7 @@ class StepWatch:
         while not self._stop.is_set():
             lines = tail.lines()
             now = time.monotonic()
-            self.seen += [(now, int(m.group(1))) for m in map(STEP_EVENT.search, lines) if m]
+            self.seen += [(now, int(m.group(1))) for m in map(self.pattern.search, lines) if m]
             time.sleep(0.05)
 
     def last_step(self) -> int:

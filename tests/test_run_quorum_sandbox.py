@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from sandbox_fixtures import SandboxFactory
-from vpscluster.launch.logs import FileTail, diloco_sync_hashes
+from test_quorum_sandbox import StepWatch
+from vpscluster.launch.logs import diloco_sync_hashes
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -56,30 +57,6 @@ def sandbox():
         factory.close()
 
 
-class StepWatch:
-    """The script's step lines in node-1's log, each stamped when this test first saw it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.seen, self._stop = path, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        tail = FileTail(self.path)
-        while not self._stop.is_set():
-            lines = tail.lines()
-            now = time.monotonic()
-            self.seen += [(now, int(m.group(1))) for m in map(STEP_LINE.search, lines) if m]
-            time.sleep(0.05)
-
-    def last_step(self) -> int:
-        return self.seen[-1][1] if self.seen else 0
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
 def test_run_quorum_a_killed_node_costs_no_relaunch(sandbox, tmp_path):
     from vpscluster.cluster.sandbox import faults
 
@@ -95,7 +72,7 @@ def test_run_quorum_a_killed_node_costs_no_relaunch(sandbox, tmp_path):
         cwd=app, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
-    watch = StepWatch(run_dir / "logs" / "node-1.log")
+    watch = StepWatch(run_dir / "logs" / "node-1.log", STEP_LINE)
     node3_log = run_dir / "logs" / "node-3.log"
     try:
         deadline = time.monotonic() + 120
