@@ -142,9 +142,6 @@ def apply_default_balance(cfg, probe: dict | None, ranks: dict[str, int] | None)
                 setattr(cfg, key, scaled_steps(getattr(cfg, key), k))
         if cfg.checkpoint_every:  # a session's 0: only where the script saves
             cfg.checkpoint_every = scaled_steps(cfg.checkpoint_every, k, choice.sync_every)
-    line = balance_line(speeds, ranks, choice, session=batch is None)
-    if auto:  # the same line, and what a switch to diloco does with the split
-        line = line.replace(" (--no-balance to turn off)",
-                            "; if auto switches to diloco, the split is re-chosen from the speeds measured under ddp "
-                            "(--no-balance to turn off)")
+    then = "if auto switches to diloco, the split is re-chosen from the speeds measured under ddp" if auto else None
+    line = balance_line(speeds, ranks, choice, session=batch is None, then=then)
     return f"{line}; {moved}" if moved else line

@@ -179,12 +179,13 @@ def scaled_steps(steps: int, k: int, multiple_of: int = 1) -> int:
 
 
 def balance_line(node_speeds: dict[str, float], ranks_per_node: dict[str, int], choice: BalancedSplit | None,
-                 session: bool = False) -> str:
+                 session: bool = False, then: str | None = None) -> str:
     """The one line a balanced run starts with, e.g. "balancing: node-4 is 3.0x slower than
     node-1; micro-batches 6/6/6/2 of 20 a step (--no-balance to turn off)". `node_speeds`: per
     rank of each node; the shares are read in the same node order. `session` (`run`): the
     micro-batches are the script's batches (its `shard(batch_size=B)`), its step counts its own.
-    `choice` None: only the first part (the caller says why there is no split)."""
+    `choice` None: only the first part (the caller says why there is no split). `then`: a clause
+    said after the split (e.g. what auto's switch to diloco does with it)."""
     slow = min(node_speeds, key=lambda n: node_speeds[n])
     fast = max(node_speeds, key=lambda n: node_speeds[n])
     ratio = node_speeds[fast] / node_speeds[slow]
@@ -207,4 +208,6 @@ def balance_line(node_speeds: dict[str, float], ranks_per_node: dict[str, int], 
         how += (f"; a round is {choice.sync_every} step{'s' if choice.sync_every != 1 else ''} of "
                 f"{choice.steps_per_step}x the {'samples' if session else 'tokens'} (the same inner steps)")
         how += "" if session else f", step counts divided by {choice.steps_per_step}"
+    if then:
+        how += f"; {then}"
     return f"{head}; {how} (--no-balance to turn off)"
