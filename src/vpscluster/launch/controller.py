@@ -200,9 +200,6 @@ class TrainShipment:
             cfg.data = target
         rundir.write_config(cfg, tmp)
         await ex.put(str(tmp / rundir.CONFIG), posixpath.join(remote_run, rundir.CONFIG), timeout_s=CONNECT_TIMEOUT_S)
-        history = self.run_dir / rundir.METRICS
-        if self.resume and history.is_file():
-            await ex.put(str(history), posixpath.join(remote_run, rundir.METRICS), timeout_s=SYNC_TIMEOUT_S)
         return (["train", "--resume", remote_run, "--detach", "--json"] + (["--force"] if prepared.force else [])
                 + (["--insecure-network"] if prepared.cluster.insecure_network else []))
 
@@ -227,13 +224,9 @@ class RunShipment:
 
     async def ship(self, ex, support: str, remote_run: str, tmp: Path, say: Callable[[str], None]) -> list[str]:
         from vpscluster.launch.sync import sync_dir
-        from vpscluster.train.rundir import METRICS
 
         target = posixpath.join(support, "code", os.path.basename(self.root.rstrip("/")) or "root")
         await sync_dir(ex, self.root, target, timeout_s=SYNC_TIMEOUT_S, detect_shared=False, say=say)
-        history = self.run_dir / METRICS
-        if self.resume and history.is_file():
-            await ex.put(str(history), posixpath.join(remote_run, METRICS), timeout_s=SYNC_TIMEOUT_S)
         return self.argv(posixpath.join(support, "cluster.yaml"), target, remote_run)
 
 
@@ -244,6 +237,7 @@ async def _ship(cluster, node, shipment, say: Callable[[str], None]) -> dict[str
     from vpscluster.cluster.inventory import open_executors
     from vpscluster.launch.preflight import resolve_workdirs
     from vpscluster.launch.sync import PACKAGE_ON_NODE, package_dir, sync_dir
+    from vpscluster.train import rundir
 
     async with open_executors(cluster) as executors:
         ex = next(e for e in executors if e.node.name == node.name)
@@ -279,6 +273,9 @@ async def _ship(cluster, node, shipment, say: Callable[[str], None]) -> dict[str
 
             t = Path(tmp)
             argv = await shipment.ship(ex, support, remote_run, t, say)
+            history = shipment.run_dir / rundir.METRICS
+            if shipment.resume and history.is_file():  # a resumed run's metrics so far: its history stays whole
+                await ex.put(str(history), posixpath.join(remote_run, rundir.METRICS), timeout_s=SYNC_TIMEOUT_S)
             (t / "known_hosts").write_text(hosts)
             (t / "cluster.yaml").write_text(yaml.safe_dump(node_cluster_doc(cluster, support, silent), sort_keys=False))
             shipped = [("id_ed25519", key), ("known_hosts", t / "known_hosts"), ("cluster.yaml", t / "cluster.yaml")]
